@@ -1,0 +1,270 @@
+"""The build pipeline: recipe -> plan -> modules -> packages -> checks -> compile -> manifest -> publish.
+
+Each stage is a plain function; ``spec-convert build`` calls ``make_plan`` then ``build``.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from convert import backends, checks
+from convert.backends.base import FunctionSpec
+from convert.bundle import MANIFEST, staging
+from convert.errors import InputError
+from convert.models.qwen3 import Qwen3Args, sanitize
+from convert.progress import stage
+from convert.recipe import Recipe, check_against_model, load_recipe
+from convert.sources import (
+    Snapshot,
+    file_records,
+    license_files,
+    load_tensors,
+    resolve,
+    sha256_file,
+    tensor_shapes,
+)
+from convert.target import TargetModules, build_modules, function_specs
+from manifests import identity
+from manifests.schema import Manifest
+
+SHIP_DTYPE = torch.float16
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+COPIED_CONFIG_FILES = ("config.json", "generation_config.json")
+TOOLCHAIN_PACKAGES = ("torch", "coreai-core", "coreai-torch", "coremltools", "transformers", "safetensors", "numpy")
+
+
+@dataclass
+class Plan:
+    recipe: Recipe
+    recipe_path: Path
+    output: Path
+    snapshot: Snapshot
+    args: Qwen3Args
+    specs: list[FunctionSpec]
+    checkpoint_bytes: int
+
+    @property
+    def parameter_count(self) -> int:
+        return self.args.parameter_count
+
+    @property
+    def package_bytes(self) -> int:
+        """fp16 weights, stored once per package."""
+        return 2 * self.parameter_count
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * sum(_numel(s.shape) for s in self.specs[0].states)
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        """Estimate: the checkpoint tensors, fp16 modules, an fp32 copy during export and conversion
+        buffers of about twice the package, plus KV states and ~0.5 GB of libraries."""
+        return self.checkpoint_bytes + 2 * self.parameter_count * 5 + 2 * self.kv_bytes + 512 * 2**20
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def make_plan(recipe_path: Path, output: str | None = None) -> Plan:
+    """Validate the recipe and the checkpoint's config and headers; reads no weights."""
+    recipe = load_recipe(recipe_path)
+    snapshot = resolve(recipe.target.source, recipe_path.resolve().parent)
+    config_path = snapshot.directory / "config.json"
+    args = Qwen3Args.from_config(snapshot.config(), where=str(config_path))
+    check_against_model(recipe, args.num_hidden_layers, args.max_position_embeddings, recipe_path)
+    shapes = tensor_shapes(snapshot.directory)
+    sanitize(shapes, args)
+    if not (snapshot.directory / "tokenizer.json").is_file():
+        raise InputError(f"{snapshot.directory}: no tokenizer.json; a bundle ships its tokenizer and hashes it")
+    checkpoint_bytes = sum(p.stat().st_size for p in snapshot.directory.glob("*.safetensors"))
+    out = Path(output or recipe.output or Path("bundles") / recipe.name)
+    return Plan(recipe, recipe_path, out, snapshot, args, function_specs(args, recipe.target, SHIP_DTYPE),
+                checkpoint_bytes)
+
+
+def build(plan: Plan) -> Manifest:
+    """Build, check and publish the bundle; returns its manifest. Raises InputError / GateError."""
+    recipe, snap = plan.recipe, plan.snapshot
+    with staging(plan.output) as tmp:
+        with stage("hash source files"):
+            source_files = file_records(snap.directory)
+        with stage("load weights (safetensors, memory-mapped)"):
+            tensors = load_tensors(snap.directory)
+            modules = build_modules(plan.args, recipe.target, tensors, SHIP_DTYPE)
+            del tensors
+        packages = []
+        for name in recipe.backends:
+            backend = backends.load(name)
+            path = tmp / f"{recipe.name}{backends.SUFFIXES[name]}"
+            with stage(f"package {name}: {path.name} ({', '.join(modules.functions)})"):
+                backend.package(modules.functions, path)
+            with stage(f"check {name}: read back{' and run on the Core AI runtime' if name == 'coreai' else ''}"):
+                check = checks.check_package(name, path, modules)
+            with stage(f"compile {name}"):
+                compiled = backend.compile(path, tmp / "compiled")
+            packages.append(_package_entry(name, path, tmp, check, compiled))
+        extra_files = _copy_extras(snap.directory, tmp)
+        manifest = _manifest(plan, source_files, modules, packages, extra_files)
+        (tmp / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
+    return manifest
+
+
+def _package_entry(name: str, path: Path, bundle: Path, check: dict, compiled) -> dict:
+    backend = backends.load(name)
+    files = [
+        {"path": f"{path.name}/{r.path}", "sha256": r.sha256, "size": r.size} for r in file_records(path)
+    ]
+    return {
+        "format": name,
+        "path": path.relative_to(bundle).as_posix(),
+        "files": files,
+        "stable_hash": backend.stable_hash(path),
+        "stable_hash_scope": backend.STABLE_HASH_SCOPE,
+        "check": check,
+        "compile": [vars(c) for c in compiled],
+    }
+
+
+def _copy_extras(source: Path, bundle: Path) -> list[dict]:
+    """LICENSE / NOTICE at the top, the tokenizer under tokenizer/, config.json as shipped."""
+    copied = []
+    for path in license_files(source):
+        shutil.copy2(path, bundle / path.name)
+        copied.append(bundle / path.name)
+    (bundle / "tokenizer").mkdir()
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, bundle / "tokenizer" / name)
+            copied.append(bundle / "tokenizer" / name)
+    for name in COPIED_CONFIG_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, bundle / name)
+            copied.append(bundle / name)
+    return [
+        {"path": p.relative_to(bundle).as_posix(), "sha256": sha256_file(p), "size": p.stat().st_size}
+        for p in sorted(copied)
+    ]
+
+
+def _special_ids(source: Path, args: Qwen3Args) -> dict:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
+    config = source / "tokenizer_config.json"
+    if config.is_file():
+        tok = PreTrainedTokenizerFast.from_pretrained(str(source))
+    return {
+        "bos_id": tok.bos_token_id if tok.bos_token_id is not None else args.bos_token_id,
+        "eos_id": tok.eos_token_id if tok.eos_token_id is not None else args.eos_token_id,
+        "pad_id": tok.pad_token_id if tok.pad_token_id is not None else args.pad_token_id,
+    }
+
+
+def toolchain_versions() -> dict[str, str]:
+    versions = {"spec-convert": metadata.version("spec-convert"), "python": platform.python_version()}
+    for name in TOOLCHAIN_PACKAGES:
+        versions[name] = metadata.version(name)
+    return versions
+
+
+def _manifest(plan: Plan, source_files, modules: TargetModules, packages, extra_files) -> Manifest:
+    args, snap, core = plan.args, plan.snapshot, modules.core
+    tok_records = [r for r in source_files if r.path in TOKENIZER_FILES]
+    data = {
+        "name": plan.recipe.name,
+        "export_id": "",
+        "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "toolchain": toolchain_versions(),
+        "source": {
+            "reference": snap.reference,
+            "repo": snap.repo,
+            "revision": snap.revision,
+            "files": [vars(r) for r in source_files],
+        },
+        "architecture": {
+            "family": "qwen3",
+            "hidden_size": args.hidden_size,
+            "num_layers": args.num_hidden_layers,
+            "num_heads": args.num_attention_heads,
+            "num_kv_heads": args.num_key_value_heads,
+            "head_dim": args.head_dim,
+            "intermediate_size": args.intermediate_size,
+            "vocab_size": args.vocab_size,
+            "tie_word_embeddings": args.tie_word_embeddings,
+            "rope_type": args.rope_type,
+            "rope_theta": args.rope_theta,
+            "rms_norm_eps": args.rms_norm_eps,
+            "context": plan.recipe.target.context,
+        },
+        "taps": {"layers": list(plan.recipe.target.taps)} if plan.recipe.target.taps else None,
+        "tokenizer": {
+            **identity.tokenizer_identity(snap.directory / "tokenizer.json"),
+            **_special_ids(snap.directory, args),
+            "files": [vars(r) for r in tok_records],
+        },
+        "weights": {
+            "dtype": "float16",
+            "embedding_sha256": identity.tensor_sha256(core.embed_tokens.weight),
+            "lm_head_sha256": identity.tensor_sha256(core.lm_head.weight),
+            "lm_head_tied": args.tie_word_embeddings,
+            "parameter_count": sum(p.numel() for p in {id(p): p for p in core.parameters()}.values()),
+        },
+        "functions": [
+            {
+                "name": spec.name,
+                "inputs": [_desc(t) for t in spec.inputs],
+                "outputs": [_desc(t) for t in spec.outputs],
+                "states": [_desc(t) for t in spec.states],
+            }
+            for spec in plan.specs
+        ],
+        "packages": packages,
+        "extra_files": extra_files,
+    }
+    manifest = Manifest.model_validate(data)
+    manifest.export_id = identity.export_id(manifest.identity())
+    return manifest
+
+
+def _desc(t) -> dict:
+    return {"name": t.name, "shape": list(t.shape), "dtype": t.dtype}
+
+
+def describe_plan(plan: Plan) -> list[str]:
+    """The plan as lines: functions and shapes, parameters, package size and peak memory estimates."""
+    recipe, args = plan.recipe, plan.args
+    mib = 2**20
+
+    def tensors(ts) -> str:
+        return ", ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in ts)
+
+    lines = [
+        f"{recipe.name}: {plan.snapshot.reference} -> {plan.output}",
+        f"  qwen3: {args.num_hidden_layers} layers, hidden {args.hidden_size}, heads {args.num_attention_heads}/"
+        f"{args.num_key_value_heads} (head_dim {args.head_dim}), vocab {args.vocab_size}, "
+        f"{'tied' if args.tie_word_embeddings else 'untied'} lm_head, context {recipe.target.context}",
+        "  functions:",
+    ]
+    for spec in plan.specs:
+        lines += [f"    {spec.name}", f"      inputs:  {tensors(spec.inputs)}"]
+        lines += [f"      outputs: {tensors(spec.outputs)}"]
+    lines += [
+        f"    states (all functions): {tensors(plan.specs[0].states)}",
+        f"  parameters: {plan.parameter_count:,}",
+        f"  packages: {', '.join(recipe.backends)}; about {plan.package_bytes / mib:.1f} MiB of fp16 weights each",
+        f"  KV states: {plan.kv_bytes / mib:.1f} MiB (fp16)",
+        f"  estimated peak memory: {plan.peak_memory_bytes / mib:.0f} MiB",
+    ]
+    return lines

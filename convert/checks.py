@@ -1,0 +1,132 @@
+"""Package checks run before publishing: the package must be what the torch modules are.
+
+- Both formats: the functions read back from the saved package (names, inputs, outputs, states,
+  shapes, dtypes) equal the plan.
+- Core AI: the ``.aimodel`` runs on the Core AI runtime (Linux: its CPU reference, slow in fp16) on a
+  short greedy sequence (prefill, decode steps, a verify block after a rollback) with the state
+  carried between calls, in lockstep with the fp16 torch modules fed the same tokens. Every argmax
+  must agree, except a near tie: a position where the torch logits of the two ids differ by less
+  than ``NEAR_TIE_LOGITS``. Taps and logits, when the package returns them, must agree within
+  ``FP16_OUTPUT_BOUND`` (relative to the largest magnitude).
+- Core ML (no runtime off macOS): every 2-D weight of the modules appears bit for bit among the
+  constants of every function of the ``.mlpackage``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+from convert import backends
+from convert.backends.base import FunctionSpec, PackageError
+from convert.target import TargetModules
+
+NEAR_TIE_LOGITS = 0.05
+FP16_OUTPUT_BOUND = 2e-2
+DECODE_STEPS = 4
+
+
+def check_specs(found: dict[str, FunctionSpec], expected: list[FunctionSpec], where: str) -> None:
+    names = sorted(found)
+    if names != sorted(s.name for s in expected):
+        raise PackageError(f"{where}: functions {names}, expected {sorted(s.name for s in expected)}")
+    for spec in expected:
+        got = found[spec.name]
+        for kind in ("inputs", "outputs", "states"):
+            want = {t.name: (tuple(t.shape), t.dtype) for t in getattr(spec, kind)}
+            have = {t.name: (tuple(t.shape), t.dtype) for t in getattr(got, kind)}
+            if want != have:
+                raise PackageError(f"{where}: function {spec.name} {kind} are {have}, the plan says {want}")
+
+
+def check_package(name: str, path, modules: TargetModules) -> dict:
+    specs = [spec for _, spec in modules.functions.values()]
+    check_specs(backends.load(name).read_back(path), specs, path.name)
+    if name == "coreai":
+        return run_coreai(path, modules)
+    return coreml_constants(path, modules)
+
+
+def probe_tokens(vocab: int, count: int) -> list[int]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (count,), generator=g).tolist()
+
+
+def run_coreai(path, modules: TargetModules, prompt: list[int] | None = None) -> dict:
+    """Greedy on the runtime in lockstep with the torch modules; returns counts and worst deltas."""
+    session = backends.load("coreai").open_session(path)
+    widths = {name: spec.inputs[0].shape[1] for name, (_, spec) in modules.functions.items()}
+    vocab = modules.core.args.vocab_size
+    prompt = prompt or probe_tokens(vocab, widths["prefill"] // 2 + 3)
+    modules.reset()
+    stats = {"runtime_calls": 0, "argmax_compared": 0, "argmax_near_ties": 0, "max_output_delta": 0.0}
+
+    def call(function: str, tokens: list[int], p0: int, real: int) -> int:
+        """Run one function on both; compare the first ``real`` rows; return the runtime's last-row argmax."""
+        width = widths[function]
+        ids = np.array([tokens + [0] * (width - len(tokens))], dtype=np.int32)
+        pos = np.array([list(range(p0, p0 + width))], dtype=np.int32)
+        got = session.call(function, {"input_ids": ids, "position_ids": pos})
+        ref = modules.call(function, ids, pos)
+        stats["runtime_calls"] += 1
+        _compare(function, p0, got, ref, real, stats)
+        return int(got["argmax_ids"][0, real - 1])
+
+    nxt = call("prefill", prompt, 0, len(prompt))
+    generated = [nxt]
+    p = len(prompt)
+    for _ in range(DECODE_STEPS):
+        nxt = call("decode", [nxt], p, 1)
+        generated.append(nxt)
+        p += 1
+    rewind = p - 2  # reject the last two tokens: positional rollback, nothing copied
+    block = (generated[-3:-2] + prompt)[: widths["verify"]]
+    call("verify", block, rewind, len(block))
+    stats["greedy_ids"] = " ".join(map(str, generated))
+    return stats
+
+
+def _compare(function, p0, got, ref, real: int, stats: dict) -> None:
+    ref_ids = ref["argmax_ids"][0, :real].numpy()
+    got_ids = np.asarray(got["argmax_ids"])[0, :real]
+    stats["argmax_compared"] += real
+    if (ref_ids != got_ids).any():
+        logits = ref["logits"][0].float()
+        for row in np.nonzero(ref_ids != got_ids)[0]:
+            gap = abs(float(logits[row, ref_ids[row]] - logits[row, got_ids[row]]))
+            if gap >= NEAR_TIE_LOGITS:
+                raise PackageError(
+                    f"{function} at position {p0 + row}: the .aimodel predicts {got_ids[row]}, the torch module "
+                    f"{ref_ids[row]} (logit gap {gap:.3f} >= near-tie margin {NEAR_TIE_LOGITS})"
+                )
+            stats["argmax_near_ties"] += 1
+    for name in ("taps", "logits"):
+        if name in got and name in ref:
+            a = np.asarray(got[name], dtype=np.float32)[0, :real]
+            b = ref[name][0, :real].float().numpy()
+            delta = float(np.abs(a - b).max() / max(1.0, float(np.abs(b).max())))
+            stats["max_output_delta"] = max(stats["max_output_delta"], delta)
+            if delta > FP16_OUTPUT_BOUND:
+                raise PackageError(f"{function}: output {name} differs from the torch module by {delta:.3g} "
+                                   f"(relative), above the fp16 bound {FP16_OUTPUT_BOUND}")
+
+
+def coreml_constants(path, modules: TargetModules) -> dict:
+    """Every 2-D weight of the modules, bit for bit, in every function of the package."""
+    coreml = backends.load("coreml")
+    weights = {name: p for name, p in modules.core.named_parameters() if p.dim() == 2}
+    wanted = {_digest(p.detach().numpy()): name for name, p in weights.items()}
+    for function in modules.functions:
+        shipped = {_digest(a) for a in coreml.function_constants(path, function).values()}
+        missing = [name for digest, name in wanted.items() if digest not in shipped]
+        if missing:
+            raise PackageError(f"{path.name}: function {function}: weight {missing[0]} is not stored bit for bit "
+                               f"({len(missing)} of {len(wanted)} weights differ)")
+    return {"weights_compared": len(wanted) * len(modules.functions), "weights_bit_exact": True}
+
+
+def _digest(array: np.ndarray) -> str:
+    a = np.ascontiguousarray(array)
+    return hashlib.sha256(f"{a.dtype}:{a.shape}:".encode() + a.tobytes()).hexdigest()

@@ -1,0 +1,13 @@
+"""The two kinds of failure a user sees, with their exit codes (DESIGN.md: 1 gate failed, 2 bad input)."""
+
+
+class InputError(Exception):
+    """Bad input: the message is one line that names the file, field or tensor and what to do. Exit 2."""
+
+    exit_code = 2
+
+
+class GateError(Exception):
+    """A numeric or identity check failed; nothing is published. Exit 1."""
+
+    exit_code = 1

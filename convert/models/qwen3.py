@@ -1,0 +1,280 @@
+"""Qwen3 dense target: config args, checkpoint key mapping and the export core.
+
+The core is written for static-shape export, not for training: explicit ``input_ids`` and
+``position_ids`` (int32), KV caches passed in as state tensors [layers, kv_heads, context, head_dim]
+and written at the host's positions with ``index_copy_``, a causal mask computed in the graph from
+the positions (cache row c holds position c, so a query at position p sees rows 0..p: rows the host
+rolled back are simply never visible again and are overwritten by the next write), and RoPE read
+from cos/sin tables by position (exact in fp32, and free of the fp16 precision loss that computing
+``position * inv_freq`` in fp16 would bring).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from convert.errors import InputError
+
+ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+
+@dataclass(frozen=True)
+class Qwen3Args:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+    rope_type = "default"
+
+    @classmethod
+    def from_config(cls, config: dict, where: str = "config.json") -> Qwen3Args:
+        """Read transformers v4 (``rope_theta``) and v5 (``rope_parameters``) config styles."""
+        config = config.get("text_config", config)
+        archs = config.get("architectures") or []
+        if archs and not set(archs) & set(ARCHITECTURES):
+            raise InputError(f"{where}: architectures {archs} is not a Qwen3 dense model ({', '.join(ARCHITECTURES)})")
+        rope = config.get("rope_parameters") or {}
+        scaling = config.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type != "default":
+            raise InputError(f"{where}: rope type {rope_type!r} is not supported yet (only 'default')")
+        if config.get("use_sliding_window"):
+            raise InputError(f"{where}: use_sliding_window=true is not supported (full attention only)")
+        layer_types = config.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types):
+            kinds = sorted(set(layer_types))
+            raise InputError(f"{where}: layer_types {kinds}: only full_attention layers are supported")
+        try:
+            hidden = int(config["hidden_size"])
+            heads = int(config["num_attention_heads"])
+            eos = config.get("eos_token_id")
+            return cls(
+                hidden_size=hidden,
+                num_hidden_layers=int(config["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                intermediate_size=int(config["intermediate_size"]),
+                vocab_size=int(config["vocab_size"]),
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
+                attention_bias=bool(config.get("attention_bias", False)),
+                bos_token_id=config.get("bos_token_id"),
+                eos_token_id=eos[0] if isinstance(eos, list) else eos,
+                pad_token_id=config.get("pad_token_id"),
+            )
+        except KeyError as missing:
+            raise InputError(f"{where}: missing field {missing.args[0]!r} needed for a Qwen3 model") from None
+
+    @property
+    def parameter_count(self) -> int:
+        h, d, q, kv = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
+        attn = h * d * (2 * q + 2 * kv) + 2 * d
+        if self.attention_bias:
+            attn += d * (q + 2 * kv) + h
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_hidden_layers * layer + heads * self.vocab_size * h + h
+
+
+def expected_shapes(args: Qwen3Args) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Qwen3 checkpoint must hold, by transformers key, with its shape."""
+    h, d = args.hidden_size, args.head_dim
+    q, kv, inter = args.num_attention_heads * d, args.num_key_value_heads * d, args.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, h), "model.norm.weight": (h,)}
+    if not args.tie_word_embeddings:
+        shapes["lm_head.weight"] = (args.vocab_size, h)
+    for i in range(args.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "self_attn.q_norm.weight": (d,),
+                p + "self_attn.k_norm.weight": (d,),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
+        if args.attention_bias:
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (q,),
+                    p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,),
+                    p + "self_attn.o_proj.bias": (h,),
+                }
+            )
+    return shapes
+
+
+def sanitize(shapes_in_checkpoint: dict[str, tuple[int, ...]], args: Qwen3Args) -> None:
+    """Refuse a checkpoint whose keys or shapes are not exactly a Qwen3 model's, naming the tensor.
+
+    A tied checkpoint may still carry ``lm_head.weight`` (some writers save it); it is ignored then.
+    """
+    expected = expected_shapes(args)
+    present = dict(shapes_in_checkpoint)
+    if args.tie_word_embeddings:
+        present.pop("lm_head.weight", None)
+    for key, shape in expected.items():
+        if key not in present:
+            raise InputError(f"checkpoint: tensor {key!r} is missing (expected shape {list(shape)})")
+        if tuple(present[key]) != shape:
+            raise InputError(f"checkpoint: tensor {key!r} has shape {list(present[key])}, expected {list(shape)}")
+    unknown = sorted(set(present) - set(expected))
+    if unknown:
+        more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
+        raise InputError(f"checkpoint: unexpected tensor {unknown[0]!r}{more} for a Qwen3 dense model")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: Qwen3Args):
+        super().__init__()
+        h, d = args.hidden_size, args.head_dim
+        self.heads, self.kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, d
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(h, self.heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, args.rms_norm_eps)
+        self.k_norm = RMSNorm(d, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, positions, mask_bias, key_cache, value_cache):
+        s = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(s, self.heads, self.head_dim)).transpose(0, 1)
+        k = self.k_norm(self.k_proj(x).view(s, self.kv_heads, self.head_dim)).transpose(0, 1)
+        v = self.v_proj(x).view(s, self.kv_heads, self.head_dim).transpose(0, 1)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        key_cache.index_copy_(1, positions, k.to(key_cache.dtype))
+        value_cache.index_copy_(1, positions, v.to(value_cache.dtype))
+        keys, values = key_cache.to(x.dtype), value_cache.to(x.dtype)
+        group = self.heads // self.kv_heads
+        q = q.reshape(self.kv_heads, group * s, self.head_dim)  # GQA: a KV head serves `group` query heads
+        scores = q @ keys.transpose(1, 2) * self.head_dim**-0.5
+        scores = scores.view(self.kv_heads, group, s, -1) + mask_bias
+        probs = torch.softmax(scores.float(), dim=-1).to(x.dtype).view(self.kv_heads, group * s, -1)
+        out = (probs @ values).view(self.heads, s, self.head_dim).transpose(0, 1).reshape(s, -1)
+        return self.o_proj(out)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in transformers' rotate-half layout; cos/sin are [S, head_dim/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: Qwen3Args):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: Qwen3Args):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, positions, mask_bias, key_cache, value_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask_bias, key_cache, value_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Core(nn.Module):
+    """The shared computation behind every target function.
+
+    ``forward`` returns every output a function may expose: ``argmax_ids`` [1,S] int32, ``logits``
+    [1,S,V] and, when taps are set, ``taps`` [1,S,len(taps)*hidden] (output of layer i, 0-based, in
+    the given order). Each FunctionModule picks the outputs its spec names.
+    """
+
+    def __init__(self, args: Qwen3Args, context: int, taps: tuple[int, ...] = ()):
+        super().__init__()
+        self.args, self.context, self.taps = args, context, tuple(taps)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        exponents = torch.arange(0, args.head_dim, 2, dtype=torch.int64).float() / args.head_dim
+        inv_freq = 1.0 / (args.rope_theta**exponents)
+        angles = torch.arange(context, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        self.register_buffer("rope_cos", angles.cos(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        self.register_buffer("cache_rows", torch.arange(context, dtype=torch.int32), persistent=False)
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Fill from transformers keys (already checked by ``sanitize``)."""
+        own = {"model." + k if not k.startswith("lm_head") else k: v for k, v in self.state_dict().items()}
+        with torch.no_grad():
+            for key, param in own.items():
+                if key == "lm_head.weight" and self.args.tie_word_embeddings:
+                    continue
+                param.copy_(tensors[key].to(param.dtype))
+
+    def forward(self, input_ids, position_ids, key_cache, value_cache):
+        dtype = self.embed_tokens.weight.dtype
+        positions = position_ids[0].long()
+        x = self.embed_tokens(input_ids[0].long())  # [S, H]
+        cos, sin = self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
+        visible = self.cache_rows[None, :] <= position_ids[0][:, None]  # [S, context]
+        mask_bias = torch.where(visible, 0.0, -1e4).to(dtype)
+        tapped = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, positions, mask_bias, key_cache[i], value_cache[i])
+            if i in self.taps:
+                tapped.append((self.taps.index(i), x))
+        logits = self.lm_head(self.norm(x))[None]
+        out = {"argmax_ids": logits.argmax(-1).to(torch.int32), "logits": logits}
+        if self.taps:
+            out["taps"] = torch.cat([t for _, t in sorted(tapped, key=lambda p: p[0])], dim=-1)[None]
+        return out
+
+    def cache_shape(self) -> tuple[int, int, int, int]:
+        a = self.args
+        return (a.num_hidden_layers, a.num_key_value_heads, self.context, a.head_dim)

@@ -1,0 +1,105 @@
+"""Recipes: the YAML a release engineer writes, validated into typed models.
+
+Unknown keys, wrong types and impossible values are refused with one line that names the recipe
+file and the field. Checks that need the checkpoint's config (taps within the layer count, context
+within the model's positions) live in ``check_against_model``, run before any weight is read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from convert.errors import InputError
+
+Backend = Literal["coreai", "coreml"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Graphs(Strict):
+    """Static widths (tokens per call) of the target functions."""
+
+    prefill: int = Field(64, gt=0, description="tokens per prefill call")
+    decode: Literal[1] = Field(1, description="tokens per decode call (always 1)")
+    verify: int = Field(8, gt=0, description="tokens per verify call: the draft width")
+
+
+class Target(Strict):
+    source: str = Field(description="path:DIR (relative to the recipe) or hf://org/name@revision")
+    graphs: Graphs = Graphs()
+    context: int = Field(512, gt=0, description="KV cache capacity in tokens")
+    taps: list[int] | None = Field(None, description="layers whose outputs are returned, in this order (0-based)")
+    logits: bool = Field(False, description="also return full [1,S,vocab] logits from every function")
+
+    @field_validator("taps")
+    @classmethod
+    def _taps_distinct(cls, taps: list[int] | None) -> list[int] | None:
+        if taps is not None:
+            if any(t < 0 for t in taps):
+                raise ValueError(f"layer indices are 0-based and >= 0 (got {taps})")
+            if len(set(taps)) != len(taps):
+                raise ValueError(f"duplicated layer index (got {taps})")
+        return taps
+
+    @model_validator(mode="after")
+    def _context_holds_widths(self) -> Target:
+        widest = max(self.graphs.prefill, self.graphs.verify)
+        if self.context < widest:
+            raise ValueError(f"context {self.context} is smaller than the widest function ({widest} tokens)")
+        return self
+
+
+class Recipe(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="bundle and package file stem")
+    target: Target
+    backends: list[Backend] = Field(default_factory=lambda: ["coreai", "coreml"], min_length=1)
+    output: str | None = Field(None, description="bundle directory, relative to the current directory")
+
+    @field_validator("backends")
+    @classmethod
+    def _backends_distinct(cls, backends: list[str]) -> list[str]:
+        if len(set(backends)) != len(backends):
+            raise ValueError(f"duplicated backend (got {backends})")
+        return backends
+
+
+def load_recipe(path: Path) -> Recipe:
+    if not path.is_file():
+        raise InputError(f"{path}: recipe file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise InputError(f"{path}: malformed YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: a recipe is a YAML mapping with 'name' and 'target'")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "recipe"
+        message = {"extra_forbidden": "unknown field", "missing": "required field is missing"}.get(err["type"])
+        if message is None:
+            message = err["msg"].removeprefix("Value error, ")
+            if "input" in err and not isinstance(err["input"], dict):
+                message += f" (got {err['input']!r})"
+        raise InputError(f"{path}: {field}: {message}") from None
+
+
+def check_against_model(recipe: Recipe, num_layers: int, max_positions: int, where: Path) -> None:
+    taps = recipe.target.taps or []
+    bad = [t for t in taps if t >= num_layers]
+    if bad:
+        raise InputError(f"{where}: target.taps: layer {bad[0]} is out of range (the model has {num_layers} layers)")
+    if recipe.target.context > max_positions:
+        raise InputError(
+            f"{where}: target.context: {recipe.target.context} exceeds the model's max_position_embeddings "
+            f"({max_positions})"
+        )

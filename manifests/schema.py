@@ -1,0 +1,145 @@
+"""The bundle manifest: one pydantic model, the single definition of every field a runtime reads.
+
+``manifest.schema.json`` beside this file is generated from these models (``python -m
+manifests.schema`` rewrites it; a test fails when it is stale). Only ``built_at`` holds wall-clock
+time: two builds of the same recipe and inputs give manifests equal in every other field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = "1"
+SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
+TAP_CONVENTION = (
+    "output of decoder layer i, 0-based, before the final norm "
+    "(= transformers hidden_states[i+1] for i < num_layers-1; hidden_states[num_layers] is after the final norm)"
+)
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FileEntry(Model):
+    path: str
+    sha256: str
+    size: int
+
+
+class Source(Model):
+    reference: str = Field(description="the recipe's source string")
+    repo: str | None = None
+    revision: str | None = None
+    files: list[FileEntry]
+
+
+class Architecture(Model):
+    family: Literal["qwen3"]
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    rope_type: str
+    rope_theta: float
+    rms_norm_eps: float
+    context: int = Field(description="KV cache capacity of the exported functions")
+
+
+class Taps(Model):
+    layers: list[int]
+    convention: str = TAP_CONVENTION
+
+
+class Tokenizer(Model):
+    tokenizer_json_sha256: str = Field(description="sha256 of tokenizer.json re-serialised canonically")
+    probe_ids_sha256: str = Field(description="sha256 of the int32 ids the fixed probe text encodes to")
+    probe_text_sha256: str
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+    files: list[FileEntry]
+
+
+class Weights(Model):
+    dtype: str
+    embedding_sha256: str = Field(description="sha256 of the embedding table exactly as shipped")
+    lm_head_sha256: str = Field(description="sha256 of the lm_head exactly as shipped (the shared tensor if tied)")
+    lm_head_tied: bool
+    parameter_count: int
+
+
+class TensorDesc(Model):
+    name: str
+    shape: list[int]
+    dtype: str
+
+
+class Function(Model):
+    name: str
+    inputs: list[TensorDesc]
+    outputs: list[TensorDesc]
+    states: list[TensorDesc]
+
+
+class CompileStep(Model):
+    kind: str
+    status: Literal["done", "deferred", "failed"]
+    reason: str = ""
+    outputs: list[str] = []
+
+
+class Package(Model):
+    format: Literal["coreai", "coreml"]
+    path: str
+    files: list[FileEntry]
+    stable_hash: str = Field(description="sha256 over what is reproducible in the package (see stable_hash_scope)")
+    stable_hash_scope: str
+    check: dict[str, float | int | str | bool] = Field(default_factory=dict, description="read-back / run results")
+    compile: list[CompileStep] = []
+
+
+class Manifest(Model):
+    schema_version: Literal["1"] = SCHEMA_VERSION
+    kind: Literal["target"] = "target"
+    name: str
+    export_id: str = Field(description="sha256 of the identity fields (all but built_at, toolchain, compile)")
+    built_at: str
+    toolchain: dict[str, str]
+    source: Source
+    architecture: Architecture
+    taps: Taps | None
+    tokenizer: Tokenizer
+    weights: Weights
+    functions: list[Function]
+    packages: list[Package]
+    extra_files: list[FileEntry] = Field(description="LICENSE / NOTICE / tokenizer / config copied into the bundle")
+
+    def identity(self) -> dict:
+        """The fields the export id covers: everything but time, toolchain and later compile status."""
+        data = self.model_dump(mode="json", exclude={"export_id", "built_at", "toolchain"})
+        for package in data["packages"]:
+            package.pop("compile")
+        return data
+
+
+def json_schema() -> dict:
+    return Manifest.model_json_schema()
+
+
+def write_schema(path: Path = SCHEMA_PATH) -> None:
+    path.write_text(json.dumps(json_schema(), indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    write_schema()
+    print(f"wrote {SCHEMA_PATH}")
