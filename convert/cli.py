@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -39,6 +40,8 @@ def user_errors(func):
 @click.version_option(package_name="spec-convert")
 def main() -> None:
     """Convert speculative-decoding checkpoints into gated Core AI and Core ML bundles."""
+    # coremltools draws a tqdm bar per conversion pass; the stage log says what runs and for how long
+    os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 @main.command()

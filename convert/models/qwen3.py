@@ -2,7 +2,8 @@
 
 The core is written for static-shape export, not for training: explicit ``input_ids`` and
 ``position_ids`` (int32), KV caches passed in as state tensors [layers, kv_heads, context, head_dim]
-and written at the host's positions with ``index_copy_``, a causal mask computed in the graph from
+and written at the host's positions with ``index_put_`` (an index tensor for every cache dimension:
+the one scatter form that both coremltools and torch.export + coreai-torch convert), a causal mask computed in the graph from
 the positions (cache row c holds position c, so a query at position p sees rows 0..p: rows the host
 rolled back are simply never visible again and are overwritten by the next write), and RoPE read
 from cos/sin tables by position (exact in fp32, and free of the fp16 precision loss that computing
@@ -163,8 +164,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: Qwen3Args):
+    def __init__(self, args: Qwen3Args, layer_index: int):
         super().__init__()
+        self.layer_index = layer_index
         h, d = args.hidden_size, args.head_dim
         self.heads, self.kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, d
         bias = args.attention_bias
@@ -175,28 +177,33 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, args.rms_norm_eps)
         self.k_norm = RMSNorm(d, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, positions, mask_bias, key_cache, value_cache):
-        s = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(s, self.heads, self.head_dim)).transpose(0, 1)
-        k = self.k_norm(self.k_proj(x).view(s, self.kv_heads, self.head_dim)).transpose(0, 1)
-        v = self.v_proj(x).view(s, self.kv_heads, self.head_dim).transpose(0, 1)
+    def forward(self, x, cos, sin, heads_rows, mask_bias, key_cache, value_cache):
+        """``heads_rows`` = (kv head, cache row) index tensors [Hkv, S] addressing this call's cache rows.
+
+        No Python int is read from a tensor shape (``-1`` in views instead): coremltools rejects the
+        ``aten::Int`` nodes that tracing makes of them.
+        """
+        q = self.q_norm(self.q_proj(x).view(-1, self.heads, self.head_dim)).transpose(0, 1)
+        k = self.k_norm(self.k_proj(x).view(-1, self.kv_heads, self.head_dim)).transpose(0, 1)
+        v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim).transpose(0, 1)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        key_cache.index_copy_(1, positions, k.to(key_cache.dtype))
-        value_cache.index_copy_(1, positions, v.to(value_cache.dtype))
-        keys, values = key_cache.to(x.dtype), value_cache.to(x.dtype)
+        heads, rows = heads_rows
+        write_index = (torch.full_like(rows, self.layer_index), heads, rows)
+        key_cache.index_put_(write_index, k.to(key_cache.dtype))
+        value_cache.index_put_(write_index, v.to(value_cache.dtype))
+        keys = key_cache[self.layer_index].to(x.dtype)
+        values = value_cache[self.layer_index].to(x.dtype)
         group = self.heads // self.kv_heads
-        q = q.reshape(self.kv_heads, group * s, self.head_dim)  # GQA: a KV head serves `group` query heads
-        scores = q @ keys.transpose(1, 2) * self.head_dim**-0.5
-        scores = scores.view(self.kv_heads, group, s, -1) + mask_bias
-        probs = torch.softmax(scores.float(), dim=-1).to(x.dtype).view(self.kv_heads, group * s, -1)
-        out = (probs @ values).view(self.heads, s, self.head_dim).transpose(0, 1).reshape(s, -1)
+        q = q.reshape(self.kv_heads, -1, self.head_dim)  # GQA: a KV head serves `group` query heads
+        scores = q @ keys.transpose(1, 2) * self.head_dim**-0.5 + mask_bias.repeat(group, 1)
+        probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
+        out = (probs @ values).view(self.heads, -1, self.head_dim).transpose(0, 1).reshape(-1, self.heads * self.head_dim)
         return self.o_proj(out)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in transformers' rotate-half layout; cos/sin are [S, head_dim/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
+    x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
@@ -212,15 +219,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: Qwen3Args):
+    def __init__(self, args: Qwen3Args, layer_index: int):
         super().__init__()
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, layer_index)
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, positions, mask_bias, key_cache, value_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask_bias, key_cache, value_cache)
+    def forward(self, x, cos, sin, heads_rows, mask_bias, key_cache, value_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, heads_rows, mask_bias, key_cache, value_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -236,7 +243,7 @@ class Qwen3Core(nn.Module):
         super().__init__()
         self.args, self.context, self.taps = args, context, tuple(taps)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
@@ -247,6 +254,8 @@ class Qwen3Core(nn.Module):
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
         self.register_buffer("cache_rows", torch.arange(context, dtype=torch.int32), persistent=False)
+        # constants rather than torch.arange in forward: coremltools warns on every int64 arange it meets
+        self.register_buffer("kv_head_index", torch.arange(args.num_key_value_heads)[:, None], persistent=False)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Fill from transformers keys (already checked by ``sanitize``)."""
@@ -264,9 +273,11 @@ class Qwen3Core(nn.Module):
         cos, sin = self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
         visible = self.cache_rows[None, :] <= position_ids[0][:, None]  # [S, context]
         mask_bias = torch.where(visible, 0.0, -1e4).to(dtype)
+        rows = positions[None, :].expand(self.args.num_key_value_heads, -1)  # [Hkv, S]
+        heads_rows = (self.kv_head_index.expand_as(rows), rows)
         tapped = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, positions, mask_bias, key_cache[i], value_cache[i])
+            x = layer(x, cos, sin, heads_rows, mask_bias, key_cache, value_cache)
             if i in self.taps:
                 tapped.append((self.taps.index(i), x))
         logits = self.lm_head(self.norm(x))[None]

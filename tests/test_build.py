@@ -1,0 +1,166 @@
+"""End-to-end builds of a seeded tiny Qwen3: bundle contents, weight sharing, reproducibility, identity, atomicity."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from convert.cli import main
+from manifests.identity import tensor_sha256
+from manifests.schema import SCHEMA_PATH, json_schema
+
+RECIPE = """\
+name: tiny
+target:
+  source: path:{source}
+  graphs: {{prefill: 16, decode: 1, verify: 8}}
+  context: 64
+  taps: [2, 0]
+"""
+
+pytestmark = pytest.mark.slow
+
+
+def build(tmp: Path, source: Path, out: str, extra: str = "") -> tuple[int, str]:
+    recipe = tmp / f"{out}.yaml"
+    recipe.write_text(RECIPE.format(source=source) + extra)
+    result = CliRunner().invoke(main, ["build", str(recipe), "--output", str(tmp / out)])
+    return result.exit_code, result.output
+
+
+def manifest(bundle: Path) -> dict:
+    return json.loads((bundle / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_checkpoint):
+    tmp = tmp_path_factory.mktemp("builds")
+    code, output = build(tmp, tiny_checkpoint, "a")
+    assert code == 0, output
+    return tmp, tmp / "a"
+
+
+def test_bundle_contents(built):
+    _, bundle = built
+    m = manifest(bundle)
+    jsonschema.validate(m, json_schema())
+    assert (bundle / "LICENSE").read_text() == "Apache-2.0 test license\n"
+    assert (bundle / "tokenizer" / "tokenizer.json").is_file()
+    assert [f["name"] for f in m["functions"]] == ["prefill", "decode", "verify"]
+    assert {p["format"]: p["path"] for p in m["packages"]} == {"coreai": "tiny.aimodel", "coreml": "tiny.mlpackage"}
+    verify = next(f for f in m["functions"] if f["name"] == "verify")
+    assert verify["outputs"] == [
+        {"name": "argmax_ids", "shape": [1, 8], "dtype": "int32"},
+        {"name": "taps", "shape": [1, 8, 128], "dtype": "float16"},
+    ]
+    assert m["taps"]["layers"] == [2, 0] and "hidden_states[i+1]" in m["taps"]["convention"]
+    assert m["tokenizer"]["bos_id"] == 0 and m["tokenizer"]["eos_id"] == 1 and m["tokenizer"]["pad_id"] == 2
+    coreai = next(p for p in m["packages"] if p["format"] == "coreai")
+    assert coreai["check"]["argmax_compared"] >= 16 and coreai["check"]["max_output_delta"] < 2e-2
+    coreml = next(p for p in m["packages"] if p["format"] == "coreml")
+    assert coreml["check"]["weights_bit_exact"] is True
+    assert {c["kind"]: c["status"] for c in coreml["compile"]} == {"coremlcompiler": "deferred"}
+
+
+def test_weights_stored_once(built):
+    _, bundle = built
+    weight_bytes = 2 * manifest(bundle)["weights"]["parameter_count"]
+    mlirb = (bundle / "tiny.aimodel" / "main.mlirb").stat().st_size
+    weight_bin = (bundle / "tiny.mlpackage" / "Data" / "com.apple.CoreML" / "weights" / "weight.bin").stat().st_size
+    assert mlirb < 1.2 * weight_bytes, (mlirb, weight_bytes)
+    assert weight_bin < 1.2 * weight_bytes, (weight_bin, weight_bytes)
+
+
+def test_schema_file_is_current():
+    assert json.loads(SCHEMA_PATH.read_text()) == json_schema(), "run `python -m manifests.schema`"
+
+
+def test_rebuild_is_identical(built, tiny_checkpoint):
+    tmp, first = built
+    code, output = build(tmp, tiny_checkpoint, "b")
+    assert code == 0, output
+    a, b = manifest(first), manifest(tmp / "b")
+    assert a["built_at"] and b["built_at"]
+    a.pop("built_at"), b.pop("built_at")
+    assert a == b
+    for package in a["packages"]:
+        for f in package["files"]:
+            assert (first / f["path"]).read_bytes() == (tmp / "b" / f["path"]).read_bytes(), f["path"]
+
+
+def _leaves(data, prefix="") -> dict:
+    if isinstance(data, dict):
+        return {k: v for key, val in data.items() for k, v in _leaves(val, f"{prefix}{key}.").items()}
+    if isinstance(data, list):
+        return {k: v for i, val in enumerate(data) for k, v in _leaves(val, f"{prefix}{i}.").items()}
+    return {prefix.rstrip("."): data}
+
+
+def test_lm_head_hash_tracks_one_value(built, tiny_checkpoint):
+    tmp, first = built
+    source = tmp / "ckpt-edited"
+    shutil.copytree(tiny_checkpoint, source)
+    tensors = load_file(source / "model.safetensors")
+    tensors["lm_head.weight"][7, 3] += 0.5
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    code, output = build(tmp, source, "c")
+    assert code == 0, output
+    a, c = _leaves(manifest(first)), _leaves(manifest(tmp / "c"))
+    changed = {k for k in a if a[k] != c.get(k)} - {"built_at", "source.reference"}
+    model_file = next(i for i, f in enumerate(manifest(first)["source"]["files"]) if f["path"] == "model.safetensors")
+    assert "weights.lm_head_sha256" in changed and "export_id" in changed
+    assert f"source.files.{model_file}.sha256" in changed
+    allowed_prefixes = ("packages.",)  # package bytes, their hashes and the run check of the changed head
+    unexpected = {k for k in changed if not k.startswith(allowed_prefixes)} - {
+        "weights.lm_head_sha256", "export_id", f"source.files.{model_file}.sha256"}
+    assert unexpected == set()
+    assert a["weights.embedding_sha256"] == c["weights.embedding_sha256"]
+    assert {k for k in changed if k.endswith("stable_hash")} == {"packages.0.stable_hash", "packages.1.stable_hash"}
+
+
+def test_failed_build_keeps_the_good_bundle(built, tiny_checkpoint, monkeypatch):
+    tmp, _ = built
+    code, output = build(tmp, tiny_checkpoint, "d", "backends: [coreml]\n")
+    assert code == 0, output
+    before = (tmp / "d" / "manifest.json").read_bytes()
+
+    from convert import checks
+    from convert.backends.base import PackageError
+
+    def broken(*args, **kwargs):
+        raise PackageError("tiny.mlpackage: function decode: weight x is not stored bit for bit")
+
+    monkeypatch.setattr(checks, "check_package", broken)
+    code, output = build(tmp, tiny_checkpoint, "d", "backends: [coreml]\n")
+    assert code == 1 and "not stored bit for bit" in output
+    assert (tmp / "d" / "manifest.json").read_bytes() == before
+    assert not [p for p in tmp.iterdir() if p.name.startswith(".d.")]
+
+
+def test_inspect_and_compile(built):
+    _, bundle = built
+    result = CliRunner().invoke(main, ["inspect", str(bundle)])
+    assert result.exit_code == 0, result.output
+    assert "tiny" in result.output and "verify" in result.output
+    export_id = manifest(bundle)["export_id"]
+    result = CliRunner().invoke(main, ["compile", str(bundle)])
+    assert result.exit_code == 0, result.output
+    assert "deferred" in result.output
+    assert manifest(bundle)["export_id"] == export_id
+
+
+def test_tied_head_hashes_the_shared_tensor(tmp_path):
+    from checkpoints import write_checkpoint
+
+    write_checkpoint(tmp_path / "tied", tie_word_embeddings=True)
+    code, output = build(tmp_path, tmp_path / "tied", "t", "backends: [coreml]\n")
+    assert code == 0, output
+    w = manifest(tmp_path / "t")["weights"]
+    assert w["lm_head_tied"] is True and w["lm_head_sha256"] == w["embedding_sha256"]
+    shipped = load_file(tmp_path / "tied" / "model.safetensors")["model.embed_tokens.weight"].to(torch.float16)
+    assert w["embedding_sha256"] == tensor_sha256(shipped)
