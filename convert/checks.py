@@ -43,9 +43,11 @@ def check_specs(found: dict[str, FunctionSpec], expected: list[FunctionSpec], wh
 
 def check_package(name: str, path, modules: TargetModules) -> dict:
     specs = [spec for _, spec in modules.functions.values()]
-    check_specs(backends.load(name).read_back(path), specs, path.name)
     if name == "coreai":
-        return run_coreai(path, modules)
+        with backends.load("coreai").open_session(path) as session:  # one ODIX lowering for both checks
+            check_specs(session.specs(), specs, path.name)
+            return run_coreai(session, modules)
+    check_specs(backends.load(name).read_back(path), specs, path.name)
     return coreml_constants(path, modules)
 
 
@@ -54,9 +56,8 @@ def probe_tokens(vocab: int, count: int) -> list[int]:
     return torch.randint(0, vocab, (count,), generator=g).tolist()
 
 
-def run_coreai(path, modules: TargetModules, prompt: list[int] | None = None) -> dict:
+def run_coreai(session, modules: TargetModules, prompt: list[int] | None = None) -> dict:
     """Greedy on the runtime in lockstep with the torch modules; returns counts and worst deltas."""
-    session = backends.load("coreai").open_session(path)
     widths = {name: spec.inputs[0].shape[1] for name, (_, spec) in modules.functions.items()}
     vocab = modules.core.args.vocab_size
     prompt = prompt or probe_tokens(vocab, widths["prefill"] // 2 + 3)

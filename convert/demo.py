@@ -19,12 +19,12 @@ from convert.build import SHIP_DTYPE, build, make_plan
 from convert.sources import load_tensors
 from convert.target import build_modules
 
-PROMPT = "def fibonacci(n):\n"
-NEW_TOKENS = 12
+PROMPT = "class Stack:\n    def push(self, item):"
+NEW_TOKENS = 16
 
 
 def run_demo(recipe: Path, output: str) -> None:
-    out = Console(highlight=False)
+    out = Console(highlight=False, soft_wrap=True)
     start = time.perf_counter()
     plan = make_plan(recipe, output)
     manifest = build(plan)
@@ -39,7 +39,7 @@ def run_demo(recipe: Path, output: str) -> None:
 
     source = plan.snapshot.directory
     tokenizer = AutoTokenizer.from_pretrained(str(source))
-    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+    prompt = tokenizer.encode(PROMPT)  # with <|bos|>, as the fixture was trained
     reference = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
     rows = {"transformers fp32": greedy_reference(reference, prompt)}
     modules = build_modules(plan.args, plan.recipe.target, load_tensors(source), SHIP_DTYPE)

@@ -34,7 +34,7 @@ def write_tokenizer(directory: Path, vocab_size: int = 300) -> None:
 
 def tiny_config(**overrides) -> Qwen3Config:
     base = dict(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=24, max_position_embeddings=512, tie_word_embeddings=False,
         bos_token_id=0, eos_token_id=1, pad_token_id=2,
     )

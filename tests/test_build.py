@@ -21,6 +21,7 @@ target:
   graphs: {{prefill: 16, decode: 1, verify: 8}}
   context: 64
   taps: [2, 0]
+  logits: true
 """
 
 pytestmark = pytest.mark.slow
@@ -57,6 +58,7 @@ def test_bundle_contents(built):
     assert verify["outputs"] == [
         {"name": "argmax_ids", "shape": [1, 8], "dtype": "int32"},
         {"name": "taps", "shape": [1, 8, 128], "dtype": "float16"},
+        {"name": "logits", "shape": [1, 8, 4096], "dtype": "float16"},
     ]
     assert m["taps"]["layers"] == [2, 0] and "hidden_states[i+1]" in m["taps"]["convention"]
     assert m["tokenizer"]["bos_id"] == 0 and m["tokenizer"]["eos_id"] == 1 and m["tokenizer"]["pad_id"] == 2

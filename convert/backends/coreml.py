@@ -107,6 +107,7 @@ def convert_function(name: str, module: nn.Module, spec: FunctionSpec) -> ct.mod
     try:
         # check_trace would rerun forward and compare; the state writes make that comparison meaningless.
         traced = torch.jit.trace(_tracing_copy(module, spec), example, check_trace=False)
+        _reset_name_counters()
         return ct.convert(
             traced,
             convert_to="mlprogram",
@@ -125,6 +126,18 @@ def convert_function(name: str, module: nn.Module, spec: FunctionSpec) -> ct.mod
             f"Core ML conversion of function {name!r} failed ({error}); check that the module traces with "
             "torch.jit.trace and writes its KV states with a full-index index_put_ (see convert/backends/coreml.py)"
         ) from error
+
+
+def _reset_name_counters() -> None:
+    """coremltools names new ops and blocks from process-wide counters (``coreml_update_state_26`` in a
+    second build where the first had ``_2``); start each conversion from zero so bytes do not depend on
+    what the process converted before."""
+    from coremltools.converters.mil.mil import Builder
+    from coremltools.converters.mil.mil.block import Block
+    from coremltools.converters.mil.mil.program import Placeholder, StateTensorPlaceholder
+
+    Builder.name_count.clear()
+    Block.counter = Placeholder.counter = StateTensorPlaceholder.counter = 0
 
 
 def _check_spec(name: str, module: nn.Module, spec: FunctionSpec) -> None:

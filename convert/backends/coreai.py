@@ -1,0 +1,483 @@
+"""Core AI backend: write one ``.aimodel`` holding every function, run it, read it back, compile it.
+
+``package`` exports each function module with ``torch.export``, stages all of them in one
+``coreai_torch.TorchConverter`` (so the weights they share are stored once) and saves the asset. The KV
+buffers the modules mutate in place become Core AI states named as in ``FunctionSpec.states``.
+
+Reproducibility (coreai-core 1.0.0b3, coreai-torch 0.4.3): two conversions of the same modules in two
+processes differ in exactly two places, both fixed here, so rebuilds are byte-identical:
+
+* ``metadata.json``: ``save_asset`` stamps ``creationDate`` with ``time.time()``, rewritten here to
+  ``SOURCE_DATE_EPOCH`` when set, else the Unix epoch (``19700101T000000Z``); and its keys come out in a
+  per-process order (a Swift dictionary), so they are rewritten sorted.
+* ``main.mlirb``: the names of the weight blobs, ``resource_<uint64>`` (one per distinct weight), in the
+  bytecode's string section, the last section but one: the differing bytes near the end of the file, plus
+  that section's length varint and the string sizes at its start. The converter names
+  each ``dense_resource`` blob by an LLVM hash of its payload whose seed is per process (an ASLR address:
+  two builds in one process, or under ``setarch -R``, are identical) and the bytecode keeps the name, so
+  the program and weights are equal but the names are not. No option of the converter or serializer sets
+  the seed, so ``_canonicalize_resource_names`` renames the blobs ``resource_0``, ``resource_1`` ... in
+  their (deterministic) order of use, rewrites the string section and ``main.hash``.
+  ``TorchConverter.Mode.RELEASE`` is used: DEBUG mode embeds torch stack traces, i.e. checkout paths.
+
+Measured on the toy of ``tests/toymodel.py`` (2 CPU cores, Linux reference runtime): prefill S=8, three
+decodes, verify S=4 at positions 11..14, then a rollback verify at 9..12 on the same states, against the
+torch modules carrying their own KV buffers. Argmax ids were identical in every call.
+
+* fp32: max |delta logits| 2.9e-6 (logits up to ~11), final KV states within 5.4e-7; runtime 0.5-0.6 ms
+  per call (torch 0.12 ms).
+* fp16: max |delta logits| 0.039, about 5 fp16 ulps at that scale; runtime 0.9 ms (decode) to 3.9 ms
+  (prefill) per call. fp16 is emulated on Linux: at real sizes it is ~400x slower than fp32.
+* Size: main.mlirb 66,531 bytes for 41,088 bytes of weights in fp32 (46,243 for 20,608 in fp16): three
+  functions cost ~25 KB of program and the weights once. With a 4096-row embedding, 582,627 bytes for
+  557,184 bytes of weights (1.05x).
+
+The ODIX lowering that ``compile`` writes (and that the Linux runtime executes) is not reproducible: two
+lowerings of the same main.mlirb, even in one process, give the same bytes in a different order (~500 bytes
+of one table). It is a derived artifact; the ``.aimodel`` is what ``stable_hash`` covers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import AsyncExitStack, contextmanager
+from pathlib import Path
+
+import coreai_torch
+import numpy as np
+import torch
+from coreai.authoring import AIModelAsset
+from coreai.runtime import NDArray
+from torch import nn
+
+from convert.backends.base import CompileRecord, FunctionSpec, PackageError, TensorSpec
+
+TORCH_DTYPES = {"int32": torch.int32, "float16": torch.float16, "float32": torch.float32}
+STABLE_HASH_SCOPE = "every file of the .aimodel, byte for byte (weight blob names and creationDate made stable)"
+WEIGHT_SHARING_BOUND = 1.2  # stored blob bytes / one function's weight bytes
+DEVICE_PLATFORMS = ("iOS", "macOS")
+DEVICE_DEFERRED = "device AOT compile needs macOS with Xcode's coreai-build; run `spec-convert compile BUNDLE` on a Mac"
+
+
+def package(functions: dict[str, tuple[nn.Module, FunctionSpec]], path: Path) -> None:
+    """Convert every function into one asset at ``path`` (replaced if present), reproducibly."""
+    if path.suffix != ".aimodel":
+        raise PackageError(f"a Core AI asset path must end in .aimodel, got {path}")
+    converter = coreai_torch.TorchConverter(mode=coreai_torch.TorchConverter.Mode.RELEASE)
+    for name, (module, spec) in functions.items():
+        if spec.name != name:
+            raise PackageError(f"function {name!r} carries a FunctionSpec named {spec.name!r}; use one name")
+        program = _export(module, spec)
+        converter.add_exported_program(
+            program,
+            input_names=[t.name for t in spec.inputs],
+            output_names=[t.name for t in spec.outputs],
+            state_names=_state_order(program, spec),
+            entrypoint_name=name,
+        )
+    try:
+        program = converter.to_coreai()
+    except Exception as error:
+        raise PackageError(f"Core AI conversion of functions {list(functions)} failed: {error}") from error
+    program.save_asset(path)
+    _canonicalize_resource_names(path / "main.mlirb")
+    (path / "main.hash").write_bytes(hashlib.sha256((path / "main.mlirb").read_bytes()).digest())
+    AIModelAsset.load(path).update_metadata(_stamp_creation_date)
+    _sort_metadata_keys(path / "metadata.json")
+    _check_signatures(path, functions)
+    _check_weights_stored_once(path, functions)
+
+
+def stable_hash(path: Path) -> str:
+    """sha256 over every file of the asset (names and bytes); ``package`` makes them all reproducible."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        content = file.read_bytes()
+        digest.update(f"{file.relative_to(path).as_posix()}\0{len(content)}\0".encode())
+        digest.update(content)
+    return digest.hexdigest()
+
+
+def read_back(path: Path) -> dict[str, FunctionSpec]:
+    """Each function's inputs, outputs and states as the Core AI runtime binds them (loads the asset once)."""
+    with open_session(path) as session:
+        return session.specs()
+
+
+@contextmanager
+def _native_stderr_shown_on_error() -> Iterator[None]:
+    """The runtime's native code prints a line per function it loads ("ODIE [default]: Loading function
+    ...") straight to file descriptor 2; hold those back and show them only if loading fails."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            captured.seek(0)
+            sys.stderr.write(captured.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def open_session(path: Path) -> CoreAISession:
+    return CoreAISession(path)
+
+
+class CoreAISession:
+    """Run an asset's functions synchronously, carrying its states between calls as an app would.
+
+    Wraps the async runtime API (``asset.executable()``, ``load_function``) in a private event loop, so it
+    cannot be used from inside a running event loop. States start as zeros of the shapes and dtypes the
+    runtime declares and are passed by reference to every call; the runtime updates them in place, so a
+    prefill, decodes and verifies run on the same KV. On Linux loading lowers the asset to ODIX first.
+    For about two seconds after a load or call the runtime's threads keep the cores busy: torch calls timed
+    then (2 cores) ran ~1000x slower, so do not time torch interleaved with the runtime.
+    """
+
+    def __init__(self, path: Path):
+        if not AIModelAsset.is_valid(path):
+            raise PackageError(f"{path} is not a Core AI asset; write it with package()")
+        self._loop = asyncio.new_event_loop()
+        self._exit_stack = AsyncExitStack()
+        try:
+            with _native_stderr_shown_on_error():
+                executable = AIModelAsset.load(path).executable()
+                model = self._loop.run_until_complete(self._exit_stack.enter_async_context(executable))
+                self._functions = {name: model.load_function(name) for name in model.function_names}
+            self._state_specs = _union_states(self.specs())
+            self.reset()
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> CoreAISession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._loop.run_until_complete(self._exit_stack.aclose())
+        self._loop.close()
+
+    def specs(self) -> dict[str, FunctionSpec]:
+        return {name: _function_spec(function.desc) for name, function in self._functions.items()}
+
+    def reset(self) -> None:
+        """Zero every state. Built from numpy zeros: ``NDArray.from_descriptor`` memory is not zeroed."""
+        self._states = {s.name: NDArray(np.zeros(s.shape, dtype=s.dtype)) for s in self._state_specs}
+
+    def states(self) -> dict[str, np.ndarray]:
+        return {name: _to_numpy(array, f"state {name!r}") for name, array in self._states.items()}
+
+    def call(self, function_name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        function = self._functions.get(function_name)
+        if function is None:
+            raise PackageError(f"no function {function_name!r} in the asset; it has {sorted(self._functions)}")
+        desc = function.desc
+        if set(inputs) != set(desc.input_names):
+            raise PackageError(f"{function_name} takes inputs {desc.input_names}, got {sorted(inputs)}")
+        arrays = {}
+        for name in desc.input_names:
+            expected = desc.input_descriptor(name)
+            value = np.asarray(inputs[name])
+            if value.shape != tuple(expected.shape) or value.dtype != np.dtype(expected.dtype):
+                raise PackageError(
+                    f"{function_name} input {name!r} must be {expected.dtype}{tuple(expected.shape)}, "
+                    f"got {value.dtype}{value.shape}"
+                )
+            arrays[name] = NDArray(np.ascontiguousarray(value))
+        states = {name: self._states[name] for name in desc.state_names}
+        outputs = self._loop.run_until_complete(function(arrays, state=states))
+        return {name: _to_numpy(outputs[name], f"{function_name} output {name!r}") for name in desc.output_names}
+
+
+def compile(path: Path, out_dir: Path) -> list[CompileRecord]:
+    """Write the portable ODIX lowering and, on a Mac with ``coreai-build``, the device AOT builds.
+
+    Output paths in the records are relative to ``out_dir``.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [_compile_odix(path, out_dir), *(_compile_device(path, out_dir, p) for p in DEVICE_PLATFORMS)]
+
+
+def _export(module: nn.Module, spec: FunctionSpec) -> torch.export.ExportedProgram:
+    example = tuple(_example_input(t) for t in spec.inputs)
+    with _scratch_states(module, spec):
+        try:
+            exported = torch.export.export(module, example)
+            return exported.run_decompositions(coreai_torch.get_decomp_table())
+        except Exception as error:
+            raise PackageError(f"torch.export of function {spec.name!r} failed: {error}") from error
+
+
+def _example_input(tensor: TensorSpec) -> torch.Tensor:
+    if "position" in tensor.name:
+        return torch.arange(tensor.shape[-1], dtype=TORCH_DTYPES[tensor.dtype]).expand(tensor.shape).contiguous()
+    return torch.zeros(tensor.shape, dtype=TORCH_DTYPES[tensor.dtype])
+
+
+@contextmanager
+def _scratch_states(module: nn.Module, spec: FunctionSpec):
+    """Export against scratch state buffers so the live KV (shared by every function) is never touched."""
+    live = {}
+    for state in spec.states:
+        buffer = getattr(module, state.name, None)
+        if not isinstance(buffer, torch.Tensor) or buffer.dtype != TORCH_DTYPES[state.dtype]:
+            raise PackageError(f"function {spec.name!r} needs a {state.dtype} buffer named {state.name!r}")
+        if tuple(buffer.shape) != state.shape:
+            raise PackageError(f"{spec.name} state {state.name!r} is {tuple(buffer.shape)}, spec says {state.shape}")
+        live[state.name] = buffer
+    try:
+        for name, buffer in live.items():
+            setattr(module, name, torch.zeros_like(buffer))
+        yield
+    finally:
+        for name, buffer in live.items():
+            setattr(module, name, buffer)
+
+
+def _state_order(program: torch.export.ExportedProgram, spec: FunctionSpec) -> list[str]:
+    """The mutated buffers in the program's placeholder order, which is the order ``state_names`` binds."""
+    mutated = set(program.graph_signature.buffers_to_mutate.values())
+    ordered = [name for name in program.graph_signature.buffers if name in mutated]
+    declared = [s.name for s in spec.states]
+    if sorted(ordered) != sorted(declared):
+        raise PackageError(
+            f"function {spec.name!r} mutates buffers {sorted(ordered)} but declares states {sorted(declared)}; "
+            "every state must be a buffer written in place by forward (e.g. cache.index_copy_) and nothing else"
+        )
+    return ordered
+
+
+def _stamp_creation_date(metadata) -> None:
+    metadata.creation_date = float(os.environ.get("SOURCE_DATE_EPOCH", 0))
+
+
+def _sort_metadata_keys(metadata_json: Path) -> None:
+    """coreai writes metadata.json keys in a per-process order (a Swift dictionary); sort them."""
+    metadata = json.loads(metadata_json.read_text())
+    metadata_json.write_text(json.dumps(metadata, indent=2, sort_keys=True, separators=(",", " : ")) + "\n")
+
+
+def _check_signatures(path: Path, functions: dict[str, tuple[nn.Module, FunctionSpec]]) -> None:
+    """Parse the written asset back (cheap, no lowering) and check each function's input/output names."""
+    summary = AIModelAsset.load(path).summary(include_statistics=False)
+    if summary is None or sorted(summary.function_names) != sorted(functions):
+        raise PackageError(f"{path} does not hold the functions {sorted(functions)}")
+    for name, (_, spec) in functions.items():
+        written = ([n for n, _ in summary.function_inputs(name)], [n for n, _ in summary.function_outputs(name)])
+        if written != ([t.name for t in spec.inputs], [t.name for t in spec.outputs]):
+            raise PackageError(f"{path} function {name!r} was written with inputs/outputs {written}")
+
+
+def _check_weights_stored_once(path: Path, functions: dict[str, tuple[nn.Module, FunctionSpec]]) -> None:
+    _, sections = _bytecode_sections((path / "main.mlirb").read_bytes())
+    stored = sum(len(data) for section, data, _ in sections if section == _RESOURCE)
+    weights = max(_weight_bytes(module, spec) for module, spec in functions.values())
+    # 4 KiB covers blob alignment padding, which matters only for toy-sized weights.
+    if stored > WEIGHT_SHARING_BOUND * weights + 4096:
+        raise PackageError(
+            f"{path} stores {stored} bytes of weight blobs for {weights} bytes of weights per function: the "
+            "functions do not share their weights; build them over the same parameter tensors"
+        )
+
+
+def _weight_bytes(module: nn.Module, spec: FunctionSpec) -> int:
+    states = {s.name for s in spec.states}
+    buffers = sum(b.nbytes for name, b in module.named_buffers() if name not in states)
+    return buffers + sum(p.nbytes for p in module.parameters())
+
+
+# MLIR bytecode (https://mlir.llvm.org/docs/BytecodeFormat/): magic, version, producer, then sections of
+# [id | 0x80 if aligned, varint length, (varint alignment, 0xCB padding), data].
+_MAGIC = b"ML\xefR"
+_STRINGS, _RESOURCE, _RESOURCE_OFFSETS = 0, 5, 6
+_ALIGNED = 0x80
+_PADDING = b"\xcb"
+
+
+def _canonicalize_resource_names(mlirb: Path) -> None:
+    """Rename the bytecode's resource blobs ``resource_<i>`` in order of use (see the module docstring)."""
+    header, sections = _bytecode_sections(mlirb.read_bytes())
+    offsets = next((data for section, data, _ in sections if section == _RESOURCE_OFFSETS), b"")
+    keys = _resource_keys(offsets)
+    rebuilt = []
+    for section, data, alignment in sections:
+        if section == _STRINGS:
+            strings = _read_strings(data)
+            for index, key in enumerate(keys):
+                strings[key] = f"resource_{index}".encode()
+            data = _write_strings(strings)
+        rebuilt.append((section, data, alignment))
+    mlirb.write_bytes(_write_sections(header, rebuilt))
+
+
+def _bytecode_sections(content: bytes) -> tuple[bytes, list[tuple[int, bytes, int]]]:
+    """Split bytecode into its header (magic, version, producer) and (id, data, alignment) sections."""
+    if not content.startswith(_MAGIC):
+        raise PackageError("main.mlirb is not MLIR bytecode; coreai-core changed its format, update this backend")
+    _, pos = _read_varint(content, len(_MAGIC))
+    pos = content.index(b"\0", pos) + 1
+    header, sections = content[:pos], []
+    while pos < len(content):
+        code = content[pos]
+        length, pos = _read_varint(content, pos + 1)
+        alignment = 1
+        if code & _ALIGNED:
+            alignment, pos = _read_varint(content, pos)
+            pos += -pos % alignment
+        sections.append((code & ~_ALIGNED, content[pos : pos + length], alignment))
+        pos += length
+    return header, sections
+
+
+def _write_sections(header: bytes, sections: list[tuple[int, bytes, int]]) -> bytes:
+    out = bytearray(header)
+    for section, data, alignment in sections:
+        out += bytes([section | (_ALIGNED if alignment > 1 else 0)]) + _encode_varint(len(data))
+        if alignment > 1:
+            out += _encode_varint(alignment)
+            out += _PADDING * (-len(out) % alignment)
+        out += data
+    return bytes(out)
+
+
+def _resource_keys(offsets: bytes) -> list[int]:
+    """String-table indices of every resource key, in order, from the resource offset section.
+
+    The section is a count of external groups, then groups (external, then dialect) until its end, each a
+    group key, an entry count and entries of (key string index, size, kind byte).
+    """
+    keys = []
+    _, pos = _read_varint(offsets, 0)
+    while pos < len(offsets):
+        _, pos = _read_varint(offsets, pos)
+        count, pos = _read_varint(offsets, pos)
+        for _ in range(count):
+            key, pos = _read_varint(offsets, pos)
+            _, pos = _read_varint(offsets, pos)
+            keys.append(key)
+            pos += 1
+    return list(dict.fromkeys(keys))
+
+
+def _read_strings(data: bytes) -> list[bytes]:
+    """The string section: a count, the sizes (with NUL) in reverse order, then the NUL-terminated strings."""
+    count, pos = _read_varint(data, 0)
+    sizes = []
+    for _ in range(count):
+        size, pos = _read_varint(data, pos)
+        sizes.append(size)
+    strings = []
+    for size in reversed(sizes):
+        strings.append(data[pos : pos + size - 1])
+        pos += size
+    return strings
+
+
+def _write_strings(strings: list[bytes]) -> bytes:
+    sizes = b"".join(_encode_varint(len(s) + 1) for s in reversed(strings))
+    return _encode_varint(len(strings)) + sizes + b"".join(s + b"\0" for s in strings)
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """MLIR's prefix varint: the trailing zeros of the first byte count the extra bytes (0: 8 raw bytes)."""
+    first = data[pos]
+    if first == 0:
+        return int.from_bytes(data[pos + 1 : pos + 9], "little"), pos + 9
+    size = (first & -first).bit_length()
+    return int.from_bytes(data[pos : pos + size], "little") >> size, pos + size
+
+
+def _encode_varint(value: int) -> bytes:
+    for size in range(1, 9):
+        if value < 1 << (7 * size):
+            return (((value << 1) | 1) << (size - 1)).to_bytes(size, "little")
+    return b"\0" + value.to_bytes(8, "little")
+
+
+def _function_spec(desc) -> FunctionSpec:
+    def tensors(names, describe):
+        return tuple(TensorSpec(n, tuple(describe(n).shape), describe(n).dtype) for n in names)
+
+    return FunctionSpec(
+        name=desc.name,
+        inputs=tensors(desc.input_names, desc.input_descriptor),
+        outputs=tensors(desc.output_names, desc.output_descriptor),
+        states=tensors(desc.state_names, desc.state_descriptor),
+    )
+
+
+def _union_states(specs: dict[str, FunctionSpec]) -> tuple[TensorSpec, ...]:
+    states: dict[str, TensorSpec] = {}
+    for spec in specs.values():
+        for state in spec.states:
+            if states.setdefault(state.name, state) != state:
+                raise PackageError(f"state {state.name!r} is {states[state.name]} in one function, {state} in another")
+    return tuple(states.values())
+
+
+def _to_numpy(array: NDArray, what: str) -> np.ndarray:
+    """Copy a runtime array out, refusing a ``.numpy()`` view whose layout disagrees with the array's.
+
+    ``.numpy()`` goes through DLPack, which returns a wrongly laid out view for interleaved
+    (hardware-constrained) states; the copy also keeps later calls from changing what was returned.
+    """
+    view = array.numpy()
+    strides = tuple(s // view.itemsize for s, n in zip(view.strides, view.shape, strict=True) if n > 1)
+    expected = tuple(s for s, n in zip(array.strides, array.shape, strict=True) if n > 1)
+    if view.shape != tuple(array.shape) or strides != expected:
+        raise PackageError(
+            f"{what}: the runtime array is {array.shape} with strides {array.strides} but .numpy() gave "
+            f"{view.shape} with strides {view.strides}; read it without hardware constraints (interleave)"
+        )
+    return np.array(view, copy=True)
+
+
+def _compile_odix(path: Path, out_dir: Path) -> CompileRecord:
+    """Lower to ODIX, the portable form the runtime executes, exactly as ``executable()`` does on Linux."""
+    target = out_dir / f"{path.stem}.aimodelx"
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir()
+    AIModelAsset.load(path)._write_odix(target)
+    return CompileRecord("odix", "done", outputs=_relative_files(target, out_dir))
+
+
+def _compile_device(path: Path, out_dir: Path, platform: str) -> CompileRecord:
+    kind = f"device-aot-{platform.lower()}"
+    if not _has_coreai_build():
+        return CompileRecord(kind, "deferred", reason=DEVICE_DEFERRED)
+    target = out_dir / platform
+    command = ["xcrun", "coreai-build", "compile", str(path), "--platform", platform, "--output", str(target)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        last_line = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+        return CompileRecord(kind, "failed", reason=f"{' '.join(command)}: {last_line}")
+    return CompileRecord(kind, "done", outputs=_relative_files(target, out_dir))
+
+
+def _has_coreai_build() -> bool:
+    if sys.platform != "darwin" or shutil.which("xcrun") is None:
+        return False
+    return subprocess.run(["xcrun", "--find", "coreai-build"], capture_output=True, check=False).returncode == 0
+
+
+def _relative_files(folder: Path, root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in folder.rglob("*") if p.is_file())
