@@ -23,7 +23,10 @@ from convert import backends
 from convert.backends.base import FunctionSpec, PackageError
 from convert.target import TargetModules
 
-NEAR_TIE_LOGITS = 0.05
+# Measured on the fixture (bench/coreai_runtime.py, docs/benchmarks.md): the fp16 .aimodel's logits differ from
+# the fp16 torch modules' by at most 0.10 (6.9e-3 of the largest |logit|). A flip between two ids whose torch
+# logits are closer than 2.5x that error is a near tie; anything wider is a real difference.
+NEAR_TIE_LOGITS = 0.25
 FP16_OUTPUT_BOUND = 2e-2
 DECODE_STEPS = 4
 

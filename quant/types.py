@@ -1,0 +1,65 @@
+"""What a quantizer hands the rest of the pipeline: a weight exactly as it will ship.
+
+Two 4-bit formats, each chosen so that both package formats store it natively and dequantize it with
+the same arithmetic (bit for bit what ``dequantize`` returns here):
+
+- ``affine4``: uint4 codes per weight; per group of ``group_size`` consecutive input columns of a row,
+  an fp16 ``scale`` and an integer ``zero_point``: ``w = scale * (code - zero_point)`` evaluated in
+  fp16 (the difference is an exact small integer, so there is one rounding). Core AI:
+  ``WeightDequantizeModule`` (``constexpr_blockwise_shift_scale``); Core ML: the same op.
+- ``lut4``: uint4 indices per weight; per group of ``group_size`` consecutive output rows, a table of
+  16 fp16 values: ``w = lut[row // group_size, index]``. Core AI: ``PalettizeModule``
+  (``lut_to_dense``); Core ML: ``constexpr_lut_to_dense``.
+
+A quantizer over a whole matrix is two steps, so GPTQ can put its column sweep between them:
+``fit`` (the group parameters, from the whole matrix) and ``round`` (nearest codes for given columns
+under those parameters). ``QuantizedWeight`` carries the result and its own dequantization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+Method = Literal["affine4", "lut4"]
+
+
+@dataclass
+class QuantizedWeight:
+    """A 2-D weight [out_features, in_features] in a 4-bit shipping format.
+
+    codes: uint8 [out, in], values 0..15 (unpacked; backends pack them).
+    affine4: scale fp16 [out, in // group_size]; zero_point uint8 [out, in // group_size] (integral).
+    lut4: lut fp16 [out // group_size, 16].
+    """
+
+    method: Method
+    codes: torch.Tensor
+    group_size: int
+    scale: torch.Tensor | None = None
+    zero_point: torch.Tensor | None = None
+    lut: torch.Tensor | None = None
+    stats: dict = field(default_factory=dict)  # e.g. weight MSE, output error, GPTQ damping used
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def bits_per_weight(self) -> float:
+        out, inp = self.shape
+        if self.method == "affine4":
+            return 4 + (16 + 8) / self.group_size  # fp16 scale + uint8 zero point per group
+        return 4 + 16 * 16 / (self.group_size * inp)  # a 16-entry fp16 table per group of rows
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp16 weight the packages compute, bit for bit."""
+        codes = self.codes.long()
+        if self.method == "lut4":
+            rows = torch.arange(codes.shape[0], device=codes.device) // self.group_size
+            return self.lut[rows[:, None], codes]
+        scale = self.scale.repeat_interleave(self.group_size, dim=1)
+        zero = self.zero_point.repeat_interleave(self.group_size, dim=1).to(torch.float16)
+        return (codes.to(torch.float16) - zero) * scale
