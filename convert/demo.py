@@ -33,7 +33,8 @@ def run_demo(recipe: Path, output: str) -> None:
         size = sum(f.size for f in package.files) / 2**20
         steps = ", ".join(f"{c.kind} {c.status}" for c in package.compile)
         out.print(f"  {package.path}: {size:.1f} MiB, functions {[f.name for f in manifest.functions]}; {steps}")
-    out.print(f"  manifest.json: {manifest.weights.parameter_count:,} parameters, lm_head {manifest.weights.lm_head_sha256[:16]}")
+    weights = manifest.weights
+    out.print(f"  manifest.json: {weights.parameter_count:,} parameters, lm_head {weights.lm_head_sha256[:16]}")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

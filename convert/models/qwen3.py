@@ -3,10 +3,10 @@
 The core is written for static-shape export, not for training: explicit ``input_ids`` and
 ``position_ids`` (int32), KV caches passed in as state tensors [layers, kv_heads, context, head_dim]
 and written at the host's positions with ``index_put_`` (an index tensor for every cache dimension:
-the one scatter form that both coremltools and torch.export + coreai-torch convert), a causal mask computed in the graph from
-the positions (cache row c holds position c, so a query at position p sees rows 0..p: rows the host
-rolled back are simply never visible again and are overwritten by the next write), and RoPE read
-from cos/sin tables by position (exact in fp32, and free of the fp16 precision loss that computing
+the one scatter form that both coremltools and torch.export + coreai-torch convert), a causal mask
+computed in the graph from the positions (cache row c holds position c, so a query at position p sees
+rows 0..p: rows the host rolled back are simply never visible again and are overwritten by the next
+write), and RoPE read from cos/sin tables by position (exact in fp32, and free of the fp16 precision loss that computing
 ``position * inv_freq`` in fp16 would bring).
 """
 
@@ -197,8 +197,8 @@ class Attention(nn.Module):
         q = q.reshape(self.kv_heads, -1, self.head_dim)  # GQA: a KV head serves `group` query heads
         scores = q @ keys.transpose(1, 2) * self.head_dim**-0.5 + mask_bias.repeat(group, 1)
         probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
-        out = (probs @ values).view(self.heads, -1, self.head_dim).transpose(0, 1).reshape(-1, self.heads * self.head_dim)
-        return self.o_proj(out)
+        out = (probs @ values).view(self.heads, -1, self.head_dim).transpose(0, 1)
+        return self.o_proj(out.reshape(-1, self.heads * self.head_dim))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
