@@ -9,7 +9,11 @@
   than ``NEAR_TIE_LOGITS``. Taps and logits, when the package returns them, must agree within
   ``FP16_OUTPUT_BOUND`` (relative to the largest magnitude).
 - Core ML (no runtime off macOS): every 2-D weight of the modules appears bit for bit among the
-  constants of every function of the ``.mlpackage``.
+  constants of every function of the ``.mlpackage`` (a compressed one as coremltools decompresses it).
+- Quantized linears (``convert/compress.py``), both formats: in every function, each ``QuantizedWeight``
+  is stored compressed with its codes and tables bit for bit, and the format's own decompression of them
+  equals ``QuantizedWeight.dequantize()`` bit for bit. The Core AI run above then shows the runtime
+  computes with them.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ import hashlib
 import numpy as np
 import torch
 
-from convert import backends
+from convert import backends, compress
 from convert.backends.base import FunctionSpec, PackageError
 from convert.target import TargetModules
+from quant.types import QuantizedWeight
 
 # Measured on the fixture (bench/coreai_runtime.py, docs/benchmarks.md): the fp16 .aimodel's logits differ from
 # the fp16 torch modules' by at most 0.10 (6.9e-3 of the largest |logit|). A flip between two ids whose torch
@@ -46,12 +51,41 @@ def check_specs(found: dict[str, FunctionSpec], expected: list[FunctionSpec], wh
 
 def check_package(name: str, path, modules: TargetModules) -> dict:
     specs = [spec for _, spec in modules.functions.values()]
+    weights = compress.quantized_weights(modules.core)
+    quantized = quantized_constants(name, path, weights) if weights else {}
     if name == "coreai":
         with backends.load("coreai").open_session(path) as session:  # one ODIX lowering for both checks
             check_specs(session.specs(), specs, path.name)
-            return run_coreai(session, modules)
+            return {**run_coreai(session, modules), **quantized}
     check_specs(backends.load(name).read_back(path), specs, path.name)
-    return coreml_constants(path, modules)
+    return {**coreml_constants(path, modules), **quantized}
+
+
+def quantized_constants(name: str, path, weights: dict[str, QuantizedWeight]) -> dict:
+    """Each quantized weight stored as quantized, bit for bit, in every function of the ``name`` package.
+
+    Weights are found by content (codes and tables), so a weight stored under another name or shared by two
+    layers still counts; one that is missing is reported with the closest stored weight and how it differs.
+    """
+    shipped = backends.load(name).compressed_weights(path)
+    for function, found in shipped.items():
+        stored = {compress.fingerprint(s.weight): s for s in found}
+        for weight_name, expected in weights.items():
+            match = stored.get(compress.fingerprint(expected))
+            problem = _closest(expected, found) if match is None else compress.difference(expected, match)
+            if problem:
+                raise PackageError(f"{path.name}: function {function}: quantized weight {weight_name} is not stored "
+                                   f"as quantized: {problem}")
+    return {"quantized_weights_compared": len(weights) * len(shipped), "quantized_bit_exact": True}
+
+
+def _closest(expected: QuantizedWeight, found: list[compress.ShippedWeight]) -> str:
+    """What tells ``expected`` from the stored weight of its method and shape with the fewest differing codes."""
+    alike = [s for s in found if (s.weight.method, s.weight.shape) == (expected.method, expected.shape)]
+    if not alike:
+        return f"no {expected.method} weight of shape {list(expected.shape)} among the {len(found)} compressed ones"
+    closest = min(alike, key=lambda s: int((s.weight.codes != expected.codes).sum()))
+    return f"closest {compress.difference(expected, closest)}"
 
 
 def probe_tokens(vocab: int, count: int) -> list[int]:

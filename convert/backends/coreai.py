@@ -32,6 +32,11 @@ torch modules carrying their own KV buffers. Argmax ids were identical in every 
   functions cost ~25 KB of program and the weights once. With a 4096-row embedding, 582,627 bytes for
   557,184 bytes of weights (1.05x).
 
+Quantized linears (``convert/compress.py``) export as coreai-torch's ``PalettizeModule`` /
+``WeightDequantizeModule``: the asset stores their codes and zero points as packed ui4 resources and their
+tables as fp16, each once for all functions (content-addressed blobs), and ``_check_weights_stored_once``
+counts them packed. ``compressed_weights`` reads those ops and constants back for the build's bit-exact check.
+
 The ODIX lowering that ``compile`` writes (and that the Linux runtime executes) is not reproducible: two
 lowerings of the same main.mlirb, even in one process, give the same bytes in a different order (~500 bytes
 of one table). It is a derived artifact; the ``.aimodel`` is what ``stable_hash`` covers.
@@ -42,7 +47,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,10 +61,13 @@ from pathlib import Path
 import coreai_torch
 import numpy as np
 import torch
+from coreai._compiler import ir
 from coreai.authoring import AIModelAsset
 from coreai.runtime import NDArray
+from coreai_torch._compression import custom_layers
 from torch import nn
 
+from convert import compress
 from convert.backends.base import CompileRecord, FunctionSpec, PackageError, TensorSpec
 
 TORCH_DTYPES = {"int32": torch.int32, "float16": torch.float16, "float32": torch.float32}
@@ -110,6 +120,104 @@ def read_back(path: Path) -> dict[str, FunctionSpec]:
     """Each function's inputs, outputs and states as the Core AI runtime binds them (loads the asset once)."""
     with open_session(path) as session:
         return session.specs()
+
+
+def compressed_weights(path: Path) -> dict[str, list[compress.ShippedWeight]]:
+    """Every compressed weight (lut_to_dense, blockwise_shift_scale) of every function, by function: its codes and
+    tables read back from main.mlirb, and the dense weight coreai-torch's reference ops make of them.
+
+    The ops come from the program through coreai's MLIR bindings (``AIProgram`` has no public op walk, hence its
+    private ``_module``); the constants they read are parsed from the bytecode, because the bindings cannot return
+    them: ``DenseResourceElementsAttr`` has no reader, and converting a ui4 ``DenseElementsAttr`` to numpy aborts
+    the process.
+    """
+    program = AIModelAsset.load(path).program
+    try:
+        module = program._module._mlir_module
+    except AttributeError as error:
+        raise PackageError("coreai-core changed AIProgram's internals; update compressed_weights") from error
+    blobs = _resource_blobs((path / "main.mlirb").read_bytes())
+    shipped = {}
+    with module.context:
+        for graph in module.body.operations:
+            if graph.name != "coreai.graph":
+                continue
+            function = ir.StringAttr(graph.attributes["sym_name"]).value
+            operations = graph.regions[0].blocks[0].operations
+            shipped[function] = [
+                _shipped(f"function {function}: op {index} ({op.name})", op, blobs)
+                for index, op in enumerate(operations)
+                if op.name in _COMPRESSED_OPS
+            ]
+    return shipped
+
+
+_COMPRESSED_OPS = ("coreai.lut_to_dense", "coreai.blockwise_shift_scale")
+_NUMPY_ELEMENTS = {"f16": np.float16, "f32": np.float32, "ui8": np.uint8, "si8": np.int8, "si16": np.int16,
+                   "si32": np.int32}
+
+
+def _shipped(where: str, op, blobs: dict[str, bytes]) -> compress.ShippedWeight:
+    """One compressed-weight op: its operands as stored, and coreai-torch's reference decompression of them."""
+    operands = [_constant(where, value, blobs) for value in op.operands]
+    if op.name == "coreai.lut_to_dense":
+        indices, lut, axis = operands
+        weight = compress.from_lut_to_dense(where, indices, lut)
+        group = weight.group_size
+
+        def decompress(a: int, b: int) -> np.ndarray:
+            table = torch.from_numpy(lut[a // group : b // group])
+            return custom_layers.lut_to_dense(torch.from_numpy(indices[a:b]), table, int(axis)).numpy()
+
+        return compress.ShippedWeight(where, weight, compress.in_row_blocks(decompress, indices.shape[0], group))
+    data, scale, offset, shift = operands
+    if np.any(shift != 0):
+        raise PackageError(f"{where}: a non-zero second offset (minval); not an affine4 weight")
+    weight = compress.from_blockwise_shift_scale(where, data, scale, offset)
+
+    def dequantize(a: int, b: int) -> np.ndarray:
+        blocks = (torch.from_numpy(data[a:b]), torch.from_numpy(scale[a:b]), torch.from_numpy(offset[a:b]))
+        return custom_layers.constexpr_blockwise_shift_scale(blocks[0], blocks[1], zero_point=blocks[2]).numpy()
+
+    return compress.ShippedWeight(where, weight, compress.in_row_blocks(dequantize, data.shape[0], 1))
+
+
+def _constant(where: str, value, blobs: dict[str, bytes]) -> np.ndarray:
+    """The array a ``coreai.constant`` operand holds, from its resource blob or its inline attribute."""
+    if not ir.OpResult.isinstance(value) or value.owner.name != "coreai.constant":
+        raise PackageError(f"{where}: an operand is not a constant; it is not a weight compressed here")
+    attr = value.owner.attributes["value"]
+    tensor = ir.RankedTensorType(attr.type)
+    shape, element = tuple(tensor.shape), str(tensor.element_type)
+    if ir.DenseResourceElementsAttr.isinstance(attr):
+        return _decode(where, blobs[re.match(r"dense_resource<([^>]+)>", str(attr)).group(1)], element, shape)
+    dense = ir.DenseElementsAttr(attr)
+    if element in ("f16", "f32"):
+        if dense.is_splat:
+            return np.full(shape, ir.FloatAttr(dense.get_splat_value()).value, _NUMPY_ELEMENTS[element])
+        return np.array(dense)
+    body = str(attr).partition("<")[2].rpartition("> :")[0]
+    if element not in ("ui4", *_NUMPY_ELEMENTS) or not re.fullmatch(r"[\[\]\d, -]+", body):
+        raise PackageError(f"{where}: cannot read an inline {element} constant printed as {body[:40]!r}")
+    values = np.array([int(v) for v in re.findall(r"-?\d+", body)], dtype=np.int64)
+    return (np.full(shape, values[0]) if values.size == 1 else values.reshape(shape)).astype(
+        _NUMPY_ELEMENTS.get(element, np.uint8)
+    )
+
+
+def _decode(where: str, blob: bytes, element: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A resource blob as an array: ui4 packed two to a byte, low nibble first; other types as numpy lays them."""
+    count = math.prod(shape)
+    if element == "ui4":
+        packed = np.frombuffer(blob, np.uint8)
+        values = np.stack([packed & 15, packed >> 4], axis=-1).reshape(-1)
+    elif element in _NUMPY_ELEMENTS:
+        values = np.frombuffer(blob, _NUMPY_ELEMENTS[element])
+    else:
+        raise PackageError(f"{where}: cannot read a {element} constant")
+    if values.size < count:
+        raise PackageError(f"{where}: a {element} constant of shape {list(shape)} has only {values.size} values")
+    return values[:count].reshape(shape).copy()
 
 
 @contextmanager
@@ -299,9 +407,8 @@ def _check_weights_stored_once(path: Path, functions: dict[str, tuple[nn.Module,
 
 
 def _weight_bytes(module: nn.Module, spec: FunctionSpec) -> int:
-    states = {s.name for s in spec.states}
-    buffers = sum(b.nbytes for name, b in module.named_buffers() if name not in states)
-    return buffers + sum(p.nbytes for p in module.parameters())
+    """What one function's weights should take in the asset: quantized linears packed, the rest dense."""
+    return compress.shipped_nbytes(module, skip={s.name for s in spec.states})
 
 
 # MLIR bytecode (https://mlir.llvm.org/docs/BytecodeFormat/): magic, version, producer, then sections of
@@ -310,6 +417,7 @@ _MAGIC = b"ML\xefR"
 _STRINGS, _RESOURCE, _RESOURCE_OFFSETS = 0, 5, 6
 _ALIGNED = 0x80
 _PADDING = b"\xcb"
+_BLOB = 0  # resource entry kind
 
 
 def _canonicalize_resource_names(mlirb: Path) -> None:
@@ -359,22 +467,47 @@ def _write_sections(header: bytes, sections: list[tuple[int, bytes, int]]) -> by
 
 
 def _resource_keys(offsets: bytes) -> list[int]:
-    """String-table indices of every resource key, in order, from the resource offset section.
+    """String-table indices of every resource key, in order, from the resource offset section."""
+    return list(dict.fromkeys(key for key, _, _ in _resource_entries(offsets)))
+
+
+def _resource_entries(offsets: bytes) -> list[tuple[int, int, int]]:
+    """(key string index, size, kind) of every resource entry, in the order of their data.
 
     The section is a count of external groups, then groups (external, then dialect) until its end, each a
     group key, an entry count and entries of (key string index, size, kind byte).
     """
-    keys = []
+    entries = []
     _, pos = _read_varint(offsets, 0)
     while pos < len(offsets):
         _, pos = _read_varint(offsets, pos)
         count, pos = _read_varint(offsets, pos)
         for _ in range(count):
             key, pos = _read_varint(offsets, pos)
-            _, pos = _read_varint(offsets, pos)
-            keys.append(key)
+            size, pos = _read_varint(offsets, pos)
+            entries.append((key, size, offsets[pos]))
             pos += 1
-    return list(dict.fromkeys(keys))
+    return entries
+
+
+def _resource_blobs(content: bytes) -> dict[str, bytes]:
+    """Every blob resource of the bytecode by its name.
+
+    The resource section holds the entries back to back; a blob entry is its alignment (varint), its size
+    (varint), padding to that alignment (the section itself starts aligned to the largest) and the bytes.
+    """
+    _, sections = _bytecode_sections(content)
+    data = {section: payload for section, payload, _ in sections}
+    strings = _read_strings(data[_STRINGS])
+    resources, blobs, start = data.get(_RESOURCE, b""), {}, 0
+    for key, size, kind in _resource_entries(data.get(_RESOURCE_OFFSETS, b"")):
+        if kind == _BLOB:
+            alignment, pos = _read_varint(resources, start)
+            length, pos = _read_varint(resources, pos)
+            pos += -pos % alignment
+            blobs[strings[key].decode()] = resources[pos : pos + length]
+        start += size
+    return blobs
 
 
 def _read_strings(data: bytes) -> list[bytes]:

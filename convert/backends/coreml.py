@@ -11,6 +11,10 @@ Why these choices:
   dtype fp16 whereas data has dtype fp32"); fp16 -> fp32 -> fp16 is exact, so the shipped fp16
   constants equal the module's fp16 weights bit for bit. The copy shares fp32 tensors instead of
   duplicating them, and its zeroed states keep the trace's own KV writes out of the live cache.
+- Quantized linears (``convert/compress.py``) ship through coremltools' pre-compressed path: the tracing
+  copy gets ``_COREML_/weight/...`` buffers (fp16 tables, uint4 zero points) and ``ct.convert`` emits
+  ``constexpr_lut_to_dense`` / ``constexpr_blockwise_shift_scale`` over our codes and tables (why the codes
+  it derives are ours: compress.py). ``compressed_weights`` reads them back for the build's bit-exact check.
 - KV writes must be an ``index_put_`` on the whole state with an index tensor for every dim (scatter_nd).
   coremltools 9 has no ``index_copy``; ``cache[l].index_copy_(1, pos, k)`` and ``cache[l, :, pos] = k``
   both reach its ``index_put`` with a whole-slice index, which fails ("Input squeeze_0 has rank 1 != other
@@ -44,7 +48,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from convert import compress
 from convert.backends.base import DTYPES, CompileRecord, FunctionSpec, PackageError, TensorSpec
+from quant.types import QuantizedWeight
 
 
 class _DropKnownHarmless(logging.Filter):
@@ -104,9 +110,10 @@ def convert_function(name: str, module: nn.Module, spec: FunctionSpec) -> ct.mod
     """Convert one function module at the static shapes of its spec into an fp16 iOS18 mlprogram."""
     _check_spec(name, module, spec)
     example = tuple(torch.zeros(t.shape, dtype=_TORCH_DTYPES[t.dtype]) for t in spec.inputs)
+    tracing_copy = _tracing_copy(module, spec)
     try:
         # check_trace would rerun forward and compare; the state writes make that comparison meaningless.
-        traced = torch.jit.trace(_tracing_copy(module, spec), example, check_trace=False)
+        traced = torch.jit.trace(tracing_copy, example, check_trace=False)
         _reset_name_counters()
         return ct.convert(
             traced,
@@ -161,7 +168,8 @@ def _check_spec(name: str, module: nn.Module, spec: FunctionSpec) -> None:
 
 
 def _tracing_copy(module: nn.Module, spec: FunctionSpec) -> nn.Module:
-    """A structural copy of ``module`` in eval mode: float tensors in fp32, states fresh fp32 zeros.
+    """A structural copy of ``module`` in eval mode: float tensors in fp32, states fresh fp32 zeros, and the
+    pre-compression buffers of its quantized linears (fp16 tables).
 
     fp32 tensors are shared, not copied (``.float()`` returns the tensor itself), so this costs memory only
     for weights stored in another float dtype. See the module docstring for why fp32 and why fresh states.
@@ -175,7 +183,9 @@ def _tracing_copy(module: nn.Module, spec: FunctionSpec) -> nn.Module:
             replacements[id(buffer)] = buffer.detach().float() if buffer.is_floating_point() else buffer
     for parameter in module.parameters():
         replacements[id(parameter)] = nn.Parameter(parameter.detach().float(), requires_grad=False)
-    return copy.deepcopy(module, memo=replacements).eval()
+    traced = copy.deepcopy(module, memo=replacements).eval()
+    compress.add_coreml_compression(traced)
+    return traced
 
 
 def _make_deterministic(path: Path) -> None:
@@ -249,8 +259,8 @@ def _tensor_spec(function_name: str, name: str, tensor_type) -> TensorSpec:
 def function_constants(path: Path, function_name: str) -> dict[str, np.ndarray]:
     """The weight tensors of one function as shipped, by the name of the MIL variable that carries them.
 
-    Covers the ops in ``_CONSTANT_READERS``; a compressed form (constexpr_lut_to_dense,
-    constexpr_blockwise_shift_scale) is one more reader there.
+    Covers the ops in ``_CONSTANT_READERS``: plain constants, and compressed weights as coremltools itself
+    decompresses them.
     """
     _, program = _load_program(path)
     if function_name not in program.functions:
@@ -264,6 +274,16 @@ def function_constants(path: Path, function_name: str) -> dict[str, np.ndarray]:
     return constants
 
 
+def compressed_weights(path: Path) -> dict[str, list[compress.ShippedWeight]]:
+    """Every compressed weight of every function, by function: its codes and tables as stored, and the dense
+    weight coremltools' own decompression makes of them."""
+    spec, program = _load_program(path)
+    return {
+        f.name: [_shipped(op) for op in program.functions[f.name].operations if op.op_type in _COMPRESSED_READERS]
+        for f in spec.description.functions
+    }
+
+
 def _plain_constant(op: Operation) -> np.ndarray | None:
     """A ``const`` op's value when it is a floating tensor (weights), not a scalar or an int/str parameter."""
     value = op.outputs[0].val
@@ -272,7 +292,44 @@ def _plain_constant(op: Operation) -> np.ndarray | None:
     return None
 
 
-_CONSTANT_READERS: dict[str, Callable[[Operation], np.ndarray | None]] = {"const": _plain_constant}
+def _shipped(op: Operation) -> compress.ShippedWeight:
+    where = f"MIL op {op.name} ({op.op_type})"
+    operands = {name: getattr(op, name) for name in _COMPRESSED_OPERANDS[op.op_type]}
+    missing = [name for name, var in operands.items() if var is None or var.val is None]
+    if missing:
+        raise PackageError(f"{where}: operands {missing} are not constants; it is not a weight compressed here")
+    weight = _COMPRESSED_READERS[op.op_type](where, *(var.val for var in operands.values()))
+    return compress.ShippedWeight(where, weight, _decompressed(op))
+
+
+def _decompressed(op: Operation) -> np.ndarray:
+    """The dense weight of a compressed-weight op by coremltools' own decompression, a block of rows at a time."""
+    decompress = type(op).decompress
+    if op.op_type == "constexpr_lut_to_dense":
+        indices, lut = op.indices.val, op.lut.val
+        group = indices.shape[0] // lut.shape[0]
+        return compress.in_row_blocks(
+            lambda a, b: decompress(indices[a:b], lut[a // group : b // group], None), indices.shape[0], group
+        )
+    data, scale = op.data.val, op.scale.val
+    offset = None if op.offset is None else op.offset.val
+    return compress.in_row_blocks(
+        lambda a, b: decompress(data[a:b], scale[a:b], None if offset is None else offset[a:b]), data.shape[0], 1
+    )
+
+
+_COMPRESSED_READERS: dict[str, Callable[..., QuantizedWeight]] = {
+    "constexpr_lut_to_dense": compress.from_lut_to_dense,
+    "constexpr_blockwise_shift_scale": compress.from_blockwise_shift_scale,
+}
+_COMPRESSED_OPERANDS = {
+    "constexpr_lut_to_dense": ("indices", "lut"),
+    "constexpr_blockwise_shift_scale": ("data", "scale", "offset"),
+}
+_CONSTANT_READERS: dict[str, Callable[[Operation], np.ndarray | None]] = {
+    "const": _plain_constant,
+    **dict.fromkeys(_COMPRESSED_READERS, _decompressed),
+}
 
 
 def _load_program(path: Path) -> tuple[Model_pb2.Model, Program]:
