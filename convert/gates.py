@@ -1,0 +1,513 @@
+"""Numeric gates (fail closed): the shipped graphs against the transformers reference, on held-out text.
+
+Reference: the transformers model in fp32 on the evaluation windows. Candidate: the export modules
+(``TargetModules``) with the weights exactly as shipped (fp16, quantized where the recipe says), called
+function by function the way a runtime calls them, on one KV state per window:
+
+1. ``prefill`` over the first half of the window in chunks of the prefill width (the last chunk
+   right-padded, as a host pads a prompt);
+2. the block-vs-chain probe: ``verify`` over the next K positions (K = the verify width), then a
+   positional rollback and K ``decode`` steps over the same tokens; their argmax ids are compared;
+3. ``verify`` blocks over the rest of the window, each carrying a draft whose last 0..K/2 tokens are
+   wrong (seeded): only the accepted rows are read, and the next block starts at the first rejected
+   position, so the rejected rows are rolled back and overwritten as on a device;
+4. ``decode`` steps: a greedy continuation of G tokens from the end of the window.
+
+Every position of the window thus has candidate logits computed from the true tokens before it.
+
+Candidate arithmetic: fp32, on the shipped weights (fp16 values upcast, exactly). On this CPU fp16 torch
+runs prefill and verify calls 3-7x slower than fp32, which would take the 32 x 256 fixture gate past a
+minute; fp32 isolates what the shipped weights (fp16 rounding, 4-bit quantization) do to the model. The
+device's fp16 arithmetic is covered by ``artifact_gate``: the shipped ``.aimodel`` on the Core AI runtime
+must give the argmax ids of the fp16 modules (``convert.checks.run_coreai``). ``compute_dtype`` can
+select fp16 for a measurement of what fp16 arithmetic adds (docs/benchmarks.md, "Gates").
+
+Metrics, over every position of every window (n x length):
+
+- ``kl_mean`` / ``kl_p99`` / ``kl_max``: KL(reference || candidate) of the next-token distributions (nats).
+- ``top1``: fraction of positions whose argmax ids agree.
+- ``logits_cosine``: mean over positions of the cosine between the two logit vectors.
+- ``greedy_match``: from the end of each window, both greedily continue G tokens on their own; the
+  number of leading tokens that agree, divided by G, averaged over windows (1.0: every continuation
+  identical; one diverging at its first token counts 0 for that window).
+- ``tap_cosine[i]``: for each tapped layer i, the mean over positions of the cosine between the
+  candidate's ``taps`` slice and the reference's layer-i output (the features a conditioned drafter
+  reads). The mean, not the minimum: the minimum over n x length positions falls with n and would make
+  the bar depend on the amount of data, while the mean is stable.
+- ``block_chain_real_flips``: probe positions whose verify argmax differs from the decode chain's by
+  more than a near tie (see ``classify_flips``); ``block_chain_near_ties`` is reported, not gated.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, computed_field
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from convert import backends, checks
+from convert.backends.base import PackageError
+from convert.errors import GateError, InputError
+from convert.export import FunctionModule
+from convert.progress import console
+from convert.target import TargetModules
+from quant.calibrate import fixture_corpus_text, sample_calibration
+
+REPORT_FILE = "gate_report.json"
+METHODS = ("none", "affine4", "lut4", "affine4-gptq", "lut4-gptq")
+
+
+class GateThresholds(BaseModel):
+    """Bars a candidate must meet; ``*_max`` are upper bounds, ``*_min`` lower bounds (inclusive)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mean_kl_max: float = Field(ge=0, description="mean next-token KL(reference || candidate), nats")
+    p99_kl_max: float = Field(ge=0, description="99th percentile of the per-position KL")
+    max_kl_max: float = Field(ge=0, description="largest per-position KL")
+    top1_min: float = Field(ge=0, le=1, description="fraction of positions whose argmax ids agree")
+    cosine_min: float = Field(ge=-1, le=1, description="mean cosine of the logit vectors")
+    greedy_match_min: float = Field(ge=0, le=1, description="mean fraction of G greedy tokens matched before "
+                                    "the first divergence")
+    tap_cosine_min: float = Field(ge=-1, le=1, description="mean cosine of each tapped layer's features")
+    near_tie_margin: float = Field(ge=0, description="block-vs-chain: a flip between ids whose logits differ by "
+                                   "less than this is a near tie")
+    block_chain_real_flips_max: int = Field(0, ge=0, description="block-vs-chain flips that are not near ties")
+
+
+# Measured on the fixture (python -m bench.gates, 32 x 256 held-out tokens; docs/benchmarks.md "Gates").
+_DEFAULTS = {
+    "none": dict(mean_kl_max=1e-4, p99_kl_max=1e-3, max_kl_max=1e-2, top1_min=0.99, cosine_min=0.9999,
+                 greedy_match_min=0.9, tap_cosine_min=0.9999),
+    "affine4": dict(mean_kl_max=0.1, p99_kl_max=0.5, max_kl_max=3.0, top1_min=0.85, cosine_min=0.99,
+                    greedy_match_min=0.4, tap_cosine_min=0.98),
+    "lut4": dict(mean_kl_max=0.1, p99_kl_max=0.5, max_kl_max=3.0, top1_min=0.85, cosine_min=0.99,
+                 greedy_match_min=0.4, tap_cosine_min=0.98),
+}
+
+
+def default_thresholds(method: str) -> GateThresholds:
+    """The default bars for a quantization method (``Quantization.method`` of the recipe).
+
+    GPTQ variants get their round-to-nearest format's bars: GPTQ must do at least as well as RTN, and
+    their own measurements may tighten them.
+    """
+    if method not in METHODS:
+        raise InputError(f"quantization method {method!r} has no gate thresholds; one of {', '.join(METHODS)}")
+    bars = _DEFAULTS[method.removesuffix("-gptq")]
+    return GateThresholds(**bars, near_tie_margin=checks.NEAR_TIE_LOGITS, block_chain_real_flips_max=0)
+
+
+class EvalIdentity(BaseModel):
+    """What the gate evaluated on; goes into the report and the manifest."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    corpus: str
+    corpus_sha256: str
+    n: int
+    length: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class EvalData:
+    tokens: torch.Tensor  # int64 [n, length]
+    identity: EvalIdentity
+
+    @classmethod
+    def from_text(cls, text: str, tokenizer, n: int, length: int, seed: int = 0, corpus: str = "text") -> EvalData:
+        """``n`` windows of ``length`` tokens of ``text`` through ``tokenizer`` (``sample_calibration``'s sampler)."""
+        sample = sample_calibration(text, tokenizer, n=n, length=length, seed=seed)
+        identity = EvalIdentity(corpus=corpus, corpus_sha256=sample.corpus_sha256, n=n, length=length, seed=seed)
+        return cls(tokens=sample.tokens, identity=identity)
+
+    @classmethod
+    def fixture(cls, tokenizer, n: int = 32, length: int = 256, seed: int = 0) -> EvalData:
+        """The default evaluation data: the fixture corpus' held-out split (never trained on)."""
+        return cls.from_text(fixture_corpus_text("eval"), tokenizer, n, length, seed, corpus="fixture:eval")
+
+
+class Metric(BaseModel):
+    name: str
+    value: float
+    threshold: float | None  # None: reported, not gated
+    bound: Literal["max", "min"] | None
+    passed: bool
+
+    @classmethod
+    def gated(cls, name: str, value: float, threshold: float, bound: Literal["max", "min"]) -> Metric:
+        """A NaN value fails either way (both comparisons are false)."""
+        passed = value <= threshold if bound == "max" else value >= threshold
+        return cls(name=name, value=value, threshold=threshold, bound=bound, passed=bool(passed))
+
+
+class Flip(BaseModel):
+    """A probe position where ``verify`` and the ``decode`` chain chose different ids."""
+
+    sample: int
+    position: int
+    block_id: int
+    chain_id: int
+    gap: float  # logits: the larger of the two computations' gaps between the two ids
+    near_tie: bool
+
+
+class NotRun(BaseModel):
+    what: str
+    reason: str
+
+
+class ArtifactResult(BaseModel):
+    """The shipped ``.aimodel`` on the Core AI runtime in lockstep with the modules (``checks.run_coreai``)."""
+
+    package: str
+    passed: bool
+    error: str | None = None
+    runtime_calls: int = 0
+    argmax_compared: int = 0
+    argmax_near_ties: int = 0
+    max_output_delta: float = 0.0
+    seconds: float
+
+
+class GateReport(BaseModel):
+    thresholds: GateThresholds
+    data: EvalIdentity
+    candidate: str
+    greedy_tokens: int
+    metrics: list[Metric]
+    flips: list[Flip]
+    artifact: ArtifactResult | None = None
+    not_run: list[NotRun]
+    seconds: float
+
+    @computed_field
+    @property
+    def passed(self) -> bool:
+        return all(m.passed for m in self.metrics) and (self.artifact is None or self.artifact.passed)
+
+    def failures(self) -> list[str]:
+        """One phrase per failed check: metric, value, the bound it broke."""
+        failed = [f"{m.name} {m.value:.4g} {'>' if m.bound == 'max' else '<'} {m.threshold:.4g}"
+                  for m in self.metrics if not m.passed]
+        if self.artifact is not None and not self.artifact.passed:
+            failed.append(f"artifact {self.artifact.package}: {self.artifact.error}")
+        return failed
+
+    def raise_if_failed(self) -> None:
+        if not self.passed:
+            raise GateError(f"numeric gate failed: {'; '.join(self.failures())}")
+
+    def table(self) -> Table:
+        table = Table(title=f"numeric gate: {'PASS' if self.passed else 'FAIL'} ({self.data.corpus}, "
+                            f"{self.data.n} x {self.data.length} tokens, seed {self.data.seed})")
+        for column in ("metric", "threshold", "value", "result"):
+            table.add_column(column, justify="left" if column == "metric" else "right")
+        for m in self.metrics:
+            threshold = "-" if m.threshold is None else f"{'<=' if m.bound == 'max' else '>='} {m.threshold:.4g}"
+            result = "info" if m.threshold is None else ("pass" if m.passed else "[red]FAIL[/red]")
+            table.add_row(m.name, threshold, f"{m.value:.6g}", result)
+        if self.artifact is None:
+            table.add_row("artifact (.aimodel on Core AI)", "argmax equal", "not run", "-")
+        else:
+            a = self.artifact
+            value = f"{a.argmax_compared} ids, {a.argmax_near_ties} near ties" if a.passed else "differs"
+            table.add_row(f"artifact {a.package}", "argmax equal", value, "pass" if a.passed else "[red]FAIL[/red]")
+        return table
+
+    def write_json(self, path: Path) -> Path:
+        path.write_text(self.model_dump_json(indent=2) + "\n")
+        return path
+
+    def manifest_entry(self) -> dict:
+        """What a published bundle records: pass, data identity, thresholds and every metric's value."""
+        return {
+            "passed": self.passed,
+            "data": self.data.model_dump(),
+            "thresholds": self.thresholds.model_dump(),
+            "metrics": {m.name: m.value for m in self.metrics},
+            "artifact": None if self.artifact is None else self.artifact.model_dump(),
+        }
+
+
+class RowFlip(NamedTuple):
+    row: int
+    block_id: int
+    chain_id: int
+    gap: float
+    near_tie: bool
+
+
+def classify_flips(block: torch.Tensor, chain: torch.Tensor, margin: float) -> list[RowFlip]:
+    """The rows where the argmax ids of ``block`` [K, V] and ``chain`` [K, V] logits differ.
+
+    The gap is the larger of the two computations' logit differences between the two ids: a flip is a
+    near tie only when both the block and the chain had the two ids within ``margin`` of each other.
+    """
+    block_ids, chain_ids = block.argmax(-1), chain.argmax(-1)
+    flips = []
+    for row in torch.nonzero(block_ids != chain_ids).flatten().tolist():
+        a, b = int(block_ids[row]), int(chain_ids[row])
+        gap = max(float(block[row, a] - block[row, b]), float(chain[row, b] - chain[row, a]))
+        flips.append(RowFlip(row, a, b, gap, gap < margin))
+    return flips
+
+
+def run_gates(
+    reference,
+    modules: TargetModules,
+    data: EvalData,
+    thresholds: GateThresholds,
+    taps: list[int] | None = None,
+    greedy_tokens: int = 16,
+    probe_blocks: int = 1,
+    compute_dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+) -> GateReport:
+    """Gate ``modules`` (weights as shipped) against ``reference`` (a transformers causal LM in fp32).
+
+    ``taps``: tapped layers to gate (default: every tap the modules return). ``probe_blocks``: verify
+    blocks per window compared with decode chains. The modules' own states are left untouched: the
+    candidate runs on a copy in ``compute_dtype``.
+    """
+    start = time.perf_counter()
+    taps = list(modules.core.taps) if taps is None else list(taps)
+    _check_inputs(reference, modules, data, taps, greedy_tokens, probe_blocks)
+    candidate = _candidate_copy(modules, compute_dtype)
+    generator = torch.Generator().manual_seed(data.identity.seed)
+    stats = _Stats(taps)
+    with _progress(progress) as bar:
+        task = bar.add_task("numeric gate", total=data.identity.n)
+        for index, window in enumerate(data.tokens.tolist()):
+            ref = _reference_window(reference, window, taps, greedy_tokens)
+            cand = _candidate_window(candidate, window, taps, greedy_tokens, probe_blocks, generator)
+            stats.add(index, ref, cand, thresholds.near_tie_margin)
+            bar.advance(task)
+    weights = str(next(modules.core.parameters()).dtype).removeprefix("torch.")
+    return GateReport(
+        thresholds=thresholds,
+        data=data.identity,
+        candidate=f"export modules, weights as shipped ({weights}), computed in "
+        f"{str(compute_dtype).removeprefix('torch.')}",
+        greedy_tokens=greedy_tokens,
+        metrics=stats.metrics(thresholds),
+        flips=stats.flips,
+        not_run=not_run_here(),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def artifact_gate(package_path: Path, modules: TargetModules, prompt: list[int] | None = None) -> ArtifactResult:
+    """Run the shipped ``.aimodel`` on the Core AI runtime in lockstep with ``modules`` (as shipped, fp16).
+
+    A greedy sequence of prefill, decode steps and a verify block after a rollback
+    (``checks.run_coreai``); every argmax must equal the modules' except near ties of the fp16 runtime,
+    and returned logits or taps must agree within the fp16 bound. On Linux the runtime is the CPU
+    reference interpreter (fp16 emulated: ~30 s for one prefill of 64 on the fixture), so keep it short.
+    """
+    if package_path.suffix != ".aimodel":
+        raise InputError(f"{package_path}: the artifact gate runs a Core AI .aimodel")
+    start = time.perf_counter()
+    with backends.load("coreai").open_session(package_path) as session:
+        try:
+            stats = checks.run_coreai(session, modules, prompt)
+        except PackageError as error:
+            return ArtifactResult(package=package_path.name, passed=False, error=str(error),
+                                  seconds=time.perf_counter() - start)
+    return ArtifactResult(
+        package=package_path.name,
+        passed=True,
+        runtime_calls=stats["runtime_calls"],
+        argmax_compared=stats["argmax_compared"],
+        argmax_near_ties=stats["argmax_near_ties"],
+        max_output_delta=stats["max_output_delta"],
+        seconds=time.perf_counter() - start,
+    )
+
+
+def not_run_here() -> list[NotRun]:
+    """Candidates that cannot run on this platform, with the reason."""
+    if platform.system() == "Darwin":
+        return [NotRun(what="Core ML runtime (.mlpackage)",
+                       reason="the .mlpackage candidate is not wired into the gate yet; its weights are checked "
+                              "bit for bit by the package check")]
+    return [
+        NotRun(what="Core ML runtime (.mlpackage)", reason="coremltools predicts only on macOS; its weights are "
+               "checked bit for bit by the package check"),
+        NotRun(what="Core AI device-specialized package", reason="needs macOS with coreai-build; the artifact gate "
+               "runs the .aimodel on the runtime's Linux CPU reference"),
+    ]
+
+
+def _candidate_copy(modules: TargetModules, dtype: torch.dtype) -> TargetModules:
+    """The modules' core (weights as shipped, upcast exactly) in ``dtype``, with fresh shared KV states."""
+    core = copy.deepcopy(modules.core).to(dtype)
+    specs = [spec for _, spec in modules.functions.values()]
+    states = {s.name: torch.zeros(s.shape, dtype=dtype) for s in specs[0].states}
+    return TargetModules(core=core, functions={s.name: (FunctionModule(core, s, states), s) for s in specs})
+
+
+def _widths(modules: TargetModules) -> dict[str, int]:
+    return {name: spec.inputs[0].shape[1] for name, (_, spec) in modules.functions.items()}
+
+
+def _check_inputs(reference, modules: TargetModules, data: EvalData, taps, greedy_tokens: int, probe_blocks: int):
+    """Refuse, naming the quantity, what the schedule cannot run."""
+    dtype = next(reference.parameters()).dtype
+    if dtype != torch.float32:
+        raise InputError(f"the gate's reference must be the transformers model in float32, got {dtype}")
+    if reference.config.vocab_size != modules.core.args.vocab_size:
+        raise InputError(f"reference vocab {reference.config.vocab_size} != modules vocab "
+                         f"{modules.core.args.vocab_size}: not the same model")
+    missing = [t for t in taps if t not in modules.core.taps]
+    if missing:
+        raise InputError(f"tap layer {missing[0]} is not returned by the modules (taps {list(modules.core.taps)})")
+    widths, length, split = _widths(modules), data.identity.length, data.identity.length // 2
+    if split + probe_blocks * widths["verify"] > length:
+        raise InputError(f"evaluation length {length} is too short for {probe_blocks} probe block(s) of "
+                         f"{widths['verify']} after a prefill of {split}")
+    if greedy_tokens < 1:
+        raise InputError(f"greedy_tokens must be at least 1, got {greedy_tokens}")
+    rows = {  # cache rows written, padding included
+        "prefill chunks": -(-split // widths["prefill"]) * widths["prefill"],
+        "verify blocks": length - 1 + widths["verify"],
+        "greedy continuation": length + greedy_tokens - 1,
+    }
+    what, needed = max(rows.items(), key=lambda item: item[1])
+    if needed > modules.core.context:
+        raise InputError(f"evaluation length {length}: the {what} need {needed} cache rows; the target's context is "
+                         f"{modules.core.context}")
+
+
+@dataclass
+class _Window:
+    logits: torch.Tensor  # [length, V]
+    taps: dict[int, torch.Tensor]  # layer -> [length, hidden]
+    greedy: list[int]
+    probe: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None  # (first position, block, chain logits)
+
+
+@torch.no_grad()
+def _reference_window(reference, window: list[int], taps: list[int], greedy_tokens: int) -> _Window:
+    captured = {}
+    hooks = [reference.model.layers[t].register_forward_hook(
+        lambda _m, _i, out, t=t: captured.__setitem__(t, out[0] if isinstance(out, tuple) else out))
+        for t in taps]
+    try:
+        out = reference(input_ids=torch.tensor([window]), use_cache=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    cache = _cache_keyword(reference)
+    logits = out.logits[0].float()
+    greedy = [int(logits[-1].argmax())]
+    for _ in range(greedy_tokens - 1):
+        out = reference(input_ids=torch.tensor([[greedy[-1]]]), use_cache=True, **{cache: out[cache]})
+        greedy.append(int(out.logits[0, -1].argmax()))
+    return _Window(logits, {t: captured[t].reshape(len(window), -1).float() for t in taps}, greedy)
+
+
+def _cache_keyword(reference) -> str:
+    """transformers 5.2x renamed ``past_key_values`` to ``cache`` (the old name warns, and goes in 5.40)."""
+    return "cache" if "cache" in inspect.signature(reference.forward).parameters else "past_key_values"
+
+
+def _candidate_window(modules: TargetModules, window: list[int], taps: list[int], greedy_tokens: int,
+                      probe_blocks: int, generator: torch.Generator) -> _Window:
+    """One window through the functions as a runtime calls them (module docstring, steps 1-4)."""
+    widths, length, vocab = _widths(modules), len(window), modules.core.args.vocab_size
+    hidden, returned = modules.core.args.hidden_size, list(modules.core.taps)
+    logits = torch.empty(length, vocab)
+    features = {t: torch.empty(length, hidden) for t in taps}
+
+    def call(function: str, tokens: list[int], p0: int, keep: int) -> torch.Tensor:
+        """Run ``function`` on ``tokens`` right-padded to its width at ``p0``; keep rows ``p0 .. p0+keep-1``."""
+        width = widths[function]
+        out = modules.call(function, tokens + [0] * (width - len(tokens)), range(p0, p0 + width))
+        logits[p0 : p0 + keep] = out["logits"][0, :keep].float()
+        for t in taps:
+            i = returned.index(t)
+            features[t][p0 : p0 + keep] = out["taps"][0, :keep, i * hidden : (i + 1) * hidden].float()
+        return out["logits"][0, :keep].float()
+
+    modules.reset()
+    split = length // 2
+    for p0 in range(0, split, widths["prefill"]):
+        keep = min(widths["prefill"], split - p0)
+        call("prefill", window[p0 : p0 + keep], p0, keep)
+    k, p, probe = widths["verify"], split, []
+    for _ in range(probe_blocks):
+        block = call("verify", window[p : p + k], p, k)
+        chain = torch.stack([modules.call("decode", [window[q]], [q])["logits"][0, 0].float() for q in range(p, p + k)])
+        probe.append((p, block, chain))
+        p += k
+    while p < length:
+        rejected = int(torch.randint(0, k // 2 + 1, (), generator=generator))
+        accepted = min(k - rejected, length - p)
+        wrong = [(t + 1) % vocab for t in window[p + accepted : p + k]]
+        call("verify", window[p : p + accepted] + wrong, p, accepted)
+        p += accepted
+    greedy = [int(logits[-1].argmax())]
+    for q in range(length, length + greedy_tokens - 1):
+        greedy.append(int(modules.call("decode", [greedy[-1]], [q])["argmax_ids"][0, 0]))
+    return _Window(logits, features, greedy, probe)
+
+
+class _Stats:
+    """Per-position values accumulated over windows, reduced to metrics at the end."""
+
+    def __init__(self, taps: list[int]):
+        self.kl, self.top1, self.cosine, self.greedy = [], [], [], []
+        self.tap_cosine = {t: [] for t in taps}
+        self.flips: list[Flip] = []
+        self.probed = 0
+
+    def add(self, index: int, ref: _Window, cand: _Window, margin: float) -> None:
+        ref_logp = torch.log_softmax(ref.logits.double(), -1)
+        cand_logp = torch.log_softmax(cand.logits.double(), -1)
+        self.kl.append((ref_logp.exp() * (ref_logp - cand_logp)).sum(-1).clamp(min=0))
+        self.top1.append(ref.logits.argmax(-1) == cand.logits.argmax(-1))
+        self.cosine.append(torch.cosine_similarity(ref.logits.double(), cand.logits.double(), dim=-1))
+        for t, values in self.tap_cosine.items():
+            values.append(torch.cosine_similarity(ref.taps[t].double(), cand.taps[t].double(), dim=-1))
+        pairs = enumerate(zip(ref.greedy, cand.greedy, strict=True))
+        matched = next((i for i, (a, b) in pairs if a != b), len(ref.greedy))
+        self.greedy.append(matched / len(ref.greedy))
+        for p0, block, chain in cand.probe:
+            self.probed += block.shape[0]
+            for f in classify_flips(block, chain, margin):
+                self.flips.append(Flip(sample=index, position=p0 + f.row, block_id=f.block_id, chain_id=f.chain_id,
+                                       gap=f.gap, near_tie=f.near_tie))
+
+    def metrics(self, th: GateThresholds) -> list[Metric]:
+        kl = torch.cat(self.kl)
+        real = sum(not f.near_tie for f in self.flips)
+        metrics = [
+            Metric.gated("kl_mean", float(kl.mean()), th.mean_kl_max, "max"),
+            Metric.gated("kl_p99", float(torch.quantile(kl, 0.99)), th.p99_kl_max, "max"),
+            Metric.gated("kl_max", float(kl.max()), th.max_kl_max, "max"),
+            Metric.gated("top1", float(torch.cat(self.top1).double().mean()), th.top1_min, "min"),
+            Metric.gated("logits_cosine", float(torch.cat(self.cosine).mean()), th.cosine_min, "min"),
+            Metric.gated("greedy_match", sum(self.greedy) / len(self.greedy), th.greedy_match_min, "min"),
+        ]
+        for t, values in self.tap_cosine.items():
+            metrics.append(Metric.gated(f"tap_cosine[{t}]", float(torch.cat(values).mean()), th.tap_cosine_min, "min"))
+        metrics.append(Metric.gated("block_chain_real_flips", real, th.block_chain_real_flips_max, "max"))
+        metrics.append(Metric(name="block_chain_near_ties", value=len(self.flips) - real, threshold=None, bound=None,
+                              passed=True))
+        metrics.append(Metric(name="block_chain_positions", value=self.probed, threshold=None, bound=None, passed=True))
+        return metrics
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True, disable=not enabled)
