@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import platform
 import shutil
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
@@ -14,12 +15,14 @@ from pathlib import Path
 
 import torch
 
-from convert import backends, checks
+from convert import backends, checks, gates
 from convert.backends.base import FunctionSpec
 from convert.bundle import MANIFEST, staging
 from convert.errors import InputError
+from convert.gates import GateReport
 from convert.models.qwen3 import Qwen3Args, sanitize
-from convert.progress import stage
+from convert.progress import console, stage
+from convert.quantize import QuantizeResult, quantize_core
 from convert.recipe import Recipe, check_against_model, load_recipe
 from convert.sources import (
     Snapshot,
@@ -94,29 +97,83 @@ def make_plan(recipe_path: Path, output: str | None = None) -> Plan:
                 checkpoint_bytes)
 
 
+def shipped_modules(plan: Plan) -> tuple[TargetModules, dict | None]:
+    """The export modules with the weights exactly as they ship (fp16, quantized where the recipe says),
+    and the manifest's quantization record."""
+    quant = plan.recipe.target.quantization
+    with stage("load weights (safetensors, memory-mapped)"):
+        tensors = load_tensors(plan.snapshot.directory)
+        modules = build_modules(plan.args, plan.recipe.target, tensors, SHIP_DTYPE)
+        del tensors
+    if not quant.format:
+        return modules, None
+    with stage(f"quantize {quant.method} (groups of {quant.resolved_group_size})"):
+        result = quantize_core(modules.core, quant, plan.snapshot.directory, plan.recipe_path.resolve().parent)
+    return modules, _quantization_record(quant, result, modules)
+
+
+def gate(plan: Plan, modules: TargetModules, report_path: Path | None) -> GateReport:
+    """The numeric gate of the modules against the transformers reference; prints its table; fails closed
+    (``GateError``) after writing the report to ``report_path`` when given."""
+    report = gates.gate_target(plan, modules)
+    console.print(report.table())
+    if report_path is not None and not report.passed:
+        report.write_json(report_path)
+    report.raise_if_failed()
+    return report
+
+
+def gate_bundle(recipe_path: Path, bundle: Path | None, report_path: Path) -> GateReport:
+    """``spec-convert gate``: the statistical gate on modules rebuilt from the recipe, and with a bundle the
+    artifact gate on its .aimodel, after checking the rebuilt weights are the bundle's (lm_head, embeddings)."""
+    from convert.inspect import read_manifest
+
+    plan = make_plan(recipe_path)
+    modules, _ = shipped_modules(plan)
+    report = gates.gate_target(plan, modules)
+    if bundle is not None:
+        manifest = read_manifest(bundle)
+        for field, tensor in (("lm_head_sha256", modules.core.lm_head.weight),
+                              ("embedding_sha256", modules.core.embed_tokens.weight)):
+            if getattr(manifest.weights, field) != identity.tensor_sha256(tensor):
+                raise InputError(f"{bundle}: weights.{field} differs from the weights {recipe_path} builds; "
+                                 "gate the bundle with the recipe it was built from")
+        package = next((p for p in manifest.packages if p.format == "coreai"), None)
+        if package is not None:
+            with stage(f"artifact gate: {package.path} on the Core AI runtime"):
+                report.artifact = gates.artifact_gate(bundle / package.path, modules)
+    console.print(report.table())
+    report.write_json(report_path)
+    report.raise_if_failed()
+    return report
+
+
 def build(plan: Plan) -> Manifest:
-    """Build, check and publish the bundle; returns its manifest. Raises InputError / GateError."""
+    """Build, gate, check and publish the bundle; returns its manifest. Raises InputError / GateError."""
     recipe, snap = plan.recipe, plan.snapshot
+    failed_report = plan.output.resolve().parent / f"{plan.output.name}.{gates.REPORT_FILE}"
     with staging(plan.output) as tmp:
         with stage("hash source files"):
             source_files = file_records(snap.directory)
-        with stage("load weights (safetensors, memory-mapped)"):
-            tensors = load_tensors(snap.directory)
-            modules = build_modules(plan.args, recipe.target, tensors, SHIP_DTYPE)
-            del tensors
+        modules, quantization = shipped_modules(plan)
+        report = gate(plan, modules, failed_report)
         packages = []
         for name in recipe.backends:
             backend = backends.load(name)
             path = tmp / f"{recipe.name}{backends.SUFFIXES[name]}"
             with stage(f"package {name}: {path.name} ({', '.join(modules.functions)})"):
                 backend.package(modules.functions, path)
+            start = time.perf_counter()
             with stage(f"check {name}: read back{' and run on the Core AI runtime' if name == 'coreai' else ''}"):
                 check = checks.check_package(name, path, modules)
+            if name == "coreai":  # the run check is the artifact gate: the .aimodel computes what was gated
+                report.artifact = gates.artifact_from_check(path.name, check, time.perf_counter() - start)
             with stage(f"compile {name}"):
                 compiled = backend.compile(path, tmp / "compiled")
             packages.append(_package_entry(name, path, tmp, check, compiled))
+        report.write_json(tmp / gates.REPORT_FILE)
         extra_files = _copy_extras(snap.directory, tmp)
-        manifest = _manifest(plan, source_files, modules, packages, extra_files)
+        manifest = _manifest(plan, source_files, modules, packages, extra_files, quantization, report)
         (tmp / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
     return manifest
 
@@ -179,7 +236,35 @@ def toolchain_versions() -> dict[str, str]:
     return versions
 
 
-def _manifest(plan: Plan, source_files, modules: TargetModules, packages, extra_files) -> Manifest:
+def _quantization_record(quant, result: QuantizeResult, modules: TargetModules) -> dict:
+    params = {id(p): p for p in modules.core.parameters()}.values()
+    quantized_numel = sum(qw.codes.numel() for qw in result.weights.values())
+    total_bits = sum(qw.bits_per_weight * qw.codes.numel() for qw in result.weights.values())
+    total_bits += 16 * (sum(p.numel() for p in params) - quantized_numel)
+    layers = []
+    for name, qw in sorted(result.weights.items()):
+        keys = ("weight_mse", "gptq_output_error", "rtn_output_error", "damping", "cholesky_retries")
+        stats = {k: qw.stats[k] for k in keys if qw.stats.get(k) is not None}
+        layers.append({"name": name, "method": qw.method, "group_size": qw.group_size,
+                       "bits_per_weight": qw.bits_per_weight, **stats})
+    calibration = None
+    if result.calibration is not None:
+        calibration = {"corpus": result.corpus, **result.calibration.identity()}
+    return {
+        "method": quant.method,
+        "group_size": quant.resolved_group_size,
+        "bits_per_weight": total_bits / sum(p.numel() for p in params),
+        "kept_fp16": sorted(
+            n for n, m in modules.core.named_modules()
+            if getattr(m, "weight", None) is not None and m.weight.dim() == 2 and n not in result.weights
+        ),
+        "calibration": calibration,
+        "layers": layers,
+    }
+
+
+def _manifest(plan: Plan, source_files, modules: TargetModules, packages, extra_files, quantization,
+              report: GateReport) -> Manifest:
     args, snap, core = plan.args, plan.snapshot, modules.core
     tok_records = [r for r in source_files if r.path in TOKENIZER_FILES]
     data = {
@@ -221,6 +306,8 @@ def _manifest(plan: Plan, source_files, modules: TargetModules, packages, extra_
             "lm_head_tied": args.tie_word_embeddings,
             "parameter_count": sum(p.numel() for p in {id(p): p for p in core.parameters()}.values()),
         },
+        "quantization": quantization,
+        "gate": report.manifest_entry(),
         "functions": [
             {
                 "name": spec.name,

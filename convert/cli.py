@@ -67,6 +67,24 @@ def build(recipe: Path, output: str | None, dry_run: bool) -> None:
 
 
 @main.command()
+@click.argument("recipe", type=click.Path(path_type=Path))
+@click.option("--bundle", "-b", type=click.Path(path_type=Path), help="also run the bundle's .aimodel (artifact gate)")
+@click.option("--report", "-r", type=click.Path(path_type=Path), default=Path("gate_report.json"), show_default=True,
+              help="where the report goes")
+@user_errors
+def gate(recipe: Path, bundle: Path | None, report: Path) -> None:
+    """Run the numeric gates of a recipe's target alone: exit 0 pass, 1 fail (with a table and a report).
+
+    The shipped weights are rebuilt from the recipe's pinned source (quantization is deterministic); with
+    --bundle they must hash to the bundle's, and its .aimodel is run on the Core AI runtime against them.
+    """
+    from convert.build import gate_bundle
+
+    gate_bundle(recipe, bundle, report)
+    click.echo(f"gate passed; report: {report}")
+
+
+@main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @user_errors
 def inspect(bundle: Path) -> None:

@@ -98,8 +98,18 @@ class QuantizedLinear(nn.Module):
         }
 
 
+class QuantizedEmbedding(QuantizedLinear):
+    """An ``nn.Embedding`` whose table ships as a ``QuantizedWeight``: the same storage as ``QuantizedLinear``
+    (the table is a [vocab, hidden] weight), read with a gather instead of a matmul."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.packed() if torch.compiler.is_exporting() else self.weight
+        return nn.functional.embedding(ids, table)
+
+
 def apply_quantized(core: nn.Module, weights: dict[str, QuantizedWeight]) -> None:
-    """Swap each named ``nn.Linear`` of ``core`` (names as in ``core.named_modules()``) for a ``QuantizedLinear``.
+    """Swap each named ``nn.Linear`` (or ``nn.Embedding``) of ``core`` (names as in ``core.named_modules()``) for a
+    ``QuantizedLinear`` (or ``QuantizedEmbedding``).
 
     A linear module reachable under several names is swapped under all of them by one ``QuantizedLinear``;
     naming two of its aliases with different ``QuantizedWeight`` objects is refused. A linear whose weight is
@@ -125,7 +135,10 @@ def apply_quantized(core: nn.Module, weights: dict[str, QuantizedWeight]) -> Non
                 f"quantized weight {name!r} is {list(quantized.shape)} but the linear's weight is "
                 f"{list(linear.weight.shape)}; quantize the checkpoint tensor this module loads"
             )
-        layer = QuantizedLinear(name, quantized, linear.bias)
+        if isinstance(linear, nn.Embedding):
+            layer = QuantizedEmbedding(name, quantized)
+        else:
+            layer = QuantizedLinear(name, quantized, linear.bias)
         for path in paths:
             core.set_submodule(path, layer)
 
@@ -318,7 +331,7 @@ def _packed_module(q: QuantizedWeight) -> nn.Module:
     )
 
 
-def _linear(core: nn.Module, name: str) -> nn.Linear:
+def _linear(core: nn.Module, name: str) -> nn.Linear | nn.Embedding:
     try:
         module = core.get_submodule(name)
     except AttributeError:
@@ -327,8 +340,10 @@ def _linear(core: nn.Module, name: str) -> nn.Linear:
             f"{name!r} is not a module of the export core; quantized weights are named as in "
             f"core.named_modules(), e.g. {linears[:2]}"
         ) from None
-    if not isinstance(module, nn.Linear):
-        raise PackageError(f"{name!r} is a {type(module).__name__}, not an nn.Linear; only linears are quantized")
+    if not isinstance(module, (nn.Linear, nn.Embedding)):
+        raise PackageError(
+            f"{name!r} is a {type(module).__name__}; only nn.Linear and nn.Embedding weights are quantized"
+        )
     return module
 
 

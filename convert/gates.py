@@ -235,7 +235,7 @@ class GateReport(BaseModel):
             "data": self.data.model_dump(),
             "thresholds": self.thresholds.model_dump(),
             "metrics": {m.name: m.value for m in self.metrics},
-            "artifact": None if self.artifact is None else self.artifact.model_dump(),
+            "artifact": None if self.artifact is None else self.artifact.model_dump(exclude={"seconds"}),
         }
 
 
@@ -332,6 +332,38 @@ def artifact_gate(package_path: Path, modules: TargetModules, prompt: list[int] 
         max_output_delta=stats["max_output_delta"],
         seconds=time.perf_counter() - start,
     )
+
+
+def artifact_from_check(package: str, check: dict, seconds: float) -> ArtifactResult:
+    """The build's Core AI package check (``checks.check_package``) is this gate's run: record it as such."""
+    keys = ("runtime_calls", "argmax_compared", "argmax_near_ties", "max_output_delta")
+    return ArtifactResult(package=package, passed=True, seconds=seconds, **{k: check[k] for k in keys})
+
+
+def gate_target(plan, modules: TargetModules) -> GateReport:
+    """The recipe's gate (``target.gate``) on a build plan's shipped modules: the reference is the transformers
+    model in fp32 from the same pinned snapshot, the data the recipe's evaluation text through its tokenizer."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from convert.quantize import calibration_text
+
+    target, source = plan.recipe.target, plan.snapshot.directory
+    settings = target.gate
+    unknown = sorted(set(settings.thresholds) - set(GateThresholds.model_fields))
+    if unknown:
+        raise InputError(f"{plan.recipe_path}: target.gate.thresholds.{unknown[0]}: unknown metric; one of "
+                         f"{', '.join(GateThresholds.model_fields)}")
+    defaults = default_thresholds(target.quantization.method).model_dump()
+    thresholds = GateThresholds(**{**defaults, **settings.thresholds})
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
+    spec = settings.data
+    text = calibration_text(spec.corpus, plan.recipe_path.resolve().parent, field="target.gate.data.corpus")
+    try:
+        data = EvalData.from_text(text, tokenizer, spec.samples, spec.length, spec.seed, corpus=spec.corpus)
+    except ValueError as exc:
+        raise InputError(f"{plan.recipe_path}: target.gate.data: {exc}") from None
+    reference = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
+    return run_gates(reference, modules, data, thresholds, greedy_tokens=settings.greedy_tokens)
 
 
 def not_run_here() -> list[NotRun]:

@@ -30,12 +30,77 @@ class Graphs(Strict):
     verify: int = Field(8, gt=0, description="tokens per verify call: the draft width")
 
 
+QuantMethod = Literal["none", "affine4", "lut4", "affine4-gptq", "lut4-gptq"]
+
+
+class TextSample(Strict):
+    """n windows of length tokens of a text, through the target's tokenizer, at offsets drawn from seed."""
+
+    corpus: str = Field(description="fixture:train | fixture:validation | fixture:eval | path:FILE (UTF-8 text)")
+    samples: int = Field(32, gt=0)
+    length: int = Field(256, gt=1)
+    seed: int = 0
+
+
+class Calibration(TextSample):
+    """Calibration text for GPTQ: by default the fixture corpus's train split."""
+
+    corpus: str = "fixture:train"
+
+
+class GateData(TextSample):
+    """Evaluation text for the numeric gate: by default the fixture corpus's held-out split."""
+
+    corpus: str = "fixture:eval"
+
+
+class Gate(Strict):
+    data: GateData = GateData()
+    greedy_tokens: int = Field(16, gt=0, description="greedy continuation length compared per window")
+    thresholds: dict[str, float] = Field(
+        default_factory=dict, description="overrides of the method's default bars (convert/gates.py GateThresholds)"
+    )
+
+
+class Quantization(Strict):
+    method: QuantMethod = "none"
+    group_size: int | None = Field(
+        None, gt=0, description="lut4: output rows per table (default 16); affine4: input columns (default 64)"
+    )
+    keep_fp16: list[str] = Field(
+        default_factory=list, description="weights kept fp16: 'embeddings', 'lm_head' or a module name"
+    )
+    lut_refits: int = Field(0, ge=0, description="lut4-gptq: refit the tables and sweep again while the error falls")
+    calibration: Calibration = Calibration()
+
+    @property
+    def format(self) -> str | None:
+        """'affine4' / 'lut4', or None when nothing is quantized."""
+        return None if self.method == "none" else self.method.removesuffix("-gptq")
+
+    @property
+    def uses_gptq(self) -> bool:
+        return self.method.endswith("-gptq")
+
+    @property
+    def resolved_group_size(self) -> int:
+        return self.group_size or (16 if self.format == "lut4" else 64)
+
+    @model_validator(mode="after")
+    def _affine_groups(self) -> Quantization:
+        if self.format == "affine4" and self.resolved_group_size not in (32, 64, 128):
+            raise ValueError(f"affine4 groups are 32, 64 or 128 input columns (got {self.group_size})")
+        return self
+
+
 class Target(Strict):
     source: str = Field(description="path:DIR (relative to the recipe) or hf://org/name@revision")
     graphs: Graphs = Graphs()
     context: int = Field(512, gt=0, description="KV cache capacity in tokens")
     taps: list[int] | None = Field(None, description="layers whose outputs are returned, in this order (0-based)")
     logits: bool = Field(False, description="also return full [1,S,vocab] logits from every function")
+    quantization: Quantization = Quantization()
+    gate: Gate = Gate()
 
     @field_validator("taps")
     @classmethod
@@ -52,6 +117,10 @@ class Target(Strict):
         widest = max(self.graphs.prefill, self.graphs.verify)
         if self.context < widest:
             raise ValueError(f"context {self.context} is smaller than the widest function ({widest} tokens)")
+        needed = self.gate.data.length + self.gate.greedy_tokens
+        if needed > self.context:
+            raise ValueError(f"gate.data.length {self.gate.data.length} + gate.greedy_tokens {self.gate.greedy_tokens} "
+                             f"exceeds the context ({self.context}): lower them")
         return self
 
 

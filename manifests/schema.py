@@ -78,6 +78,46 @@ class Weights(Model):
     parameter_count: int
 
 
+class QuantizedLayer(Model):
+    name: str
+    method: str
+    group_size: int
+    bits_per_weight: float
+    weight_mse: float
+    gptq_output_error: float | None = None
+    rtn_output_error: float | None = None
+    damping: float | None = None
+    cholesky_retries: int | None = None
+
+
+class CalibrationIdentity(Model):
+    corpus: str = Field(description="the recipe's corpus reference (fixture:SPLIT or path:FILE)")
+    corpus_sha256: str = Field(description="sha256 of the UTF-8 text that was tokenized")
+    n: int
+    length: int
+    seed: int
+
+
+class Quantization(Model):
+    method: Literal["affine4", "lut4", "affine4-gptq", "lut4-gptq"]
+    bits: int = 4
+    group_size: int = Field(description="lut4: output rows per table; affine4: input columns per group")
+    bits_per_weight: float = Field(description="over every weight of the model, fp16 ones included")
+    kept_fp16: list[str]
+    calibration: CalibrationIdentity | None
+    layers: list[QuantizedLayer]
+
+
+class Gate(Model):
+    passed: bool
+    data: dict[str, str | int] = Field(description="evaluation text identity: corpus, corpus_sha256, n, length, seed")
+    thresholds: dict[str, float]
+    metrics: dict[str, float]
+    artifact: dict[str, str | int | float | bool | None] | None = Field(
+        description="the .aimodel run on the Core AI runtime against the gated modules"
+    )
+
+
 class TensorDesc(Model):
     name: str
     shape: list[int]
@@ -120,6 +160,8 @@ class Manifest(Model):
     taps: Taps | None
     tokenizer: Tokenizer
     weights: Weights
+    quantization: Quantization | None = None
+    gate: Gate
     functions: list[Function]
     packages: list[Package]
     extra_files: list[FileEntry] = Field(description="LICENSE / NOTICE / tokenizer / config copied into the bundle")

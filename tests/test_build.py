@@ -22,6 +22,10 @@ target:
   context: 64
   taps: [2, 0]
   logits: true
+  gate:  # random weights have near-flat logits: fp16 rounding flips a few argmax ids
+    data: {{samples: 4, length: 40}}
+    greedy_tokens: 8
+    thresholds: {{top1_min: 0.95, greedy_match_min: 0.5}}
 """
 
 pytestmark = pytest.mark.slow
@@ -117,7 +121,7 @@ def test_lm_head_hash_tracks_one_value(built, tiny_checkpoint):
     model_file = next(i for i, f in enumerate(manifest(first)["source"]["files"]) if f["path"] == "model.safetensors")
     assert "weights.lm_head_sha256" in changed and "export_id" in changed
     assert f"source.files.{model_file}.sha256" in changed
-    allowed_prefixes = ("packages.",)  # package bytes, their hashes and the run check of the changed head
+    allowed_prefixes = ("packages.", "gate.metrics.")  # package bytes and hashes, checks and gate of the new head
     unexpected = {k for k in changed if not k.startswith(allowed_prefixes)} - {
         "weights.lm_head_sha256", "export_id", f"source.files.{model_file}.sha256"}
     assert unexpected == set()
@@ -166,3 +170,35 @@ def test_tied_head_hashes_the_shared_tensor(tmp_path):
     assert w["lm_head_tied"] is True and w["lm_head_sha256"] == w["embedding_sha256"]
     shipped = load_file(tmp_path / "tied" / "model.safetensors")["model.embed_tokens.weight"].to(torch.float16)
     assert w["embedding_sha256"] == tensor_sha256(shipped)
+
+
+def test_failing_gate_publishes_nothing(tmp_path, tiny_checkpoint):
+    code, output = build(tmp_path, tiny_checkpoint, "g")
+    assert code == 0, output
+    recipe = (tmp_path / "g.yaml").read_text()
+    (tmp_path / "g.yaml").write_text(recipe.replace("greedy_match_min: 0.5}", "greedy_match_min: 0.5, mean_kl_max: 0}"))
+    before = (tmp_path / "g" / "manifest.json").read_bytes()
+    result = CliRunner().invoke(main, ["build", str(tmp_path / "g.yaml"), "--output", str(tmp_path / "g")])
+    assert result.exit_code == 1, result.output
+    assert "numeric gate failed: kl_mean" in result.output and "FAIL" in result.output
+    report = json.loads((tmp_path / "g.gate_report.json").read_text())
+    assert report["passed"] is False
+    assert next(m for m in report["metrics"] if m["name"] == "kl_mean")["passed"] is False
+    assert (tmp_path / "g" / "manifest.json").read_bytes() == before  # the good bundle stays, nothing new
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".g.")]
+
+
+def test_gate_command_on_a_bundle(built, tmp_path):
+    tmp, bundle = built
+    report = tmp_path / "report.json"
+    result = CliRunner().invoke(main, ["gate", str(tmp / "a.yaml"), "--bundle", str(bundle), "--report", str(report)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["passed"] is True and data["artifact"]["passed"] is True and data["artifact"]["argmax_compared"] > 0
+    assert data["data"]["corpus"] == "fixture:eval" and data["data"]["n"] == 4
+    assert manifest(bundle)["gate"]["metrics"]["kl_mean"] == pytest.approx(
+        next(m["value"] for m in data["metrics"] if m["name"] == "kl_mean"))
+    bad = (tmp / "a.yaml").read_text().replace("top1_min: 0.95", "top1_minimum: 0.95")
+    (tmp_path / "bad.yaml").write_text(bad)
+    result = CliRunner().invoke(main, ["gate", str(tmp_path / "bad.yaml")])
+    assert result.exit_code == 2 and "target.gate.thresholds.top1_minimum: unknown metric" in result.output

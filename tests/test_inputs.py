@@ -18,6 +18,7 @@ target:
   source: path:ckpt
   graphs: {prefill: 16, decode: 1, verify: 8}
   context: 64
+  gate: {data: {samples: 2, length: 32}, greedy_tokens: 4}
 backends: [coreai]
 output: out/bundle
 """

@@ -1,0 +1,149 @@
+"""Calibration for GPTQ: token samples from a corpus, and layer-sequential Hessian capture over the Qwen3 core.
+
+Samples: the corpus text goes through the real tokenizer as one token stream; ``n`` windows of ``length`` tokens
+start at offsets drawn from a seeded generator. ``CalibrationSet`` records the text's sha256, n, length and seed
+(the calibration identity the manifest records).
+
+Capture (as in the GPTQ reference's layer-sequential loop): the embeddings of every sample, then for each decoder
+layer, each group of its linears in turn (q/k/v, then o, then gate/up, then down: "true sequential", so o_proj's
+Hessian sees the already-quantized q/k/v): run the layer over every sample with hooks that accumulate that
+group's input Hessians, hand each linear to the caller's ``quantize_linear``, put the dequantized weight back.
+Then the layer's outputs, computed with its quantized weights, become the next layer's inputs; only one layer's
+activations are held at a time. Layers run unbatched (the export core works on one sequence), causally over
+the sample itself with a zeroed KV cache of the sample's length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from convert.models.qwen3 import DecoderLayer, Qwen3Core
+from quant.gptq import HessianAccumulator
+from quant.types import QuantizedWeight
+
+LINEAR_GROUPS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+
+# (transformers name without ".weight", weight [out, in], Hessian [in, in]) -> quantized weight, or None to keep it
+QuantizeLinear = Callable[[str, torch.Tensor, torch.Tensor], "QuantizedWeight | None"]
+
+
+@dataclass(frozen=True)
+class CalibrationSet:
+    tokens: torch.Tensor  # int64 [n, length]
+    corpus_sha256: str  # of the UTF-8 text that was tokenized
+    n: int
+    length: int
+    seed: int
+
+    def identity(self) -> dict:
+        return {"corpus_sha256": self.corpus_sha256, "n": self.n, "length": self.length, "seed": self.seed}
+
+
+def fixture_corpus_text(split: str = "train") -> str:
+    """A fixture corpus split as the model was trained on it: every file as ``<|bos|> text <|eos|>``.
+
+    The train split is rebuilt by ``python -m fixtures.build_corpus``; validation and eval are shipped.
+    """
+    from fixtures.corpus import read_split
+    from fixtures.train_tokenizer import BOS, EOS
+
+    return "".join(f"{BOS}{f.text}{EOS}" for f in read_split(split))
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` through a ``tokenizers.Tokenizer`` or a transformers tokenizer, no added specials."""
+    encoded = tokenizer.encode(text, add_special_tokens=False)
+    return list(getattr(encoded, "ids", encoded))
+
+
+def sample_calibration(text: str, tokenizer, n: int = 128, length: int = 2048, seed: int = 0) -> CalibrationSet:
+    """``n`` windows of ``length`` tokens of ``text``, at offsets drawn from ``seed`` (windows may overlap)."""
+    ids = torch.tensor(encode(tokenizer, text), dtype=torch.int64)
+    if ids.numel() < length:
+        raise ValueError(f"calibration text has {ids.numel()} tokens, fewer than one sample of {length}")
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - length + 1, (n,), generator=generator)
+    tokens = ids[starts[:, None] + torch.arange(length)]
+    sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return CalibrationSet(tokens=tokens, corpus_sha256=sha, n=n, length=length, seed=seed)
+
+
+class CausalRunner:
+    """Runs one decoder layer of ``core`` over a sequence of ``length`` tokens at positions 0..length-1.
+
+    The same inputs ``Qwen3Core.forward`` builds, for a zeroed cache holding exactly this sequence (each call
+    writes every cache row before reading, so the cache is reused across samples without clearing).
+    """
+
+    def __init__(self, core: Qwen3Core, length: int):
+        if length > core.context:
+            raise ValueError(f"calibration length {length} exceeds the core's context {core.context}")
+        args, dtype, device = core.args, core.embed_tokens.weight.dtype, core.embed_tokens.weight.device
+        positions = torch.arange(length, device=device)
+        self.cos, self.sin = core.rope_cos[:length].to(dtype), core.rope_sin[:length].to(dtype)
+        self.mask_bias = torch.where(positions[None, :] <= positions[:, None], 0.0, -1e4).to(dtype)
+        rows = positions[None, :].expand(args.num_key_value_heads, -1)
+        self.heads_rows = (core.kv_head_index.expand_as(rows), rows)
+        cache = (args.num_hidden_layers, args.num_key_value_heads, length, args.head_dim)
+        self.key_cache = torch.zeros(cache, dtype=dtype, device=device)
+        self.value_cache = torch.zeros(cache, dtype=dtype, device=device)
+
+    def __call__(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [n, length, hidden] -> the layer's outputs, sample by sample."""
+        return torch.stack(
+            [layer(s, self.cos, self.sin, self.heads_rows, self.mask_bias, self.key_cache, self.value_cache) for s in x]
+        )
+
+
+def capture_hessians(
+    layer: DecoderLayer, names: tuple[str, ...], x: torch.Tensor, runner: CausalRunner
+) -> tuple[dict[str, HessianAccumulator], torch.Tensor]:
+    """Input Hessians of the linears ``names`` (e.g. ``mlp.down_proj``) of ``layer`` over the inputs ``x``, and the
+    layer's outputs."""
+    accumulators, hooks = {}, []
+    for name in names:
+        linear = layer.get_submodule(name)
+        acc = HessianAccumulator(linear.in_features, linear.weight.device)
+        accumulators[name] = acc
+        hooks.append(linear.register_forward_pre_hook(lambda _module, args, acc=acc: acc.add(args[0])))
+    try:
+        outputs = runner(layer, x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return accumulators, outputs
+
+
+@dataclass
+class SequentialResult:
+    quantized: dict[str, QuantizedWeight]  # by transformers name, without ".weight"
+    hidden: torch.Tensor  # [n, length, hidden]: the last decoder layer's outputs
+
+
+@torch.no_grad()
+def quantize_sequential(core: Qwen3Core, tokens: torch.Tensor, quantize_linear: QuantizeLinear) -> SequentialResult:
+    """Quantize every decoder-layer linear of ``core`` in place, layer by layer, on calibration ``tokens`` [n, L]."""
+    runner = CausalRunner(core, tokens.shape[1])
+    x = core.embed_tokens(tokens.to(core.embed_tokens.weight.device).long())
+    quantized = {}
+    for i, layer in enumerate(core.layers):
+        for names in LINEAR_GROUPS:
+            accumulators, _ = capture_hessians(layer, names, x, runner)
+            for name, acc in accumulators.items():
+                full_name = f"model.layers.{i}.{name}"
+                linear = layer.get_submodule(name)
+                qw = quantize_linear(full_name, linear.weight, acc.hessian())
+                if qw is not None:
+                    linear.weight.copy_(qw.dequantize().to(linear.weight.dtype))
+                    quantized[full_name] = qw
+        x = runner(layer, x)
+    return SequentialResult(quantized=quantized, hidden=x)

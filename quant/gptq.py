@@ -1,0 +1,252 @@
+"""GPTQ (Frantar et al.; IST-DASLab/gptq ``gptq.py``) for affine4 and lut4, through each format's fit/round split.
+
+The group parameters are fitted once on the whole (dead-column-zeroed) weight before the sweep ("static groups"),
+so act-order, which visits columns by descending Hessian diagonal, never changes which columns share a group.
+The sweep rounds one column at a time to the nearest code under those parameters and spreads the output error
+over the columns not yet rounded: inside a block of 128 columns eagerly, to the later blocks lazily with one
+matrix product per block (the reference's lazy batch update, where every block's accumulated error reaches
+every later column).
+
+Damping starts at ``percdamp`` x mean(diag H) and grows x10 on a failed Cholesky; the factor used and the number
+of retries are recorded in the stats. After ``MAX_DAMPING_TRIES`` failures it raises, naming the layer: there is
+no silent fall back to round-to-nearest.
+
+Output errors in the stats are mean squared output errors per calibration token,
+``||(W - Q) X||^2 / n = trace((W - Q) H (W - Q)^T) / 2`` with ``H = 2 X X^T / n``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from quant.affine import check_group_size, fit_affine, round_affine
+from quant.types import Method, QuantizedWeight
+
+BLOCK_SIZE = 128
+PERCDAMP = 0.01
+DAMPING_GROWTH = 10.0
+MAX_DAMPING_TRIES = 5  # 0.01, 0.1, 1, 10, 100 x mean(diag H)
+
+# (weight column [out, 1] fp32, its original column index) -> (codes uint8 [out, 1], shipped values [out, 1])
+ColumnRounder = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class GPTQError(RuntimeError):
+    """GPTQ cannot quantize this layer (Hessian not positive definite even with the largest damping)."""
+
+
+class HessianAccumulator:
+    """``H = 2 X X^T / n`` over calibration inputs fed batch by batch, summed in fp32.
+
+    fp16/bf16 inputs on CUDA are multiplied as they are with an fp32 result (``torch.mm(..., out_dtype=)``):
+    the products of 11-bit significands are exact and the sums are fp32, as with fp32 inputs, at tensor-core
+    speed. Other inputs are converted to fp32 first.
+    """
+
+    def __init__(self, features: int, device: torch.device | str | None = None):
+        self.features = features
+        self.sum = torch.zeros(features, features, dtype=torch.float32, device=device)
+        self.count = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        """Add inputs ``x`` [..., features] (every leading index is one token)."""
+        if x.shape[-1] != self.features:
+            raise ValueError(f"Hessian of {self.features} features fed inputs of shape {list(x.shape)}")
+        x = x.detach().reshape(-1, self.features).to(self.sum.device)
+        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+            self.sum += torch.mm(x.T, x, out_dtype=torch.float32)
+        else:
+            x = x.float()
+            self.sum.addmm_(x.T, x)
+        self.count += x.shape[0]
+
+    def hessian(self) -> torch.Tensor:
+        if not self.count:
+            raise ValueError("no calibration inputs were added to this Hessian")
+        return self.sum * (2.0 / self.count)
+
+
+def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> float:
+    """Mean squared output error per calibration token of a weight error ``delta`` [out, in]."""
+    delta = delta.float()
+    return float(((delta @ hessian.float()) * delta).sum() / 2)
+
+
+def inverse_factor(hessian: torch.Tensor, percdamp: float, name: str) -> tuple[torch.Tensor, float, int]:
+    """Upper Cholesky factor of ``(H + damp I)^-1``, with the relative damping used and the retries it took."""
+    mean_diag = float(hessian.diagonal().mean())
+    relative = percdamp
+    for retry in range(MAX_DAMPING_TRIES):
+        damped = hessian.clone()
+        damped.diagonal().add_(relative * mean_diag)
+        try:
+            lower = torch.linalg.cholesky(damped)
+            factor = torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+        except torch.linalg.LinAlgError:
+            factor = None
+        if factor is not None and bool(torch.isfinite(factor).all()):
+            return factor, relative, retry
+        relative *= DAMPING_GROWTH
+    raise GPTQError(
+        f"{name}: the Hessian {list(hessian.shape)} is not positive definite even with damping "
+        f"{relative / DAMPING_GROWTH:g} x mean(diag H) (mean diag {mean_diag:.3g}, {MAX_DAMPING_TRIES} tries)"
+    )
+
+
+def sweep(weight: torch.Tensor, factor: torch.Tensor, rounder: ColumnRounder, order: Sequence[int], block_size: int):
+    """The GPTQ column sweep over ``weight`` [out, in] (permuted, fp32), updated in place.
+
+    Returns the codes [out, in] in the same (permuted) column order; ``weight`` ends holding, for every column,
+    the error-compensated values that were rounded (what a LUT refit is fitted on).
+    """
+    out, columns = weight.shape
+    codes = torch.empty(out, columns, dtype=torch.uint8, device=weight.device)
+    for i1 in range(0, columns, block_size):
+        i2 = min(i1 + block_size, columns)
+        block = weight[:, i1:i2].clone()
+        errors = torch.empty_like(block)
+        inv = factor[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            w, err = block[:, i : i + 1], errors[:, i : i + 1]
+            column_codes, q = rounder(w, order[i1 + i])
+            codes[:, i1 + i : i1 + i + 1] = column_codes
+            torch.sub(w, q, out=err).div_(inv[i, i])
+            block[:, i + 1 :].addmm_(err, inv[i : i + 1, i + 1 :], alpha=-1)
+        weight[:, i1:i2] = block
+        weight[:, i2:].addmm_(errors, factor[i1:i2, i2:], alpha=-1)
+    return codes
+
+
+def affine_rounder(scale: torch.Tensor, zero_point: torch.Tensor, group_size: int) -> ColumnRounder:
+    scale32, zero32 = scale.float(), zero_point.float()
+    scale16, zero16 = scale.half(), zero_point.half()
+
+    def round_column(w: torch.Tensor, col: int):
+        codes = round_affine(w, scale32, zero32, group_size, col)
+        g = col // group_size
+        return codes, (codes - zero16[:, g : g + 1]).mul_(scale16[:, g : g + 1])  # the shipped fp16 arithmetic
+
+    return round_column
+
+
+def lut_rounder(lut: torch.Tensor, group_size: int) -> ColumnRounder:
+    from quant.lut import round_lut
+
+    rows = lut.float().repeat_interleave(group_size, dim=0)  # [out, 16]
+
+    def round_column(w: torch.Tensor, col: int):
+        codes = round_lut(w, lut, group_size)
+        return codes, rows.gather(1, codes.long())
+
+    return round_column
+
+
+def fit_params(method: Method, weight: torch.Tensor, group_size: int, importance: torch.Tensor | None) -> dict:
+    """The format's group parameters, as ``QuantizedWeight`` keywords (``importance`` [in]: lut4 only)."""
+    if method == "affine4":
+        scale, zero_point = fit_affine(weight, group_size)
+        return {"scale": scale, "zero_point": zero_point}
+    from quant.lut import fit_lut
+
+    return {"lut": fit_lut(weight, group_size, importance=importance)}
+
+
+def make_rounder(method: Method, params: dict, group_size: int) -> ColumnRounder:
+    if method == "affine4":
+        return affine_rounder(params["scale"], params["zero_point"], group_size)
+    return lut_rounder(params["lut"], group_size)
+
+
+def round_to_nearest(method: Method, weight: torch.Tensor, params: dict, group_size: int) -> torch.Tensor:
+    if method == "affine4":
+        return round_affine(weight, params["scale"], params["zero_point"], group_size, 0)
+    from quant.lut import round_lut
+
+    return round_lut(weight, params["lut"], group_size)
+
+
+def check_shapes(weight: torch.Tensor, hessian: torch.Tensor, method: str, group_size: int, name: str) -> None:
+    if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
+        raise ValueError(f"{name}: weight {list(weight.shape)} and Hessian {list(hessian.shape)} do not match")
+    if method == "affine4":
+        check_group_size(tuple(weight.shape), group_size)
+    elif method == "lut4":
+        if group_size < 1 or weight.shape[0] % group_size:
+            raise ValueError(f"{name}: lut4 group size {group_size} does not divide the {weight.shape[0]} rows")
+    else:
+        raise ValueError(f"{name}: unknown method {method!r} (affine4 or lut4)")
+
+
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    method: Method,
+    group_size: int,
+    *,
+    block_size: int = BLOCK_SIZE,
+    act_order: bool = True,
+    percdamp: float = PERCDAMP,
+    weighted_lut: bool = True,
+    lut_refits: int = 0,
+    name: str = "weight",
+) -> QuantizedWeight:
+    """GPTQ-quantize ``weight`` [out, in] under ``hessian`` [in, in] (``H = 2 X X^T / n``, fp32).
+
+    Runs on ``weight``'s device. ``group_size`` is in input columns for affine4, in output rows for lut4.
+    lut4: the LUT is fitted before the sweep, weighted by the Hessian diagonal unless ``weighted_lut`` is off;
+    then up to ``lut_refits`` times it is refitted (weighted by diag H) on the values the sweep rounded and the
+    sweep is run again, kept while the output error falls. ``name`` (the layer) is used in errors.
+    """
+    check_shapes(weight, hessian, method, group_size, name)
+    device = weight.device
+    original = weight.detach().float()
+    hessian = hessian.detach().to(device=device, dtype=torch.float32)
+    work_h = hessian.clone()
+    dead = work_h.diagonal() == 0
+    work_h.diagonal()[dead] = 1.0
+    work_w = original.clone()
+    work_w[:, dead] = 0.0
+
+    params = fit_params(method, work_w, group_size, hessian.diagonal() if weighted_lut else None)
+
+    if act_order:
+        perm = torch.sort(work_h.diagonal(), descending=True, stable=True).indices
+        work_h = work_h[perm][:, perm]
+    else:
+        perm = torch.arange(work_w.shape[1], device=device)
+    factor, damping, retries = inverse_factor(work_h, percdamp, name)
+    order, inverse_perm = perm.tolist(), torch.argsort(perm)
+
+    def run(params: dict) -> tuple[QuantizedWeight, torch.Tensor, float]:
+        targets = work_w[:, perm]
+        codes = sweep(targets, factor, make_rounder(method, params, group_size), order, block_size)
+        qw = QuantizedWeight(method, codes[:, inverse_perm], group_size, **params)
+        return qw, targets[:, inverse_perm], output_error(original - qw.dequantize(), hessian)
+
+    qw, targets, error = run(params)
+    kept = 0
+    for _ in range(lut_refits if method == "lut4" else 0):
+        candidate, candidate_targets, candidate_error = run(fit_params(method, targets, group_size, hessian.diagonal()))
+        if candidate_error >= error:
+            break
+        qw, targets, error, kept = candidate, candidate_targets, candidate_error, kept + 1
+
+    rtn = QuantizedWeight(method, round_to_nearest(method, original, params, group_size), group_size, **params)
+    rtn_error = output_error(original - rtn.dequantize(), hessian)
+    qw.stats.update(
+        {
+            "gptq_output_error": error,
+            "rtn_output_error": rtn_error,
+            "error_ratio": error / rtn_error if rtn_error else None,
+            "weight_mse": float((qw.dequantize().float() - original).pow(2).mean()),
+            "damping": damping,
+            "cholesky_retries": retries,
+            "dead_columns": int(dead.sum()),
+            "act_order": act_order,
+            "block_size": block_size,
+            "lut_refits_kept": kept,
+        }
+    )
+    return qw
