@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test test-heavy lint clean
 
 $(BIN)/spec-convert: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+test-heavy: install
+	$(BIN)/python -m pytest -q -m heavy
 
 lint: install
 	$(BIN)/ruff check .

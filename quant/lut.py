@@ -4,14 +4,18 @@
 by their counts (or by the summed importance of the weights holding them): the optimum for the (weighted) weight
 MSE, as coremltools' kmeans1d path computes it, but for all groups at once as tensor operations (CPU or CUDA).
 
-The optimum of 1-D k-means splits the sorted values into 16 intervals. Over the n unique values of a group, with
-prefix sums of weight, weight x value and weight x value^2 (float64, values centred and scaled per group), the
-cost of an interval is O(1) and ``D_j(r)``, the best cost of the first r values in j intervals, is the dynamic
-programme ``D_j(r) = min_{m <= r} D_{j-1}(m) + cost(m, r)``. Its interval cost obeys the quadrangle inequality,
-so the best split ``m`` is monotone in ``r``; each layer is solved by divide and conquer: the middle row of every
-pending run of rows is solved over the split range its solved neighbours allow. Those ranges tile the n splits,
-so one level of the recursion is one pass over all splits of all groups (a dense, padded tensor op), log2(n)
-levels make a layer: O(k n log n) per group, with no Python loop over rows, values or groups.
+The optimum splits the n sorted unique values of a group into 16 intervals. With prefix sums of weight, weight x
+value and weight x value^2 (float64; values centred and scaled per group), an interval's cost is O(1), and
+``D_j(r)``, the least cost of the first r values in j intervals, is the dynamic programme
+``D_j(r) = min_{m <= r} D_{j-1}(m) + cost(m, r)``. The interval cost obeys the quadrangle inequality, so the
+best split m is monotone in r, and a layer is solved by divide and conquer: the middle row of every run of
+unsolved rows is solved over the split range its solved neighbours allow. Those ranges tile the splits, so each
+level of the recursion is one dense pass over the splits of all groups at once, and log2(n) levels make a layer:
+O(k n log n) per group, no Python loop over rows, values or groups. Two things cut the work about threefold:
+intervals 1..8 come from layers run from the left and 9..16 from the same layers run on the mirrored values
+(both halves in one batch), joined where ``D_8(r) + D'_8(n - r)`` is least; and since ``D_j(r)`` grows with r
+while the optimum's ``D_j(b_j)`` cannot exceed the cost of any 16-interval partition (a cheap one is found
+first), each layer only solves, and only splits at, the rows within that budget.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ ENTRIES = 16
 _CODES = 1 << 16  # fp16 bit patterns
 _TINY = 1e-20  # interval weight floor: keeps empty or underflowing intervals at cost 0 instead of 0/0
 _OFFSET = 4.0  # > the range of a split's (normalised) cost, so a running minimum restarts at each range
-_CPU_CHUNK = 1 << 19  # weights per chunk of groups on CPU (cache-sized); CUDA takes up to _CUDA_CHUNK
+_CPU_CHUNK = 1 << 18  # weights per chunk of groups on CPU (cache-sized); CUDA takes up to _CUDA_CHUNK
 _CUDA_CHUNK = 1 << 26
+_AHEAD, _AHEAD_SLACK = 2, 64  # a layer first solves rows up to 2 x (previous layer's reach) + 64
 
 
 def fit_lut(weight: torch.Tensor, group_size: int = 16, importance: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,8 +52,7 @@ def fit_lut(weight: torch.Tensor, group_size: int = 16, importance: torch.Tensor
     if importance is not None:
         masses = importance.to(device=weight.device, dtype=torch.float64).expand(out, columns)
         masses = masses.reshape(groups, group_size * columns)
-    budget = _CUDA_CHUNK if weight.is_cuda else _CPU_CHUNK
-    chunk = max(1, budget // (group_size * columns))
+    chunk = max(1, (_CUDA_CHUNK if weight.is_cuda else _CPU_CHUNK) // (group_size * columns))
     tables = [
         _fit_groups(keys[i : i + chunk], None if masses is None else masses[i : i + chunk])
         for i in range(0, groups, chunk)
@@ -157,7 +161,7 @@ def _fit_groups(keys: torch.Tensor, masses: torch.Tensor | None) -> torch.Tensor
     forward = _prefix_sums(scaled, weights)
     backward = _prefix_sums(-scaled.flip(1), weights.flip(1))  # the same values, mirrored
     both = tuple(torch.cat(pair) for pair in zip(forward, backward, strict=True))
-    budget = _feasible_cost(scaled, forward, ENTRIES).repeat(2) * (1 + 1e-9)
+    budget = _feasible_cost(scaled, forward, ENTRIES).repeat(2) * (1 + 1e-9) + 1e-12  # rounding slack
     boundaries = _kmeans(both, ENTRIES, budget)
     w, s1, _ = forward
     starts, ends = boundaries[:, :-1], boundaries[:, 1:]
@@ -211,7 +215,7 @@ def _kmeans(prefix, k: int, budget: torch.Tensor) -> torch.Tensor:
     upper bound on each optimum. Intervals 1..k/2 come from the first half (DP layers from the left), the
     others from the mirrored half (layers from the right): the middle boundary r minimises
     ``D_{k/2}(r) + D'_{k/2}(n - r)``. As ``D_j(r)`` grows with r and the optimum's ``D_j(b_j)`` is within budget,
-    each layer only needs the rows up to the last one within budget: it solves the rows up to twice the
+    each layer only needs the rows up to the last one within budget: it solves the rows up to ``_AHEAD`` x the
     previous layer's reach (all of them if that was not enough) over the splits within the previous layer's.
     """
     w, s1, s2 = prefix
@@ -223,7 +227,7 @@ def _kmeans(prefix, k: int, budget: torch.Tensor) -> torch.Tensor:
     splits = []
     for _ in range(k // 2 - 1):
         reach = int(torch.where(best <= budget[:, None], rows, 0).max()) + 1
-        last = min(n, 2 * reach + 64)
+        last = min(n, _AHEAD * reach + _AHEAD_SLACK)
         layer = _layer(best, prefix, levels, reach, last)
         if last < n and bool((layer[0][:, last] <= budget).any()):  # the rows beyond may be within budget too
             layer = _layer(best, prefix, levels, reach, n)
@@ -237,18 +241,14 @@ def _kmeans(prefix, k: int, budget: torch.Tensor) -> torch.Tensor:
     return torch.cat((halves[:groups], (n - halves[groups:]).flip(1)[:, 1:]), 1)
 
 
-def _candidates(previous: torch.Tensor, prefix) -> torch.Tensor:
-    """[G, n + 1, 3]: for every split m, the prefix weight and moment at m and ``D_{j-1}(m) - S2(m)``."""
-    w, s1, s2 = prefix
-    return torch.stack((w, s1, previous - s2), 2)
-
-
-def _cost(candidates: torch.Tensor, rows: torch.Tensor, splits: torch.Tensor) -> torch.Tensor:
-    """``D_{j-1}(m) + cost(m, r)`` for splits m [G, R] at rows r given by their prefix sums ``rows`` [G, R, 3]."""
-    picked = candidates.gather(1, splits[..., None].expand(-1, -1, 3))
-    mass = (rows[..., 0] - picked[..., 0]).clamp_min(_TINY)
-    moment = rows[..., 1] - picked[..., 1]
-    return picked[..., 2] + rows[..., 2] - moment.square() / mass
+def _cost(prefix, base: torch.Tensor, rows: tuple[torch.Tensor, ...], splits: torch.Tensor) -> torch.Tensor:
+    """``D_{j-1}(m) + cost(m, r)`` [G, R] for splits m [G, R], given ``base = D_{j-1} - S2`` and the rows'
+    prefix sums ``rows`` (three [G, R])."""
+    w, s1, _ = prefix
+    row_mass, row_moment, row_square = rows
+    mass = (row_mass - w.gather(1, splits)).clamp_min_(_TINY)
+    moment = row_moment - s1.gather(1, splits)
+    return base.gather(1, splits).add_(row_square).sub_(moment.square_().div_(mass))
 
 
 class _Level(NamedTuple):
@@ -262,7 +262,7 @@ class _Level(NamedTuple):
     offsets: torch.Tensor  # [G, 2R + 1]: -4 x segment number
     segment_mass: torch.Tensor  # [G, 2R + 1]: prefix weight of the row each segment is costed against
     segment_moment: torch.Tensor  # [G, 2R + 1]: its prefix moment
-    row_sums: torch.Tensor  # [G, R, 3]: the rows' prefix sums
+    row_sums: tuple[torch.Tensor, ...]  # three [G, R]: the rows' prefix sums
 
 
 def _bisection_levels(prefix) -> list[_Level]:
@@ -274,7 +274,6 @@ def _bisection_levels(prefix) -> list[_Level]:
     w, s1, s2 = prefix
     groups, width = w.shape
     n = width - 1
-    sums = torch.stack(prefix, 2)
     levels = []
     left = torch.zeros(1, dtype=torch.long)
     right = torch.full((1,), n + 1, dtype=torch.long)
@@ -298,7 +297,7 @@ def _bisection_levels(prefix) -> list[_Level]:
                 offsets=offsets.expand(groups, -1),
                 segment_mass=w.index_select(1, segment_rows),
                 segment_moment=s1.index_select(1, segment_rows),
-                row_sums=sums.index_select(1, on_device),
+                row_sums=tuple(total.index_select(1, on_device) for total in prefix),
             )
         )
         left, right = torch.stack((left, rows), 1).flatten(), torch.stack((rows, right), 1).flatten()
@@ -314,13 +313,13 @@ def _layer(
     Per level, each row r being solved may split in [lo, hi] (its solved neighbours' splits, hi <= r). The
     ranges are ordered, so with filler between them they tile the splits: every split m is costed once,
     against the row of its range, and offset by -4 x (segment number) so that one running minimum (``cummin``)
-    along m restarts in every segment; at the range's last split it gives the range's best. The range end hi
-    is costed apart (it may also open the next range) and the winner's cost is recomputed exactly.
+    along m restarts in every segment; at the range's last split it gives the range's best (splits whose costs
+    differ by less than the offset's rounding, ~1e-11 of the group's sum of squares, count as ties). The range
+    end hi is costed apart (it may also open the next range) and the winner's cost is recomputed exactly.
     """
     w, s1, s2 = prefix
     groups, width = w.shape
     base = previous - s2
-    candidates = _candidates(previous, prefix)
     best = torch.full_like(previous, float("inf"))
     best[:, 0] = 0
     split = torch.full((groups, width + 1), width, dtype=torch.long, device=w.device)  # unsolved: no bound
@@ -329,7 +328,7 @@ def _layer(
         count = bisect.bisect_right(level.ascending, last)
         if not count:
             continue
-        rows, row_sums = level.rows[:count], level.row_sums[:, :count]
+        rows, row_sums = level.rows[:count], tuple(total[:, :count] for total in level.row_sums)
         span = min(level.ascending[count - 1] + 1, within)
         lo = split.index_select(1, level.left[:count])
         hi = torch.minimum(split.index_select(1, level.right[:count]), rows.clamp_max(within - 1))
@@ -340,8 +339,7 @@ def _layer(
         moment = level.segment_moment.gather(1, segment).sub_(s1[:, :span])
         key = level.offsets.gather(1, segment).add_(base[:, :span]).addcmul_(moment, moment / mass, value=-1)
         candidate = key.cummin(1).indices.gather(1, (hi - 1).clamp_min(0))
-        costs = _cost(candidates, torch.cat((row_sums, row_sums), 1), torch.cat((candidate, hi), 1))
-        cost_candidate, cost_hi = costs.chunk(2, 1)
+        cost_candidate, cost_hi = _cost(prefix, base, row_sums, candidate), _cost(prefix, base, row_sums, hi)
         take = (hi > lo) & (cost_candidate <= cost_hi)
         best.index_copy_(1, rows, torch.where(take, cost_candidate, cost_hi))
         split.index_copy_(1, rows, torch.where(take, candidate, hi))

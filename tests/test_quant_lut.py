@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from quant import lut
 from quant.lut import ENTRIES, fit_lut, quantize_lut, round_lut
 
 
@@ -77,6 +78,17 @@ def test_tables_are_the_exact_optimum(seed, weighted):
         assert optimum <= fitted * (1 + 1e-12) and fitted <= optimum * (1 + 1e-3)
 
 
+def test_exact_when_a_layer_must_solve_all_rows(monkeypatch):
+    monkeypatch.setattr(lut, "_AHEAD", 0)  # every layer first solves too few rows, then all of them
+    monkeypatch.setattr(lut, "_AHEAD_SLACK", 0)
+    generator = torch.Generator().manual_seed(13)
+    weight = torch.randn(4, 80, generator=generator).pow(3) * 0.01  # heavy tails
+    importance = torch.rand(80, generator=generator)
+    (values, mass), *_ = groups_of(weight, importance, 4)
+    _, centroids = exact_kmeans(values, mass)
+    assert torch.equal(fit_lut(weight, 4, importance)[0], torch.from_numpy(centroids).half())
+
+
 def test_few_unique_values_are_kept_exactly():
     generator = torch.Generator().manual_seed(7)
     palette = torch.tensor([-0.5, -0.25, 0.0, 0.125, 1.0, 3.0, -2.0])
@@ -94,7 +106,7 @@ def test_per_tensor_and_fp32_input_round_the_original_weight():
     weight = torch.randn(4, 50, generator=generator) * 0.1
     qw = quantize_lut(weight, group_size=4)
     assert qw.lut.shape == (1, ENTRIES)
-    optimum, centroids = exact_kmeans(weight.half().double().numpy().ravel(), np.ones(200))
+    _, centroids = exact_kmeans(weight.half().double().numpy().ravel(), np.ones(200))
     assert torch.equal(qw.lut[0], torch.from_numpy(centroids).half())
     # the codes are nearest to the fp32 weight itself, not to its fp16 rounding
     distances = (weight.double()[..., None] - qw.lut[0].double()).abs()
