@@ -117,10 +117,6 @@ class Target(Strict):
         widest = max(self.graphs.prefill, self.graphs.verify)
         if self.context < widest:
             raise ValueError(f"context {self.context} is smaller than the widest function ({widest} tokens)")
-        needed = self.gate.data.length + self.gate.greedy_tokens
-        if needed > self.context:
-            raise ValueError(f"gate.data.length {self.gate.data.length} + gate.greedy_tokens {self.gate.greedy_tokens} "
-                             f"exceeds the context ({self.context}): lower them")
         return self
 
 
@@ -167,6 +163,12 @@ def check_against_model(recipe: Recipe, num_layers: int, max_positions: int, whe
     bad = [t for t in taps if t >= num_layers]
     if bad:
         raise InputError(f"{where}: target.taps: layer {bad[0]} is out of range (the model has {num_layers} layers)")
+    gate = recipe.target.gate
+    if gate.data.length + gate.greedy_tokens > recipe.target.context:
+        raise InputError(
+            f"{where}: target.gate.data.length: {gate.data.length} + greedy_tokens {gate.greedy_tokens} exceeds the "
+            f"context ({recipe.target.context}); lower them or raise target.context"
+        )
     if recipe.target.context > max_positions:
         raise InputError(
             f"{where}: target.context: {recipe.target.context} exceeds the model's max_position_embeddings "

@@ -178,7 +178,8 @@ def test_apply_quantized_swaps_a_shared_linear_under_every_name():
         ("tied", "lm_head.weight is tied to embed.weight.*keep 'lm_head' unquantized"),
         ("two weights", "'b' and 'a' are one shared linear given two different quantized weights"),
         ("unknown", "'nope' is not a module of the export core"),
-        ("not linear", "'embed' is a Embedding, not an nn.Linear"),
+        ("not linear", "'norm' is a LayerNorm; only nn.Linear and nn.Embedding weights are quantized"),
+        ("tied embedding", "embed.weight is tied to lm_head.weight.*keep 'embed' unquantized"),
         ("shape", "'a' is \\[64, 128\\] but the linear's weight is \\[32, 128\\]"),
         ("zero scale", "'a': a scale is zero"),
         ("code range", "'a': codes go up to 16"),
@@ -191,12 +192,14 @@ def test_apply_quantized_refuses_what_cannot_ship_exactly(change, message):
     core.lm_head.weight = core.embed.weight
     core.a = nn.Linear(128, 32, bias=False)
     core.b = core.a
+    core.norm = nn.LayerNorm(128)
     good = random_quantized((32, 128), "affine4", seed=4)
     weights = {
         "tied": {"lm_head": good},
         "two weights": {"a": good, "b": random_quantized((32, 128), "affine4", seed=5)},
         "unknown": {"nope": good},
-        "not linear": {"embed": good},
+        "not linear": {"norm": good},
+        "tied embedding": {"embed": good},
         "shape": {"a": random_quantized((64, 128), "affine4", seed=6)},
         "zero scale": {"a": replace(good, scale=good.scale * 0)},
         "code range": {"a": replace(good, codes=good.codes + 1)},

@@ -60,9 +60,10 @@ def assert_refused(result, *needles: str):
         (lambda t: t.replace("name: t\n", ""), ["name", "required field is missing"]),
         (lambda t: t.replace("path:ckpt", "path:nowhere"), ["target.source", "does not exist"]),
         (lambda t: t.replace("path:ckpt", "hf://org/model@main"), ["not a commit hash"]),
+        (lambda t: t.replace("length: 32}", "length: 80}"), ["target.gate.data.length", "exceeds the context"]),
     ],
     ids=["malformed-yaml", "unknown-field", "zero-width", "wrong-type", "small-context", "dup-taps", "tap-range",
-         "backend", "missing-name", "missing-dir", "unpinned"],
+         "backend", "missing-name", "missing-dir", "unpinned", "gate-window"],
 )
 def test_bad_recipe(workdir, mutate, needles):
     assert_refused(run_dry(workdir, mutate(GOOD)), *needles)
