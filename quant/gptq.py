@@ -29,7 +29,7 @@ PERCDAMP = 0.01
 DAMPING_GROWTH = 10.0
 MAX_DAMPING_TRIES = 5  # 0.01, 0.1, 1, 10, 100 x mean(diag H)
 
-# (weight column [out, 1] fp32, its original column index) -> (codes uint8 [out, 1], shipped values [out, 1])
+# (weight column [out, 1] fp32, its original column index) -> (codes [out, 1] of an integer dtype, shipped values)
 ColumnRounder = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -75,7 +75,10 @@ def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> float:
 
 
 def inverse_factor(hessian: torch.Tensor, percdamp: float, name: str) -> tuple[torch.Tensor, float, int]:
-    """Upper Cholesky factor of ``(H + damp I)^-1``, with the relative damping used and the retries it took."""
+    """Upper Cholesky factor of ``(H + damp I)^-1``, with the relative damping used and the retries it took.
+
+    Raises ``GPTQError`` naming ``name`` when even the largest damping leaves it not positive definite.
+    """
     mean_diag = float(hessian.diagonal().mean())
     relative = percdamp
     for retry in range(MAX_DAMPING_TRIES):
@@ -98,6 +101,11 @@ def inverse_factor(hessian: torch.Tensor, percdamp: float, name: str) -> tuple[t
 def sweep(weight: torch.Tensor, factor: torch.Tensor, rounder: ColumnRounder, order: Sequence[int], block_size: int):
     """The GPTQ column sweep over ``weight`` [out, in] (permuted, fp32), updated in place.
 
+    ``factor`` is the upper Cholesky factor of the inverse Hessian with each row divided by its diagonal entry:
+    a column's rounding error ``w - q`` times its row is its update of the later columns (and turns the column
+    itself into ``q``). Per column the loop issues the rounder's kernels and three more, with views prepared per
+    block: it is the part of GPTQ that launch overhead dominates on a GPU.
+
     Returns the codes [out, in] in the same (permuted) column order; ``weight`` ends holding, for every column,
     the error-compensated values that were rounded (what a LUT refit is fitted on).
     """
@@ -107,38 +115,51 @@ def sweep(weight: torch.Tensor, factor: torch.Tensor, rounder: ColumnRounder, or
         i2 = min(i1 + block_size, columns)
         block = weight[:, i1:i2].clone()
         errors = torch.empty_like(block)
-        inv = factor[i1:i2, i1:i2]
+        rows = factor[i1:i2, i1:i2].split(1, dim=0)
+        block_columns, error_columns = block.split(1, dim=1), errors.split(1, dim=1)
+        code_columns = codes[:, i1:i2].split(1, dim=1)
         for i in range(i2 - i1):
-            w, err = block[:, i : i + 1], errors[:, i : i + 1]
-            column_codes, q = rounder(w, order[i1 + i])
-            codes[:, i1 + i : i1 + i + 1] = column_codes
-            torch.sub(w, q, out=err).div_(inv[i, i])
-            block[:, i + 1 :].addmm_(err, inv[i : i + 1, i + 1 :], alpha=-1)
-        weight[:, i1:i2] = block
+            column_codes, q = rounder(block_columns[i], order[i1 + i])
+            code_columns[i].copy_(column_codes)
+            torch.sub(block_columns[i], q, out=error_columns[i])
+            block.addmm_(error_columns[i], rows[i], alpha=-1)
+        weight[:, i1:i2] = block + errors
         weight[:, i2:].addmm_(errors, factor[i1:i2, i2:], alpha=-1)
     return codes
 
 
 def affine_rounder(scale: torch.Tensor, zero_point: torch.Tensor, group_size: int) -> ColumnRounder:
     scale32, zero32 = scale.float(), zero_point.float()
-    scale16, zero16 = scale.half(), zero_point.half()
+    scale16, zero16 = scale.half().split(1, dim=1), zero_point.half().split(1, dim=1)  # per group [out, 1]
 
     def round_column(w: torch.Tensor, col: int):
         codes = round_affine(w, scale32, zero32, group_size, col)
         g = col // group_size
-        return codes, (codes - zero16[:, g : g + 1]).mul_(scale16[:, g : g + 1])  # the shipped fp16 arithmetic
+        return codes, (codes - zero16[g]).mul_(scale16[g])  # the shipped fp16 arithmetic
 
     return round_column
 
 
 def lut_rounder(lut: torch.Tensor, group_size: int) -> ColumnRounder:
+    """Nearest entry of each row's table, as ``round_lut`` picks it, in four kernels per column.
+
+    ``round_lut`` prepares the sorted table on every call, which per column of the sweep would be most of its
+    kernel launches (lut4 GPTQ of 5120x17408 took 5.9 s on an H200 that way). So it is prepared here once: the
+    entries of every row ascending, the midpoints between them (exact in float64), and for every sorted slot the
+    code ``round_lut`` itself gives that entry (the lowest index among equal entries).
+    A weight takes the slot of the midpoints below it, so one exactly halfway takes the smaller entry, as in
+    ``round_lut`` (``tests/test_gptq.py`` checks the two agree).
+    """
     from quant.lut import round_lut
 
-    rows = lut.float().repeat_interleave(group_size, dim=0)  # [out, 16]
+    ordered = lut.double().repeat_interleave(group_size, dim=0).sort(dim=1).values  # [out, 16]
+    midpoints = ((ordered[:, 1:] + ordered[:, :-1]) / 2).contiguous()
+    slot_codes = round_lut(ordered, lut, group_size)
+    slot_values = ordered.float()
 
     def round_column(w: torch.Tensor, col: int):
-        codes = round_lut(w, lut, group_size)
-        return codes, rows.gather(1, codes.long())
+        slots = torch.searchsorted(midpoints, w.double())
+        return slot_codes.gather(1, slots), slot_values.gather(1, slots)
 
     return round_column
 
@@ -217,6 +238,7 @@ def gptq_quantize(
     else:
         perm = torch.arange(work_w.shape[1], device=device)
     factor, damping, retries = inverse_factor(work_h, percdamp, name)
+    factor /= factor.diagonal().clone()[:, None]
     order, inverse_perm = perm.tolist(), torch.argsort(perm)
 
     def run(params: dict) -> tuple[QuantizedWeight, torch.Tensor, float]:

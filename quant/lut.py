@@ -11,7 +11,7 @@ value and weight x value^2 (float64; values centred and scaled per group), an in
 best split m is monotone in r, and a layer is solved by divide and conquer: the middle row of every run of
 unsolved rows is solved over the split range its solved neighbours allow. Those ranges tile the splits, so each
 level of the recursion is one dense pass over the splits of all groups at once, and log2(n) levels make a layer:
-O(k n log n) per group, no Python loop over rows, values or groups. Two things cut the work about threefold:
+O(k n log n) per group, no Python loop over rows, values or groups. Two things cut the work two- to threefold:
 intervals 1..8 come from layers run from the left and 9..16 from the same layers run on the mirrored values
 (both halves in one batch), joined where ``D_8(r) + D'_8(n - r)`` is least; and since ``D_j(r)`` grows with r
 while the optimum's ``D_j(b_j)`` cannot exceed the cost of any 16-interval partition (a cheap one is found
@@ -21,6 +21,7 @@ first), each layer only solves, and only splits at, the rows within that budget.
 from __future__ import annotations
 
 import bisect
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -31,8 +32,9 @@ ENTRIES = 16
 _CODES = 1 << 16  # fp16 bit patterns
 _TINY = 1e-20  # interval weight floor: keeps empty or underflowing intervals at cost 0 instead of 0/0
 _OFFSET = 4.0  # > the range of a split's (normalised) cost, so a running minimum restarts at each range
-_CPU_CHUNK = 1 << 18  # weights per chunk of groups on CPU (cache-sized); CUDA takes up to _CUDA_CHUNK
-_CUDA_CHUNK = 1 << 26
+# a chunk of groups holds about _CPU_CHUNK (cache-sized) or _CUDA_CHUNK distinct values, a group counting as its
+# number of weights up to _DISTINCT (it seldom has more distinct fp16 values)
+_CPU_CHUNK, _CUDA_CHUNK, _DISTINCT = 1 << 16, 1 << 24, 1 << 14
 _AHEAD, _AHEAD_SLACK = 2, 64  # a layer first solves rows up to 2 x (previous layer's reach) + 64
 
 
@@ -46,18 +48,30 @@ def fit_lut(weight: torch.Tensor, group_size: int = 16, importance: torch.Tensor
     """
     _check(weight, group_size, importance)
     out, columns = weight.shape
-    groups = out // group_size
-    keys = _fp16_keys(weight).view(groups, group_size * columns)
-    masses = None
     if importance is not None:
-        masses = importance.to(device=weight.device, dtype=torch.float64).expand(out, columns)
-        masses = masses.reshape(groups, group_size * columns)
-    chunk = max(1, (_CUDA_CHUNK if weight.is_cuda else _CPU_CHUNK) // (group_size * columns))
-    tables = [
-        _fit_groups(keys[i : i + chunk], None if masses is None else masses[i : i + chunk])
-        for i in range(0, groups, chunk)
+        importance = importance.to(weight.device).expand(out, columns)
+    budget = _CUDA_CHUNK if weight.is_cuda else _CPU_CHUNK
+    rows = max(1, budget // min(group_size * columns, _DISTINCT)) * group_size
+    chunks = [
+        (weight[i : i + rows], None if importance is None else importance[i : i + rows]) for i in range(0, out, rows)
     ]
-    return torch.cat(tables).half()
+    return torch.cat(_fit_chunks(chunks, group_size, weight.device)).half()
+
+
+def _fit_chunks(chunks: list, group_size: int, device: torch.device) -> list[torch.Tensor]:
+    """``_fit_groups`` of every chunk of rows. On CPU with n > 1 torch threads the chunks run side by side on n
+    Python threads, each op single-threaded (torch's thread count is 1 meanwhile): the DP is many small ops,
+    which parallelise better across chunks than within them, and intra-op threads stall when other processes
+    share the cores."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1 or len(chunks) == 1:
+        return [_fit_groups(*chunk, group_size) for chunk in chunks]
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            return list(pool.map(lambda chunk: _fit_groups(*chunk, group_size), chunks))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def round_lut(weight_columns: torch.Tensor, lut: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -71,8 +85,7 @@ def round_lut(weight_columns: torch.Tensor, lut: torch.Tensor, group_size: int) 
         raise ValueError(f"lut {list(lut.shape)} does not fit {out} rows in groups of {group_size}")
     table = lut.to(device=weight_columns.device, dtype=torch.float64)
     ascending, index = torch.sort(table, dim=1, stable=True)
-    # every sorted position answers with the lowest index holding its value
-    codes = index.gather(1, torch.searchsorted(ascending, ascending))
+    codes = index.gather(1, torch.searchsorted(ascending, ascending))  # equal entries: the lowest index
     midpoints = (ascending[:, 1:] + ascending[:, :-1]) / 2  # exact: fp16 sums fit float64
     values = weight_columns.to(torch.float64).reshape(lut.shape[0], -1)
     slots = torch.searchsorted(midpoints, values)  # how many midpoints lie below the weight
@@ -126,32 +139,37 @@ def _unique(keys: torch.Tensor, masses: torch.Tensor | None) -> tuple[torch.Tens
     """Each group's unique values, ascending, and their weights: [G, n] twice, padded with the group's largest
     value at zero weight; the number of unique values [G].
 
-    A histogram over the 65536 fp16 codes (one ``bincount``), so no sort. Groups whose importance is all zero
-    fall back to plain counts.
+    A histogram over the fp16 codes the chunk uses (one ``bincount``), so no sort. Groups whose importance is
+    all zero fall back to plain counts.
     """
     groups = keys.shape[0]
-    flat = (keys + torch.arange(groups, device=keys.device)[:, None] * _CODES).flatten()
-    counts = torch.bincount(flat, minlength=groups * _CODES).view(groups, _CODES)
+    low, high = torch.aminmax(keys)
+    low, codes = int(low), int(high - low) + 1
+    flat = (keys - low + torch.arange(groups, device=keys.device)[:, None] * codes).flatten()
+    counts = torch.bincount(flat, minlength=groups * codes).view(groups, codes)
     present = counts > 0
-    mass = counts.to(torch.float64)
+    group, key = present.nonzero(as_tuple=True)
+    mass = counts[group, key].to(torch.float64)
     if masses is not None:
-        weighted = torch.bincount(flat, weights=masses.flatten(), minlength=groups * _CODES).view(groups, _CODES)
-        mass = torch.where(weighted.sum(1, keepdim=True) > 0, weighted, mass)
+        weighted = torch.bincount(flat, weights=masses.flatten(), minlength=groups * codes).view(groups, codes)
+        mass = torch.where((masses.sum(1) > 0)[group], weighted[group, key], mass)
     sizes = present.sum(1)
     n = int(sizes.max())
-    group, key = present.nonzero(as_tuple=True)
     slot = present.cumsum(1)[group, key] - 1
     values = torch.zeros(groups, n, dtype=torch.float64, device=keys.device)
     weights = torch.zeros_like(values)
-    values[group, slot] = _key_values(keys.device)[key]
-    weights[group, slot] = mass[group, key]
+    values[group, slot] = _key_values(keys.device)[key + low]
+    weights[group, slot] = mass
     slots = torch.arange(n, device=keys.device)
     values = torch.where(slots < sizes[:, None], values, values.gather(1, (sizes - 1)[:, None]))
     return values, weights, sizes
 
 
-def _fit_groups(keys: torch.Tensor, masses: torch.Tensor | None) -> torch.Tensor:
-    """Tables (float64 [G, 16], ascending) of the groups whose ordered fp16 keys are the rows of ``keys``."""
+def _fit_groups(weight: torch.Tensor, importance: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    """Tables (float64 [G, 16], ascending) of the groups of ``group_size`` rows of ``weight`` (a chunk of rows)."""
+    groups = weight.shape[0] // group_size
+    keys = _fp16_keys(weight).reshape(groups, -1)
+    masses = None if importance is None else importance.to(torch.float64).reshape(groups, -1)
     values, weights, sizes = _unique(keys, masses)
     total = weights.sum(1, keepdim=True)
     mean = (weights * values).sum(1, keepdim=True) / total
@@ -162,11 +180,8 @@ def _fit_groups(keys: torch.Tensor, masses: torch.Tensor | None) -> torch.Tensor
     backward = _prefix_sums(-scaled.flip(1), weights.flip(1))  # the same values, mirrored
     both = tuple(torch.cat(pair) for pair in zip(forward, backward, strict=True))
     budget = _feasible_cost(scaled, forward, ENTRIES).repeat(2) * (1 + 1e-9) + 1e-12  # rounding slack
-    boundaries = _kmeans(both, ENTRIES, budget)
-    w, s1, _ = forward
-    starts, ends = boundaries[:, :-1], boundaries[:, 1:]
-    mass = (w.gather(1, ends) - w.gather(1, starts)).clamp_min(_TINY)
-    centroids = (s1.gather(1, ends) - s1.gather(1, starts)) / mass * spread + mean
+    mass, moment, _ = _interval_sums(forward, _kmeans(both, ENTRIES, budget))
+    centroids = moment / mass.clamp_min(_TINY) * spread + mean
     # at most 16 unique values: the table is those values, padded with the largest
     exact = torch.nn.functional.pad(values, (0, max(0, ENTRIES - values.shape[1])))[:, :ENTRIES]
     largest = values.gather(1, (sizes - 1)[:, None])

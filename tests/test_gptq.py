@@ -4,7 +4,17 @@ import pytest
 import torch
 
 from quant.affine import fit_affine, quantize_affine, round_affine
-from quant.gptq import GPTQError, HessianAccumulator, gptq_quantize, output_error
+from quant.gptq import GPTQError, HessianAccumulator, gptq_quantize, lut_rounder, output_error
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Small ops: one torch thread is as fast here, and two stall each other when other jobs share the 2 cores
+    (this file went from 8 s to over 40 s under such load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def correlated_inputs(features: int, tokens: int, seed: int) -> torch.Tensor:
@@ -108,6 +118,27 @@ def test_lut4_gptq_beats_round_to_nearest_on_held_out_inputs():
     assert ratio < 0.6
     assert qw.stats["gptq_output_error"] < qw.stats["rtn_output_error"]
     assert qw.stats["lut_refits_kept"] in (0, 1)
+
+
+def test_lut_column_rounding_is_round_luts():
+    """The sweep's prepared nearest-entry search gives round_lut's codes: midpoints, entries, duplicate entries."""
+    from quant.lut import round_lut
+
+    g = torch.Generator().manual_seed(16)
+    lut = torch.randn(4, 16, generator=g).sort(dim=1).values.half()
+    lut[1, 5:8] = lut[1, 5]  # duplicated entries
+    lut[2] = lut[2].flip(0)  # not sorted
+    rows = lut.repeat_interleave(8, dim=0).double()
+    ordered = rows.sort(dim=1).values
+    midpoints = (ordered[:, 1:] + ordered[:, :-1]) / 2
+    columns = [torch.randn(32, 1, generator=g), ordered[:, 3:4], midpoints[:, 6:7], midpoints[:, 0:1] - 1e-9]
+    columns = [c.contiguous() for c in columns]
+    round_column = lut_rounder(lut, 8)
+    for w in columns:
+        codes, values = round_column(w, 0)  # float64 here: ties exactly at the midpoints
+        expected = round_lut(w, lut, 8)
+        assert torch.equal(codes.to(torch.uint8), expected)
+        assert torch.equal(values, rows.gather(1, expected.long()).float())
 
 
 def test_dead_columns_are_zeroed_not_fatal():

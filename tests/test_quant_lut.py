@@ -89,6 +89,20 @@ def test_exact_when_a_layer_must_solve_all_rows(monkeypatch):
     assert torch.equal(fit_lut(weight, 4, importance)[0], torch.from_numpy(centroids).half())
 
 
+def test_chunks_on_threads_match_one_chunk(monkeypatch):
+    generator = torch.Generator().manual_seed(17)
+    weight = torch.randn(64, 40, generator=generator) * 0.05
+    whole = fit_lut(weight, 4)
+    monkeypatch.setattr(lut, "_CPU_CHUNK", 4 * 40 * 3)  # 3 groups a chunk, on torch's threads
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(fit_lut(weight, 4), whole)
+        assert torch.get_num_threads() == 2  # restored
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_few_unique_values_are_kept_exactly():
     generator = torch.Generator().manual_seed(7)
     palette = torch.tensor([-0.5, -0.25, 0.0, 0.125, 1.0, 3.0, -2.0])
