@@ -42,11 +42,10 @@ class TargetModules:
     functions: dict[str, tuple[FunctionModule, FunctionSpec]]
 
     def reset(self) -> None:
-        """Zero the KV states (a fresh runtime session)."""
-        for module, spec in self.functions.values():
-            for state in spec.states:
-                getattr(module, state.name).zero_()
-            break
+        """Zero the KV states (a fresh runtime session); every function shares the same state tensors."""
+        module, spec = next(iter(self.functions.values()))
+        for state in spec.states:
+            getattr(module, state.name).zero_()
 
     def call(self, name: str, input_ids, position_ids) -> dict[str, torch.Tensor]:
         """Run function ``name`` in torch on the shared states; returns every core output, logits included
