@@ -82,16 +82,7 @@ def coremltools_kmeans(weight: torch.Tensor, group_size: int, repeats: int):
 def coremltools_palettize(weight: torch.Tensor, group_size: int, repeats: int):
     import coremltools as ct
 
-    out_features, in_features = weight.shape
-    layer = torch.nn.Linear(in_features, out_features, bias=False).eval()
-    layer.weight.data.copy_(weight.float().cpu())
-    traced = torch.jit.trace(layer, torch.zeros(1, in_features))
-    model = ct.convert(
-        traced,
-        inputs=[ct.TensorType(name="x", shape=(1, in_features))],
-        minimum_deployment_target=ct.target.iOS18,
-        compute_precision=ct.precision.FLOAT16,
-    )
+    model = one_layer_coreml_model(weight)
     op = ct.optimize.coreml.OpPalettizerConfig(
         mode="kmeans", nbits=4, granularity="per_grouped_channel", group_size=group_size
     )
@@ -100,6 +91,22 @@ def coremltools_palettize(weight: torch.Tensor, group_size: int, repeats: int):
         repeats, lambda: ct.optimize.coreml.palettize_weights(model, config), torch.device("cpu")
     )
     return seconds, mse(_palettized_weight(palettized, weight.shape), weight)
+
+
+def one_layer_coreml_model(weight: torch.Tensor):
+    """A converted fp16 Core ML model of one bias-free linear holding ``weight`` (what coremltools compresses)."""
+    import coremltools as ct
+
+    out_features, in_features = weight.shape
+    layer = torch.nn.Linear(in_features, out_features, bias=False).eval()
+    layer.weight.data.copy_(weight.float().cpu())
+    traced = torch.jit.trace(layer, torch.zeros(1, in_features))
+    return ct.convert(
+        traced,
+        inputs=[ct.TensorType(name="x", shape=(1, in_features))],
+        minimum_deployment_target=ct.target.iOS18,
+        compute_precision=ct.precision.FLOAT16,
+    )
 
 
 def _palettized_weight(model, shape) -> torch.Tensor:
