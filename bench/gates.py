@@ -1,9 +1,12 @@
 """Benchmark: the numeric gate on the fixture over held-out windows, timed, with its table.
 
 The fixture target (taps at layers 3 and 7, the default graph widths) with its fp16 weights as shipped, or
-quantized round-to-nearest (``--method affine4`` / ``lut4``: every decoder linear and the lm_head, at the
-format's default group size; the embedding stays fp16), gated against the transformers model in fp32 with
-``default_thresholds(method)``. Run from the repo root: ``.venv/bin/python -m bench.gates [--method affine4]``.
+quantized exactly as ``build`` ships it (``--method affine4 | lut4 | affine4-gptq | lut4-gptq``: the build's
+quantize stage, ``convert.quantize.quantize_core``, with the recipe defaults: every decoder linear, the lm_head
+and the embedding table at the format's default group size; GPTQ calibrated on the fixture corpus's train split
+with the recipe's default calibration, 32 x 256 tokens, unless ``--calibration-samples`` / ``--calibration-length``
+say otherwise), gated against the transformers model in fp32
+with ``default_thresholds(method)``. Run from the repo root: ``.venv/bin/python -m bench.gates [--method M]``.
 """
 
 from __future__ import annotations
@@ -18,34 +21,26 @@ from rich.console import Console
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from convert import compress, gates
+from convert import gates
 from convert.models.qwen3 import Qwen3Args
-from convert.recipe import Graphs, Target
+from convert.quantize import quantize_core
+from convert.recipe import Calibration, Graphs, Quantization, Target
 from convert.sources import load_tensors, read_json
-from convert.target import TargetModules, build_modules
+from convert.target import build_modules
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "stdlib-qwen3"
 TAPS = [3, 7]
 
 
-def quantize_rtn(modules: TargetModules, method: str) -> None:
-    """Swap every linear of the core (decoder linears and lm_head) for its round-to-nearest 4-bit form."""
-    if method == "affine4":
-        from quant.affine import quantize_affine as quantize
-    else:
-        from quant.lut import quantize_lut as quantize
-    linears = [name for name, m in modules.core.named_modules() if isinstance(m, torch.nn.Linear)]
-    weights = {name: quantize(modules.core.get_submodule(name).weight) for name in linears}
-    compress.apply_quantized(modules.core, weights)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--method", choices=("none", "affine4", "lut4"), default="none")
+    parser.add_argument("--method", choices=("none", "affine4", "lut4", "affine4-gptq", "lut4-gptq"), default="none")
     parser.add_argument("--n", type=int, default=32)
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--compute-dtype", choices=("float32", "float16"), default="float32")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--calibration-samples", type=int, default=Calibration().samples)
+    parser.add_argument("--calibration-length", type=int, default=Calibration().length)
     parser.add_argument("--json", type=Path, help="also write the report here")
     options = parser.parse_args()
     if options.threads:
@@ -56,7 +51,10 @@ def main() -> None:
     target = Target(source="path:x", graphs=Graphs(), context=512, taps=TAPS)
     modules = build_modules(args, target, load_tensors(FIXTURE), torch.float16)
     if options.method != "none":
-        quantize_rtn(modules, options.method)
+        quantization = Quantization(method=options.method,
+                                    calibration=Calibration(samples=options.calibration_samples,
+                                                            length=options.calibration_length))
+        quantize_core(modules.core, quantization, FIXTURE, FIXTURE)
     reference = AutoModelForCausalLM.from_pretrained(FIXTURE, dtype=torch.float32).eval()
     tokenizer = Tokenizer.from_file(str(FIXTURE / "tokenizer.json"))
     data = gates.EvalData.fixture(tokenizer, n=options.n, length=options.length)
@@ -71,7 +69,7 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}")
     print(f"method {options.method}, candidate: {report.candidate}")
     print(f"data: {data.identity.corpus} sha256 {data.identity.corpus_sha256[:16]}, {options.n} x {options.length}")
-    print(f"setup (load, quantize, tokenize): {setup_s:.1f} s; gate: {report.seconds:.1f} s")
+    print(f"setup (load, quantize incl. any GPTQ calibration, tokenize): {setup_s:.1f} s; gate: {report.seconds:.1f} s")
 
 
 if __name__ == "__main__":
