@@ -18,7 +18,8 @@ import torch
 from convert import backends, checks, gates
 from convert.backends.base import FunctionSpec
 from convert.bundle import MANIFEST, staging
-from convert.errors import InputError
+from convert.drafter import DrafterPlan, plan_drafter
+from convert.errors import GateError, InputError
 from convert.gates import GateReport
 from convert.models.qwen3 import Qwen3Args, sanitize
 from convert.progress import console, stage
@@ -52,6 +53,12 @@ class Plan:
     args: Qwen3Args
     specs: list[FunctionSpec]
     checkpoint_bytes: int
+    drafter: DrafterPlan | None = None
+
+    @property
+    def target_dir(self) -> Path:
+        """Where the target bundle goes: the output itself, or its ``target/`` when a drafter comes along."""
+        return self.output / "target" if self.drafter else self.output
 
     @property
     def parameter_count(self) -> int:
@@ -93,8 +100,9 @@ def make_plan(recipe_path: Path, output: str | None = None) -> Plan:
         raise InputError(f"{snapshot.directory}: no tokenizer.json; a bundle ships its tokenizer and hashes it")
     checkpoint_bytes = sum(p.stat().st_size for p in snapshot.directory.glob("*.safetensors"))
     out = Path(output or recipe.output or Path("bundles") / recipe.name)
+    drafter = plan_drafter(recipe, recipe_path, snapshot, args, SHIP_DTYPE) if recipe.drafter else None
     return Plan(recipe, recipe_path, out, snapshot, args, function_specs(args, recipe.target, SHIP_DTYPE),
-                checkpoint_bytes)
+                checkpoint_bytes, drafter)
 
 
 def shipped_modules(plan: Plan) -> tuple[TargetModules, dict | None]:
@@ -149,36 +157,72 @@ def gate_bundle(recipe_path: Path, bundle: Path | None, report_path: Path) -> Ga
 
 
 def build(plan: Plan) -> Manifest:
-    """Build, gate, check and publish the bundle; returns its manifest. Raises InputError / GateError."""
-    recipe, snap = plan.recipe, plan.snapshot
+    """Build, gate, check and publish the bundle; returns the target's manifest. Raises InputError / GateError.
+
+    With a drafter the bundle holds ``target/`` and ``drafter/``, and the pair check runs before publishing.
+    """
     failed_report = plan.output.resolve().parent / f"{plan.output.name}.{gates.REPORT_FILE}"
     with staging(plan.output) as tmp:
-        with stage("hash source files"):
-            source_files = file_records(snap.directory)
-        modules, quantization = shipped_modules(plan)
-        report = gate(plan, modules, failed_report)
-        packages = []
-        for name in recipe.backends:
-            backend = backends.load(name)
-            path = tmp / f"{recipe.name}{backends.SUFFIXES[name]}"
-            with stage(f"package {name}: {path.name} ({', '.join(modules.functions)})"):
-                backend.package(modules.functions, path)
-            start = time.perf_counter()
-            with stage(f"check {name}: read back{' and run on the Core AI runtime' if name == 'coreai' else ''}"):
-                check = checks.check_package(name, path, modules)
-            if name == "coreai":  # the run check is the artifact gate: the .aimodel computes what was gated
-                report.artifact = gates.artifact_from_check(path.name, check, time.perf_counter() - start)
-            with stage(f"compile {name}"):
-                compiled = backend.compile(path, tmp / "compiled")
-            packages.append(_package_entry(name, path, tmp, check, compiled))
-        report.write_json(tmp / gates.REPORT_FILE)
-        extra_files = _copy_extras(snap.directory, tmp)
-        manifest = _manifest(plan, source_files, modules, packages, extra_files, quantization, report)
-        (tmp / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
+        target_dir = tmp / plan.target_dir.relative_to(plan.output)
+        target_dir.mkdir(exist_ok=True)
+        manifest, modules = _build_target(plan, target_dir, failed_report)
+        if plan.drafter:
+            from convert.drafter_build import build_drafter
+
+            drafter_manifest = build_drafter(plan, modules, manifest, target_dir, tmp / "drafter")
+            with stage("check-pair: the drafter's binding against the target bundle"):
+                problems = identity.pair_mismatches(drafter_manifest, manifest, target_dir)
+            if problems:
+                raise GateError(f"check-pair: {problems[0]}")
     return manifest
 
 
-def _package_entry(name: str, path: Path, bundle: Path, check: dict, compiled) -> dict:
+def _build_target(plan: Plan, out: Path, failed_report: Path) -> tuple[Manifest, TargetModules]:
+    recipe, snap = plan.recipe, plan.snapshot
+    with stage("hash source files"):
+        source_files = file_records(snap.directory)
+    modules, quantization = shipped_modules(plan)
+    report = gate(plan, modules, failed_report)
+    packages = []
+    for name in recipe.backends:
+        backend = backends.load(name)
+        path = out / f"{recipe.name}{backends.SUFFIXES[name]}"
+        with stage(f"package {name}: {path.name} ({', '.join(modules.functions)})"):
+            backend.package(modules.functions, path)
+        start = time.perf_counter()
+        with stage(f"check {name}: read back{' and run on the Core AI runtime' if name == 'coreai' else ''}"):
+            check = checks.check_package(name, path, modules)
+        if name == "coreai":  # the run check is the artifact gate: the .aimodel computes what was gated
+            report.artifact = gates.artifact_from_check(path.name, check, time.perf_counter() - start)
+        with stage(f"compile {name}"):
+            compiled = backend.compile(path, out / "compiled")
+        packages.append(package_entry(name, path, out, check, compiled))
+    report.write_json(out / gates.REPORT_FILE)
+    extra_files = copy_extras(snap.directory, out)
+    feeds_drafter = plan.drafter is not None or bool(recipe.target.taps) or recipe.target.hidden
+    interface = _write_drafter_interface(plan, modules, out) if feeds_drafter else None
+    manifest = _manifest(plan, source_files, modules, packages, extra_files, quantization, report, interface)
+    (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
+    return manifest, modules
+
+
+def _write_drafter_interface(plan: Plan, modules: TargetModules, out: Path) -> dict:
+    """lm_head.safetensors and embeddings.safetensors: the tables exactly as the target computes with them.
+
+    Written for every target that can feed a drafter (a drafter in the recipe, taps or the hidden output): a
+    runtime reads anchor embeddings from them, and a drafter's manifest binds to their hashes."""
+    from safetensors.torch import save_file
+
+    files = {}
+    for key, filename, tensor in (("lm_head_file", identity.LM_HEAD_FILE, modules.core.lm_head.weight),
+                                  ("embeddings_file", identity.EMBEDDINGS_FILE, modules.core.embed_tokens.weight)):
+        path = out / filename
+        save_file({"weight": tensor.detach().to(SHIP_DTYPE).contiguous()}, str(path))
+        files[key] = {"path": filename, "sha256": sha256_file(path), "size": path.stat().st_size}
+    return {**files, "hidden_output": plan.recipe.target.hidden}
+
+
+def package_entry(name: str, path: Path, bundle: Path, check: dict, compiled) -> dict:
     backend = backends.load(name)
     files = [
         {"path": f"{path.name}/{r.path}", "sha256": r.sha256, "size": r.size} for r in file_records(path)
@@ -194,7 +238,7 @@ def _package_entry(name: str, path: Path, bundle: Path, check: dict, compiled) -
     }
 
 
-def _copy_extras(source: Path, bundle: Path) -> list[dict]:
+def copy_extras(source: Path, bundle: Path) -> list[dict]:
     """LICENSE / NOTICE at the top, the tokenizer under tokenizer/, config.json as shipped."""
     copied = []
     for path in license_files(source):
@@ -264,7 +308,7 @@ def _quantization_record(quant, result: QuantizeResult, modules: TargetModules) 
 
 
 def _manifest(plan: Plan, source_files, modules: TargetModules, packages, extra_files, quantization,
-              report: GateReport) -> Manifest:
+              report: GateReport, drafter_interface: dict | None) -> Manifest:
     args, snap, core = plan.args, plan.snapshot, modules.core
     tok_records = [r for r in source_files if r.path in TOKENIZER_FILES]
     data = {
@@ -319,6 +363,7 @@ def _manifest(plan: Plan, source_files, modules: TargetModules, packages, extra_
         ],
         "packages": packages,
         "extra_files": extra_files,
+        "drafter_interface": drafter_interface,
     }
     manifest = Manifest.model_validate(data)
     manifest.export_id = identity.export_id(manifest.identity())
@@ -338,7 +383,7 @@ def describe_plan(plan: Plan) -> list[str]:
         return ", ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in ts)
 
     lines = [
-        f"{recipe.name}: {plan.snapshot.reference} -> {plan.output}",
+        f"{recipe.name}: {plan.snapshot.reference} -> {plan.target_dir}",
         f"  qwen3: {args.num_hidden_layers} layers, hidden {args.hidden_size}, heads {args.num_attention_heads}/"
         f"{args.num_key_value_heads} (head_dim {args.head_dim}), vocab {args.vocab_size}, "
         f"{'tied' if args.tie_word_embeddings else 'untied'} lm_head, context {recipe.target.context}",
@@ -354,4 +399,24 @@ def describe_plan(plan: Plan) -> list[str]:
         f"  KV states: {plan.kv_bytes / mib:.1f} MiB (fp16)",
         f"  estimated peak memory: {plan.peak_memory_bytes / mib:.0f} MiB",
     ]
+    if plan.drafter:
+        lines += describe_drafter(plan, tensors)
+    return lines
+
+
+def describe_drafter(plan: Plan, tensors) -> list[str]:
+    d, a = plan.drafter, plan.drafter.args
+    quant = d.config.quantization
+    lines = [f"  drafter {d.kind}: {d.snapshot.reference} ({d.layout}) -> {plan.output / 'drafter'}",
+             f"    hidden {a.hidden_size}, heads {a.num_attention_heads}/{a.num_key_value_heads} (head_dim "
+             f"{a.head_dim}), vocab {a.vocab_size}, {a.parameter_count:,} parameters of its own, quantization "
+             f"{quant.method}"]
+    if d.kind == "dflash2":
+        lines.append(f"    taps {list(a.target_layer_ids)} (output of layer i, 0-based), block {a.block_size}, mask id "
+                     f"{a.mask_token_id} x {d.config.mask_scale}, ring {d.config.ring} rows, selector rank "
+                     f"{a.selector_rank} top-k {a.selector_top_k}")
+    for spec in d.specs:
+        lines += [f"    {spec.name}", f"      inputs:  {tensors(spec.inputs)}",
+                  f"      outputs: {tensors(spec.outputs)}"]
+    lines.append(f"    states (all functions): {tensors(d.specs[0].states)}")
     return lines

@@ -61,13 +61,18 @@ def check_package(name: str, path, modules: TargetModules) -> dict:
     return {**coreml_constants(path, modules), **quantized}
 
 
-def quantized_constants(name: str, path, weights: dict[str, QuantizedWeight]) -> dict:
+def quantized_constants(name: str, path, weights: dict[str, QuantizedWeight], every_function: bool = True) -> dict:
     """Each quantized weight stored as quantized, bit for bit, in every function of the ``name`` package.
 
     Weights are found by content (codes and tables), so a weight stored under another name or shared by two
     layers still counts; one that is missing is reported with the closest stored weight and how it differs.
+    A drafter's functions use different weights (``context_update`` needs no lm_head): with
+    ``every_function=False`` each weight must be stored in some function, and every compressed weight any
+    function stores must be one of ``weights`` exactly.
     """
     shipped = backends.load(name).compressed_weights(path)
+    if not every_function:
+        return _quantized_somewhere(path, weights, shipped)
     for function, found in shipped.items():
         stored = {compress.fingerprint(s.weight): s for s in found}
         for weight_name, expected in weights.items():
@@ -77,6 +82,25 @@ def quantized_constants(name: str, path, weights: dict[str, QuantizedWeight]) ->
                 raise PackageError(f"{path.name}: function {function}: quantized weight {weight_name} is not stored "
                                    f"as quantized: {problem}")
     return {"quantized_weights_compared": len(weights) * len(shipped), "quantized_bit_exact": True}
+
+
+def _quantized_somewhere(path, weights: dict[str, QuantizedWeight], shipped: dict) -> dict:
+    expected = {compress.fingerprint(w): n for n, w in weights.items()}
+    seen, compared = set(), 0
+    for function, found in shipped.items():
+        for stored in found:
+            name = expected.get(compress.fingerprint(stored.weight))
+            problem = None if name is None else compress.difference(weights[name], stored)
+            if name is None or problem:
+                detail = problem or f"{stored.where}: no quantized weight has these codes and tables"
+                raise PackageError(f"{path.name}: function {function}: a stored {stored.weight.method} weight of shape "
+                                   f"{list(stored.weight.shape)} is none of the quantized weights ({detail})")
+            seen.add(name)
+            compared += 1
+    missing = sorted(set(weights) - seen)
+    if missing:
+        raise PackageError(f"{path.name}: quantized weight {missing[0]} is stored in no function")
+    return {"quantized_weights_compared": compared, "quantized_bit_exact": True}
 
 
 def _closest(expected: QuantizedWeight, found: list[compress.ShippedWeight]) -> str:
@@ -140,7 +164,7 @@ def _compare(function, p0, got, ref, real: int, stats: dict) -> None:
                     f"{ref_ids[row]} (logit gap {gap:.3f} >= near-tie margin {NEAR_TIE_LOGITS})"
                 )
             stats["argmax_near_ties"] += 1
-    for name in ("taps", "logits"):
+    for name in ("taps", "hidden", "logits"):
         if name in got and name in ref:
             a = np.asarray(got[name], dtype=np.float32)[0, :real]
             b = ref[name][0, :real].float().numpy()
@@ -151,20 +175,85 @@ def _compare(function, p0, got, ref, real: int, stats: dict) -> None:
                                    f"(relative), above the fp16 bound {FP16_OUTPUT_BOUND}")
 
 
-def coreml_constants(path, modules: TargetModules) -> dict:
-    """Every 2-D weight of the modules, bit for bit, in every function of the package."""
+def coreml_constants(path, modules, every_function: bool = True) -> dict:
+    """Every 2-D weight of the modules, bit for bit, in every function of the package (``every_function=False``,
+    a drafter's: in some function, as its functions use different weights)."""
     coreml = backends.load("coreml")
     weights = {name: p for name, p in modules.core.named_parameters() if p.dim() == 2}
     wanted = {_digest(p.detach().numpy()): name for name, p in weights.items()}
+    stored_anywhere = set()
     for function in modules.functions:
         shipped = {_digest(a) for a in coreml.function_constants(path, function).values()}
+        stored_anywhere |= shipped
         missing = [name for digest, name in wanted.items() if digest not in shipped]
-        if missing:
+        if missing and every_function:
             raise PackageError(f"{path.name}: function {function}: weight {missing[0]} is not stored bit for bit "
                                f"({len(missing)} of {len(wanted)} weights differ)")
-    return {"weights_compared": len(wanted) * len(modules.functions), "weights_bit_exact": True}
+    missing = [name for digest, name in wanted.items() if digest not in stored_anywhere]
+    if missing:
+        raise PackageError(f"{path.name}: weight {missing[0]} is stored bit for bit in no function "
+                           f"({len(missing)} of {len(wanted)} weights)")
+    return {"weights_compared": len(wanted) * (len(modules.functions) if every_function else 1),
+            "weights_bit_exact": True}
 
 
 def _digest(array: np.ndarray) -> str:
     a = np.ascontiguousarray(array)
     return hashlib.sha256(f"{a.dtype}:{a.shape}:".encode() + a.tobytes()).hexdigest()
+
+
+def check_drafter_package(name: str, path, modules, calls: list) -> dict:
+    """A drafter package: specs read back, quantized constants, and on Core AI the recorded calls replayed."""
+    specs = [spec for _, spec in modules.functions.values()]
+    weights = compress.quantized_weights(modules.core)
+    quantized = quantized_constants(name, path, weights, every_function=False) if weights else {}
+    if name == "coreai":
+        with backends.load("coreai").open_session(path) as session:
+            check_specs(session.specs(), specs, path.name)
+            return {**replay_coreai(session, calls), **quantized}
+    check_specs(backends.load(name).read_back(path), specs, path.name)
+    return {**coreml_constants(path, modules, every_function=False), **quantized}
+
+
+def replay_coreai(session, calls: list) -> dict:
+    """Replay recorded torch calls (same inputs, states carried) on the runtime and compare every output.
+
+    Ids must be equal, except from a near tie on: a row whose top two torch scores (the selector's when the
+    core has one, else the logits) are closer than ``NEAR_TIE_LOGITS``; later rows of that call are not
+    compared (the greedy walk continues from another id). Float outputs agree within ``FP16_OUTPUT_BOUND``.
+    """
+    stats = {"runtime_calls": 0, "ids_compared": 0, "id_near_ties": 0, "max_output_delta": 0.0}
+    for function, inputs, expected in calls:
+        if function == "reset":
+            session.reset()
+            continue
+        got = session.call(function, inputs)
+        stats["runtime_calls"] += 1
+        for output, value in got.items():
+            value, want = np.asarray(value), np.asarray(expected[output])
+            if value.dtype.kind in "iu":
+                _compare_ids(function, output, value[0], want[0], expected, stats)
+            else:
+                delta = float(np.abs(value.astype(np.float32) - want).max() / max(1.0, float(np.abs(want).max())))
+                stats["max_output_delta"] = max(stats["max_output_delta"], delta)
+                if delta > FP16_OUTPUT_BOUND:
+                    raise PackageError(f"{function}: output {output} differs from the torch module by {delta:.3g} "
+                                       f"(relative), above the fp16 bound {FP16_OUTPUT_BOUND}")
+    return stats
+
+
+def _compare_ids(function: str, output: str, got: np.ndarray, want: np.ndarray, expected: dict, stats: dict) -> None:
+    scores = expected.get("selector_scores", expected.get("logits"))
+    for row in range(len(want)):
+        stats["ids_compared"] += 1
+        if got[row] == want[row]:
+            continue
+        gap = np.inf
+        if scores is not None:
+            top = np.sort(np.asarray(scores)[0, row].astype(np.float64))[-2:]
+            gap = float(top[1] - top[0])
+        if gap >= NEAR_TIE_LOGITS:
+            raise PackageError(f"{function}: {output} row {row}: the package gives {got[row]}, the torch module "
+                               f"{want[row]} (top-2 score gap {gap:.3f} >= near-tie margin {NEAR_TIE_LOGITS})")
+        stats["id_near_ties"] += 1
+        return

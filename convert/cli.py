@@ -85,6 +85,47 @@ def gate(recipe: Path, bundle: Path | None, report: Path) -> None:
 
 
 @main.command()
+@click.argument("recipe", type=click.Path(path_type=Path))
+@click.option("--runtime", type=click.Choice(["torch", "coreai"]), default="torch", show_default=True,
+              help="torch: the export modules with the shipped weights; coreai: the bundle's .aimodel packages")
+@click.option("--bundle", "-b", type=click.Path(path_type=Path), help="the built bundle (target/ and drafter/)")
+@click.option("--tokens", type=int, help="tokens generated per prompt (default: the recipe's drafter.accept.tokens)")
+@click.option("--prompts", type=int, help="held-out prompts (default: the recipe's drafter.accept.samples)")
+@user_errors
+def accept(recipe: Path, runtime: str, bundle: Path | None, tokens: int | None, prompts: int | None) -> None:
+    """Greedy speculative decoding of a recipe's target with its drafter: tokens per round, acceptance per draft
+    position, and the lossless check against plain greedy decoding (exit 1 when it fails).
+
+    A quantized drafter is also compared with its fp16 self on the same prompts (paired A/B)."""
+    from convert.accept import print_result, run_accept
+
+    print_result(run_accept(recipe, bundle, runtime, tokens, prompts))
+
+
+@main.command("check-pair")
+@click.argument("drafter_bundle", type=click.Path(path_type=Path))
+@click.argument("target_bundle", type=click.Path(path_type=Path))
+@user_errors
+def check_pair(drafter_bundle: Path, target_bundle: Path) -> None:
+    """Refuse (exit 1) a drafter bundle that was not built for exactly this target bundle, naming the field."""
+    from convert.inspect import read_manifest
+    from manifests import identity
+    from manifests.schema import DrafterManifest, Manifest
+
+    drafter, target = read_manifest(drafter_bundle), read_manifest(target_bundle)
+    if not isinstance(drafter, DrafterManifest):
+        raise InputError(f"{drafter_bundle}: a target bundle, not a drafter's; the drafter bundle comes first")
+    if not isinstance(target, Manifest):
+        raise InputError(f"{target_bundle}: a drafter bundle, not a target's")
+    problems = identity.pair_mismatches(drafter, target, target_bundle)
+    if problems:
+        for problem in problems:
+            click.echo(f"mismatch: {problem}", err=True)
+        raise GateError(f"check-pair: {drafter_bundle} does not belong to {target_bundle}: {problems[0]}")
+    click.echo(f"pair ok: {drafter.name} was built for target export {target.export_id[:16]}")
+
+
+@main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @user_errors
 def inspect(bundle: Path) -> None:

@@ -9,10 +9,12 @@ prefill call followed by decode calls carries the cache exactly as a runtime car
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
-from convert.backends.base import FunctionSpec
+from convert.backends.base import FunctionSpec, TensorSpec
 
 
 class FunctionModule(nn.Module):
@@ -27,3 +29,29 @@ class FunctionModule(nn.Module):
         state_tensors = [getattr(self, s.name) for s in self.spec.states]
         produced = self.core(*inputs, *state_tensors)
         return tuple(produced[o.name] for o in self.spec.outputs)
+
+
+def compute_copy(modules, dtype: torch.dtype):
+    """A copy of target or drafter modules (a ``core`` and ``functions`` of (FunctionModule, spec)) computing in
+    ``dtype``: the weights as shipped, upcast exactly, fresh shared states, float specs retyped (so inputs are cast
+    to ``dtype`` too). The gates and the acceptance runs compute in fp32 this way: fp16 torch on CPU is 3-7x slower."""
+    new = copy.deepcopy(modules)
+    new.core.to(dtype)
+    name = {torch.float32: "float32", torch.float16: "float16"}[dtype]
+    specs = {}
+    for function, (module, spec) in new.functions.items():
+        retyped = FunctionSpec(spec.name, tuple(_retype(t, name) for t in spec.inputs),
+                               tuple(_retype(t, name) for t in spec.outputs),
+                               tuple(_retype(t, name) for t in spec.states))
+        specs[function] = (module, retyped)
+    states = {s.name: torch.zeros(s.shape, dtype=dtype) for s in next(iter(specs.values()))[1].states}
+    for module, spec in specs.values():
+        module.spec = spec
+        for state in spec.states:
+            module._buffers[state.name] = states[state.name]
+    new.functions = specs
+    return new
+
+
+def _retype(tensor: TensorSpec, dtype_name: str) -> TensorSpec:
+    return tensor if tensor.dtype == "int32" else TensorSpec(tensor.name, tensor.shape, dtype_name)

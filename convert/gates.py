@@ -40,7 +40,6 @@ Metrics, over every position of every window (n x length):
 
 from __future__ import annotations
 
-import copy
 import inspect
 import platform
 import time
@@ -56,7 +55,7 @@ from rich.table import Table
 from convert import backends, checks
 from convert.backends.base import PackageError
 from convert.errors import GateError, InputError
-from convert.export import FunctionModule
+from convert.export import compute_copy
 from convert.progress import console
 from convert.target import TargetModules
 from quant.calibrate import fixture_corpus_text, sample_calibration
@@ -282,7 +281,7 @@ def run_gates(
     start = time.perf_counter()
     taps = list(modules.core.taps) if taps is None else list(taps)
     _check_inputs(reference, modules, data, taps, greedy_tokens, probe_blocks)
-    candidate = _candidate_copy(modules, compute_dtype)
+    candidate = compute_copy(modules, compute_dtype)
     generator = torch.Generator().manual_seed(data.identity.seed)
     stats = _Stats(taps)
     with _progress(progress) as bar:
@@ -378,14 +377,6 @@ def not_run_here() -> list[NotRun]:
         NotRun(what="Core AI device-specialized package", reason="needs macOS with coreai-build; the artifact gate "
                "runs the .aimodel on the runtime's Linux CPU reference"),
     ]
-
-
-def _candidate_copy(modules: TargetModules, dtype: torch.dtype) -> TargetModules:
-    """The modules' core (weights as shipped, upcast exactly) in ``dtype``, with fresh shared KV states."""
-    core = copy.deepcopy(modules.core).to(dtype)
-    specs = [spec for _, spec in modules.functions.values()]
-    states = {s.name: torch.zeros(s.shape, dtype=dtype) for s in specs[0].states}
-    return TargetModules(core=core, functions={s.name: (FunctionModule(core, s, states), s) for s in specs})
 
 
 def _widths(modules: TargetModules) -> dict[str, int]:

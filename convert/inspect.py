@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -10,22 +11,32 @@ from rich.table import Table
 
 from convert.bundle import MANIFEST
 from convert.errors import InputError
-from manifests.schema import Manifest
+from manifests.schema import DrafterManifest, Manifest
 
 
-def read_manifest(bundle: Path) -> Manifest:
+def read_manifest(bundle: Path) -> Manifest | DrafterManifest:
+    """A target or drafter bundle's manifest (by its ``kind``), validated against the schema."""
     path = bundle / MANIFEST
     if not path.is_file():
-        raise InputError(f"{bundle}: no {MANIFEST}; not a spec-convert bundle")
+        parts = [d.name for d in (bundle / "target", bundle / "drafter") if (d / MANIFEST).is_file()]
+        hint = f" (it holds {' and '.join(f'{p}/' for p in parts)}: name one)" if parts else ""
+        raise InputError(f"{bundle}: no {MANIFEST}; not a spec-convert bundle{hint}")
     try:
-        return Manifest.model_validate_json(path.read_text())
+        data = json.loads(path.read_text())
+        model = DrafterManifest if isinstance(data, dict) and data.get("kind") == "drafter" else Manifest
+        return model.model_validate(data)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"])
         raise InputError(f"{path}: {field}: {err['msg']} (manifest does not match schema version 1)") from None
 
 
-def print_manifest(m: Manifest) -> None:
+def print_manifest(m: Manifest | DrafterManifest) -> None:
+    if isinstance(m, DrafterManifest):
+        _print_drafter(m)
+        return
     out = Console(highlight=False)
     a = m.architecture
     out.print(f"[bold]{m.name}[/bold]  export id {m.export_id}")
@@ -60,3 +71,28 @@ def print_manifest(m: Manifest) -> None:
         compiled = "\n".join(f"{c.kind}: {c.status}" + (f" ({c.reason})" if c.reason else "") for c in p.compile)
         packages.add_row(p.path, f"{size / 2**20:.1f} MiB", p.stable_hash[:16], check, compiled)
     out.print(packages)
+
+
+def _print_drafter(m: DrafterManifest) -> None:
+    out = Console(highlight=False)
+    a, t = m.architecture, m.target
+    out.print(f"[bold]{m.name}[/bold]  drafter export id {m.export_id}")
+    out.print(f"  built {m.built_at} with spec-convert {m.toolchain.get('spec-convert')}")
+    out.print(f"  source {m.source.reference} ({len(m.source.files)} files), layout {a.layout}")
+    out.print(f"  {a.kind} ({', '.join(a.architectures)}): {a.num_layers} layers, hidden {a.hidden_size}, heads "
+              f"{a.num_heads}/{a.num_kv_heads} (head_dim {a.head_dim}), {a.parameter_count:,} parameters")
+    out.print("  runtime " + ", ".join(f"{k}={v}" for k, v in a.runtime.items()))
+    out.print(f"  bound to target export {t.export_id[:16]}: lm_head {t.lm_head_sha256[:16]}, embedding "
+              f"{t.embedding_sha256[:16]}, tokenizer {t.tokenizer_json_sha256[:16]}, taps "
+              f"{t.taps.layers if t.taps else None}, mask row {t.mask_row_sha256[:16] if t.mask_row_sha256 else None}")
+    acc = m.acceptance
+    out.print(f"  acceptance: {acc.get('tokens_per_round', 0):.3f} tokens per round, lossless {acc.get('lossless')}")
+    if m.quantization:
+        q = m.quantization
+        out.print(f"  quantization {q.method} g{q.group_size}, {q.bits_per_weight:.2f} bits per weight")
+    if m.ab:
+        out.print(f"  A/B vs fp16: sign test p {m.ab.get('sign_test_p')}, accepted {m.ab.get('accepted_other')} vs "
+                  f"{m.ab.get('accepted_base')}")
+    for p in m.packages:
+        out.print(f"  package {p.path}: {sum(f.size for f in p.files) / 2**20:.1f} MiB, "
+                  + ", ".join(f"{k}={v}" for k, v in p.check.items()))

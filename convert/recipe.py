@@ -99,6 +99,9 @@ class Target(Strict):
     context: int = Field(512, gt=0, description="KV cache capacity in tokens")
     taps: list[int] | None = Field(None, description="layers whose outputs are returned, in this order (0-based)")
     logits: bool = Field(False, description="also return full [1,S,vocab] logits from every function")
+    hidden: bool = Field(
+        False, description="also return the final-norm hidden states [1,S,hidden] (an MTP head's input)"
+    )
     quantization: Quantization = Quantization()
     gate: Gate = Gate()
 
@@ -120,9 +123,52 @@ class Target(Strict):
         return self
 
 
+DrafterKind = Literal["dflash2", "mtp"]
+DrafterQuantMethod = Literal["none", "affine4", "lut4"]
+
+
+class DrafterQuantization(Strict):
+    """Round-to-nearest 4-bit for the drafter's own linears; the borrowed lm_head is the target's, as shipped."""
+
+    method: DrafterQuantMethod = "none"
+    group_size: int | None = Field(None, gt=0, description="lut4: rows per table (16); affine4: columns (64)")
+
+    @property
+    def resolved_group_size(self) -> int:
+        return self.group_size or (16 if self.method == "lut4" else 64)
+
+
+class Acceptance(TextSample):
+    """Held-out prompts for `spec-convert accept` and the quantized drafter's A/B: n prompts of `length` tokens."""
+
+    corpus: str = "fixture:eval"
+    samples: int = Field(8, gt=0)
+    length: int = Field(64, gt=1)
+    tokens: int = Field(64, gt=0, description="tokens generated greedily after each prompt")
+    max_p_value: float = Field(
+        0.05, gt=0, lt=1, description="a quantized drafter that accepts fewer drafts with sign-test p below this fails"
+    )
+
+
+class Drafter(Strict):
+    kind: DrafterKind
+    source: str | None = Field(
+        None, description="path:DIR or hf://org/name@revision; an MTP head defaults to the target's own checkpoint"
+    )
+    context_update: int = Field(64, gt=0, description="dflash2: rows per context_update call (prefill)")
+    context_append: int = Field(8, gt=0, description="dflash2: rows per context_append call (new-context capacity)")
+    ring: int = Field(2048, gt=0, description="dflash2: context ring rows (slot = position mod ring)")
+    mask_scale: float = Field(1.0, gt=0, description="dflash2: the mask row is the target's embedding row times this")
+    quantization: DrafterQuantization = DrafterQuantization()
+    accept: Acceptance = Acceptance()
+
+
 class Recipe(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="bundle and package file stem")
     target: Target
+    drafter: Drafter | None = Field(
+        None, description="a drafter built and bound to this target (the bundle then holds target/ and drafter/)"
+    )
     backends: list[Backend] = Field(default_factory=lambda: ["coreai", "coreml"], min_length=1)
     output: str | None = Field(None, description="bundle directory, relative to the current directory")
 
@@ -132,6 +178,20 @@ class Recipe(Strict):
         if len(set(backends)) != len(backends):
             raise ValueError(f"duplicated backend (got {backends})")
         return backends
+
+    @model_validator(mode="after")
+    def _drafter_fits_target(self) -> Recipe:
+        drafter = self.drafter
+        if drafter is None:
+            return self
+        if drafter.kind == "dflash2" and drafter.context_append < self.target.graphs.verify:
+            raise ValueError(
+                f"drafter.context_append {drafter.context_append} is below target.graphs.verify "
+                f"{self.target.graphs.verify}: one round can accept that many rows"
+            )
+        if drafter.kind == "mtp" and self.target.graphs.verify < 2:
+            raise ValueError("an MTP drafter needs target.graphs.verify >= 2 (the bonus token and one draft)")
+        return self
 
 
 def load_recipe(path: Path) -> Recipe:

@@ -19,7 +19,7 @@ def function_specs(args: Qwen3Args, target: Target, dtype: torch.dtype = torch.f
     """prefill / decode / verify: same inputs, states and outputs, each at its own static width S.
 
     Every function returns ``argmax_ids`` [1,S] int32 (the host reads the row of its last real
-    token, so a prompt's final chunk may be right-padded); ``taps`` and ``logits`` are optional.
+    token, so a prompt's final chunk may be right-padded); ``taps``, ``hidden`` and ``logits`` are optional.
     """
     fdtype = DTYPE_NAMES[dtype]
     cache = (args.num_hidden_layers, args.num_key_value_heads, target.context, args.head_dim)
@@ -29,6 +29,8 @@ def function_specs(args: Qwen3Args, target: Target, dtype: torch.dtype = torch.f
         outputs = [TensorSpec("argmax_ids", (1, width), "int32")]
         if target.taps:
             outputs.append(TensorSpec("taps", (1, width, len(target.taps) * args.hidden_size), fdtype))
+        if target.hidden:
+            outputs.append(TensorSpec("hidden", (1, width, args.hidden_size), fdtype))
         if target.logits:
             outputs.append(TensorSpec("logits", (1, width, args.vocab_size), fdtype))
         inputs = (TensorSpec("input_ids", (1, width), "int32"), TensorSpec("position_ids", (1, width), "int32"))

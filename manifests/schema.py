@@ -1,8 +1,9 @@
-"""The bundle manifest: one pydantic model, the single definition of every field a runtime reads.
+"""The bundle manifests: pydantic models, the single definition of every field a runtime reads.
 
-``manifest.schema.json`` beside this file is generated from these models (``python -m
-manifests.schema`` rewrites it; a test fails when it is stale). Only ``built_at`` holds wall-clock
-time: two builds of the same recipe and inputs give manifests equal in every other field.
+``manifest.schema.json`` (targets) and ``drafter_manifest.schema.json`` (drafters) beside this file are
+generated from these models (``python -m manifests.schema`` rewrites them; a test fails when one is stale).
+Only ``built_at`` holds wall-clock time: two builds of the same recipe and inputs give manifests equal in
+every other field.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 SCHEMA_VERSION = "1"
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
+DRAFTER_SCHEMA_PATH = Path(__file__).with_name("drafter_manifest.schema.json")
 TAP_CONVENTION = (
     "output of decoder layer i, 0-based, before the final norm "
     "(= transformers hidden_states[i+1] for i < num_layers-1; hidden_states[num_layers] is after the final norm)"
@@ -148,6 +150,16 @@ class Package(Model):
     compile: list[CompileStep] = []
 
 
+class DrafterInterface(Model):
+    """What a target bundle ships for its drafter: the borrowed tensors as files, hashed."""
+
+    lm_head_file: FileEntry = Field(description="lm_head.safetensors: the lm_head exactly as the target computes it")
+    embeddings_file: FileEntry = Field(
+        description="embeddings.safetensors: the fp16 embedding table the host reads anchor rows from"
+    )
+    hidden_output: bool = Field(description="the target functions return the final-norm hidden states")
+
+
 class Manifest(Model):
     schema_version: Literal["1"] = SCHEMA_VERSION
     kind: Literal["target"] = "target"
@@ -165,6 +177,7 @@ class Manifest(Model):
     functions: list[Function]
     packages: list[Package]
     extra_files: list[FileEntry] = Field(description="LICENSE / NOTICE / tokenizer / config copied into the bundle")
+    drafter_interface: DrafterInterface | None = None
 
     def identity(self) -> dict:
         """The fields the export id covers: everything but time, toolchain and later compile status."""
@@ -174,14 +187,84 @@ class Manifest(Model):
         return data
 
 
-def json_schema() -> dict:
-    return Manifest.model_json_schema()
+class TargetBinding(Model):
+    """The exact target build a drafter belongs to. ``spec-convert check-pair`` compares every field."""
+
+    export_id: str
+    lm_head_sha256: str = Field(description="weights.lm_head_sha256 of the target manifest")
+    lm_head_file_sha256: str = Field(description="sha256 of the target bundle's lm_head.safetensors")
+    embedding_sha256: str
+    embeddings_file_sha256: str = Field(description="sha256 of the target bundle's embeddings.safetensors")
+    mask_token_id: int | None = None
+    mask_row_sha256: str | None = Field(None, description="sha256 of the embedding row of mask_token_id, fp16")
+    tokenizer_json_sha256: str
+    probe_ids_sha256: str
+    hidden_size: int
+    vocab_size: int
+    taps: Taps | None = None
+    hidden_convention: str | None = Field(None, description="MTP: which target hidden state the head reads")
 
 
-def write_schema(path: Path = SCHEMA_PATH) -> None:
-    path.write_text(json.dumps(json_schema(), indent=2, sort_keys=True) + "\n")
+class DrafterArchitecture(Model):
+    kind: Literal["dflash2", "dflash", "mtp"]
+    architectures: list[str]
+    layout: str = Field(description="checkpoint key layout the loader found")
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    parameter_count: int
+    runtime: dict[str, int | float | str | bool | None] = Field(
+        description="block / draft width, context widths, ring rows, window, mask, conv and selector constants"
+    )
+
+
+class DrafterQuantization(Model):
+    method: Literal["affine4", "lut4"]
+    bits: int = 4
+    group_size: int
+    bits_per_weight: float = Field(description="over the drafter's own weights (borrowed lm_head excluded)")
+    layers: list[QuantizedLayer]
+
+
+class DrafterManifest(Model):
+    schema_version: Literal["1"] = SCHEMA_VERSION
+    kind: Literal["drafter"] = "drafter"
+    name: str
+    export_id: str = Field(description="sha256 of the identity fields (all but built_at, toolchain, compile)")
+    built_at: str
+    toolchain: dict[str, str]
+    source: Source
+    architecture: DrafterArchitecture
+    target: TargetBinding
+    quantization: DrafterQuantization | None = None
+    acceptance: dict = Field(description="greedy speculative decoding with the shipped pair on held-out prompts")
+    ab: dict | None = Field(None, description="quantized vs fp16 drafter, paired by text offset (quantized only)")
+    functions: list[Function]
+    packages: list[Package]
+    extra_files: list[FileEntry]
+
+    def identity(self) -> dict:
+        data = self.model_dump(mode="json", exclude={"export_id", "built_at", "toolchain"})
+        for package in data["packages"]:
+            package.pop("compile")
+        return data
+
+
+def json_schema(model: type[Model] = Manifest) -> dict:
+    return model.model_json_schema()
+
+
+def write_schema() -> None:
+    for model, path in ((Manifest, SCHEMA_PATH), (DrafterManifest, DRAFTER_SCHEMA_PATH)):
+        path.write_text(json.dumps(json_schema(model), indent=2, sort_keys=True) + "\n")
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
     write_schema()
-    print(f"wrote {SCHEMA_PATH}")

@@ -39,6 +39,7 @@ class Qwen3Args:
     bos_token_id: int | None
     eos_token_id: int | None
     pad_token_id: int | None
+    mtp_layers: int = 0  # an MTP head declared by the config: its tensors are convert/models/mtp.py's, not ours
 
     rope_type = "default"
 
@@ -80,6 +81,7 @@ class Qwen3Args:
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_id=eos[0] if isinstance(eos, list) else eos,
                 pad_token_id=config.get("pad_token_id"),
+                mtp_layers=int(config.get("mtp_num_hidden_layers") or config.get("num_nextn_predict_layers") or 0),
             )
         except KeyError as missing:
             raise InputError(f"{where}: missing field {missing.args[0]!r} needed for a Qwen3 model") from None
@@ -134,10 +136,14 @@ def expected_shapes(args: Qwen3Args) -> dict[str, tuple[int, ...]]:
 def sanitize(shapes_in_checkpoint: dict[str, tuple[int, ...]], args: Qwen3Args) -> None:
     """Refuse a checkpoint whose keys or shapes are not exactly a Qwen3 model's, naming the tensor.
 
-    A tied checkpoint may still carry ``lm_head.weight`` (some writers save it); it is ignored then.
+    A tied checkpoint may still carry ``lm_head.weight`` (some writers save it); it is ignored then, as are
+    the tensors of an MTP head the config declares (``mtp.*`` or ``model.layers.{num_hidden_layers + i}.*``).
     """
     expected = expected_shapes(args)
     present = dict(shapes_in_checkpoint)
+    if args.mtp_layers:
+        head = ("mtp.", *(f"model.layers.{args.num_hidden_layers + i}." for i in range(args.mtp_layers)))
+        present = {k: v for k, v in present.items() if not k.startswith(head)}
     if args.tie_word_embeddings:
         present.pop("lm_head.weight", None)
     for key, shape in expected.items():
@@ -235,8 +241,9 @@ class Qwen3Core(nn.Module):
     """The shared computation behind every target function.
 
     ``forward`` returns every output a function may expose: ``argmax_ids`` [1,S] int32, ``logits``
-    [1,S,V] and, when taps are set, ``taps`` [1,S,len(taps)*hidden] (output of layer i, 0-based, in
-    the given order). Each FunctionModule picks the outputs its spec names.
+    [1,S,V], ``hidden`` [1,S,H] (the final-norm output: an MTP head's input) and, when taps are set,
+    ``taps`` [1,S,len(taps)*hidden] (output of layer i, 0-based, in the given order).
+    Each FunctionModule picks the outputs its spec names.
     """
 
     def __init__(self, args: Qwen3Args, context: int, taps: tuple[int, ...] = ()):
@@ -280,8 +287,9 @@ class Qwen3Core(nn.Module):
             x = layer(x, cos, sin, heads_rows, mask_bias, key_cache, value_cache)
             if i in self.taps:
                 tapped.append((self.taps.index(i), x))
-        logits = self.lm_head(self.norm(x))[None]
-        out = {"argmax_ids": logits.argmax(-1).to(torch.int32), "logits": logits}
+        hidden = self.norm(x)[None]
+        logits = self.lm_head(hidden)
+        out = {"argmax_ids": logits.argmax(-1).to(torch.int32), "logits": logits, "hidden": hidden}
         if self.taps:
             out["taps"] = torch.cat([t for _, t in sorted(tapped, key=lambda p: p[0])], dim=-1)[None]
         return out

@@ -1,0 +1,216 @@
+"""The drafter part of a build: plan, modules with the target's shipped tables, quantize, accept, manifest.
+
+A drafter is only useful with the exact target build it was made for, so every stage takes the target's
+shipped modules: the drafter's borrowed ``lm_head`` (and an MTP head's embedding table) are the target's
+tensors exactly as the target package computes with them, quantized the same way when the target's are
+(the same codes and tables, so both packages store the same bytes), and the mask row of a DFlash2 drafter is
+the target's shipped embedding row. The drafter's manifest binds it to that target by hash
+(``manifests.schema.TargetBinding``); ``manifests.identity.pair_mismatches`` checks the binding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from convert import speculative
+from convert.backends.base import FunctionSpec
+from convert.compress import QuantizedLinear, apply_quantized
+from convert.errors import GateError, InputError
+from convert.models import dflash2, mtp
+from convert.models.qwen3 import Qwen3Args
+from convert.recipe import Drafter, Recipe
+from convert.sources import Snapshot, check_safetensors, resolve, tensor_shapes
+from convert.target import TargetModules
+from quant.affine import quantize_affine
+from quant.lut import quantize_lut
+
+MTP_HIDDEN_CONVENTION = "target final-norm output at position t (what its lm_head reads), vLLM's convention"
+NEAR_TIE_LOGITS = 0.25  # as the gates' block-vs-chain probe and the package checks
+BORROWED = ("lm_head", "embed_tokens")  # the target's tables inside a drafter core: never quantized on their own
+
+
+@dataclass
+class DrafterPlan:
+    config: Drafter
+    snapshot: Snapshot
+    args: dflash2.DFlash2Args | mtp.MTPArgs
+    layout: str
+    specs: list[FunctionSpec]
+
+    @property
+    def kind(self) -> str:
+        return self.config.kind
+
+    @property
+    def widths(self) -> dict[str, int]:
+        return {s.name: s.inputs[-1].shape[1] for s in self.specs}
+
+
+def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, target: Qwen3Args,
+                 dtype: torch.dtype) -> DrafterPlan:
+    """Validate the drafter's config and tensor headers against the target; reads no weights."""
+    config = recipe.drafter
+    where = recipe_path
+    if config.source is None and config.kind != "mtp":
+        raise InputError(f"{where}: drafter.source: required for a {config.kind} drafter")
+    snapshot = resolve(config.source, recipe_path.resolve().parent) if config.source else target_snapshot
+    config_path = snapshot.directory / "config.json"
+    verify = recipe.target.graphs.verify
+    if config.kind == "dflash2":
+        args = dflash2.DFlash2Args.from_config(snapshot.config(), str(config_path))
+        files = dflash2.checkpoint_files(snapshot.directory)
+        dflash2.sanitize({f.name: check_safetensors(f) for f in files}, args)
+        layout = args.architecture
+        taps = list(recipe.target.taps or [])
+        if taps != list(args.target_layer_ids):
+            raise InputError(
+                f"{where}: target.taps {taps or None} must equal the drafter's dflash_config.target_layer_ids "
+                f"{list(args.target_layer_ids)} ({config_path}), in that order"
+            )
+        if verify > args.block_size:
+            raise InputError(f"{where}: target.graphs.verify {verify} exceeds the drafter's block_size "
+                             f"{args.block_size} ({config_path})")
+        specs = dflash2.function_specs(args, config.context_update, config.context_append, config.ring, dtype,
+                                       draft_width=verify)
+    else:
+        args = mtp.MTPArgs.from_config(snapshot.config(), str(config_path))
+        layout = mtp.sanitize(tensor_shapes(snapshot.directory), args, f"checkpoint {snapshot.directory}")
+        if not recipe.target.hidden:
+            raise InputError(f"{where}: target.hidden: an MTP drafter reads the target's final-norm hidden states; "
+                             "set target.hidden: true")
+        specs = mtp.function_specs(args, verify - 1, recipe.target.context, dtype)
+    for field, mine, theirs in (("hidden_size", args.hidden_size, target.hidden_size),
+                                ("vocab_size", args.vocab_size, target.vocab_size)):
+        if mine != theirs:
+            raise InputError(f"{config_path}: {field} {mine} differs from the target's {theirs}: not its drafter")
+    return DrafterPlan(config=config, snapshot=snapshot, args=args, layout=layout, specs=specs)
+
+
+def build_modules(plan: DrafterPlan, recipe: Recipe, target: TargetModules, dtype: torch.dtype):
+    """Drafter export modules in ``dtype`` holding the target's shipped tables (quantized as the target's)."""
+    core = target.core
+    lm_head, embed = core.lm_head.weight.detach(), core.embed_tokens.weight.detach()
+    config, verify = plan.config, recipe.target.graphs.verify
+    if plan.kind == "dflash2":
+        _, tensors = dflash2.load_checkpoint(plan.snapshot.directory)
+        modules = dflash2.build_modules(
+            plan.args, tensors, lm_head, embed[plan.args.mask_token_id], dtype, max_positions=recipe.target.context,
+            ring_rows=config.ring, update_width=config.context_update, append_width=config.context_append,
+            mask_scale=config.mask_scale, draft_width=verify)
+    else:
+        head = mtp.load_head(plan.snapshot.directory, plan.args)
+        tables = {"model.embed_tokens.weight": embed, "lm_head.weight": lm_head}
+        modules = mtp.build_modules(plan.args, head, tables, recipe.target.context, verify - 1, dtype)
+    borrowed = {name: getattr(core, name).quantized_weight() for name in BORROWED
+                if isinstance(getattr(core, name), QuantizedLinear) and hasattr(modules.core, name)}
+    if borrowed:
+        apply_quantized(modules.core, borrowed)
+    return modules
+
+
+def quantize(modules, method: str, group_size: int) -> dict:
+    """Round-to-nearest 4-bit of the drafter's own linears (the borrowed tables stay as the target ships them);
+    returns the manifest's quantization record."""
+    weights = {}
+    for name, module in modules.core.named_modules():
+        if name in BORROWED or type(module) is not torch.nn.Linear:
+            continue
+        weight = module.weight.detach().float()
+        weights[name] = quantize_lut(weight, group_size) if method == "lut4" else quantize_affine(weight, group_size)
+    apply_quantized(modules.core, weights)
+    own = {id(p): p for n, p in modules.core.named_parameters() if not n.startswith(BORROWED)}
+    total = sum(p.numel() for p in own.values())
+    quantized = sum(qw.codes.numel() for qw in weights.values())
+    bits = sum(qw.bits_per_weight * qw.codes.numel() for qw in weights.values()) + 16 * (total - quantized)
+    layers = [{"name": n, "method": qw.method, "group_size": qw.group_size, "bits_per_weight": qw.bits_per_weight,
+               "weight_mse": qw.stats.get("weight_mse", float(
+                   (qw.dequantize().float() - modules.core.get_submodule(n).weight.float()).pow(2).mean()))}
+              for n, qw in sorted(weights.items())]
+    return {"method": method, "group_size": group_size, "bits_per_weight": bits / total, "layers": layers}
+
+
+class TorchFunctions:
+    """``speculative.Functions`` over target or drafter export modules (numpy in and out)."""
+
+    def __init__(self, modules, target: bool):
+        self.modules, self.target = modules, target
+
+    def reset(self) -> None:
+        self.modules.reset()
+
+    def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.target:
+            out = self.modules.call(function, inputs["input_ids"], inputs["position_ids"])
+        else:
+            out = self.modules.call(function, **inputs)
+        return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in out.items()}
+
+
+def widths(modules) -> dict[str, int]:
+    return {name: spec.inputs[-1].shape[1] for name, (_, spec) in modules.functions.items()}
+
+
+def drivers(kind: str, target_modules, drafter_modules, embeddings: np.ndarray):
+    target = speculative.TargetDriver(TorchFunctions(target_modules, True), widths(target_modules))
+    functions = TorchFunctions(drafter_modules, False)
+    if kind == "dflash2":
+        return target, speculative.DFlash2Driver(functions, widths(drafter_modules), embeddings)
+    return target, speculative.MTPDriver(functions, widths(drafter_modules))
+
+
+def accept(kind: str, target_modules, drafter_modules, prompts: list[list[int]], tokens: int,
+           embeddings: np.ndarray) -> tuple[dict, list[speculative.PromptRun]]:
+    """Speculative decoding over ``prompts`` and the lossless check against plain greedy of the same target."""
+    target, drafter = drivers(kind, target_modules, drafter_modules, embeddings)
+    runs = []
+    for prompt in prompts:
+        run, spec_logits = speculative.speculate(kind, target, drafter, prompt, tokens)
+        greedy_ids, greedy_logits = target.greedy(prompt, tokens)
+        speculative.check_lossless(run, greedy_ids, spec_logits, greedy_logits, NEAR_TIE_LOGITS)
+        runs.append(run)
+    return speculative.acceptance_stats(runs, target.widths["verify"]), runs
+
+
+def raise_if_lossy(stats: dict, runs: list[speculative.PromptRun]) -> None:
+    if not stats["lossless"]:
+        flip = next(r.divergence for r in runs if r.divergence and r.divergence["kind"] == "real_flip")
+        raise GateError(
+            f"speculative decoding is not lossless: at output offset {flip['offset']} it produced "
+            f"{flip['speculative']} where plain greedy decoding produced {flip['greedy']} (logit gap "
+            f"{flip['logit_gap']:.3f} >= near-tie margin {NEAR_TIE_LOGITS})"
+        )
+
+
+def ab_verdict(ab: dict, max_p: float) -> dict:
+    """A quantized drafter that accepts significantly fewer drafts than the fp16 one is refused."""
+    worse = ab["accepted_other"] < ab["accepted_base"] and ab["sign_test_p"] < max_p
+    return {**ab, "max_p_value": max_p, "significant_loss": worse}
+
+
+class Recording:
+    """A ``speculative.Functions`` that records every call with its outputs (the package check replays them)."""
+
+    def __init__(self, functions: TorchFunctions):
+        self.functions, self.calls = functions, []
+
+    def reset(self) -> None:
+        self.functions.reset()
+        self.calls.append(("reset", {}, {}))
+
+    def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = self.functions.call(function, inputs)
+        self.calls.append((function, {k: np.array(v) for k, v in inputs.items()}, out))
+        return out
+
+
+def recorded_calls(kind: str, target_modules, drafter_modules, prompt: list[int], tokens: int,
+                   embeddings: np.ndarray) -> list:
+    """The drafter calls of a short speculative run of the shipped fp16 modules, with their outputs."""
+    target, drafter = drivers(kind, target_modules, drafter_modules, embeddings)
+    drafter.functions = Recording(drafter.functions)
+    speculative.speculate(kind, target, drafter, prompt, tokens)
+    return drafter.functions.calls

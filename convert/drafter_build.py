@@ -1,0 +1,234 @@
+"""Build the drafter bundle of a recipe with both roles, after its target (``convert.build.build``).
+
+Stages: modules with the target's shipped tables -> (quantize) -> acceptance on held-out prompts with the
+lossless check (and for a quantized drafter the paired A/B against the fp16 one) -> package per backend ->
+check (read back; the ``.aimodel`` replays a recorded speculative run on the Core AI runtime) -> compile ->
+manifest bound to the target build. A lossy run or a significant A/B loss fails closed (exit 1).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from convert import backends, checks, drafter, gates
+from convert.bundle import MANIFEST
+from convert.errors import GateError
+from convert.export import compute_copy
+from convert.progress import console, stage
+from convert.quantize import calibration_text
+from convert.sources import file_records, license_files, sha256_file
+from convert.speculative import paired_ab
+from convert.target import TargetModules
+from manifests import identity
+from manifests.schema import TAP_CONVENTION, DrafterManifest, Manifest
+
+CHECK_PROMPT_TOKENS = 24  # the replayed run on the Core AI runtime: a short prompt ...
+CHECK_GENERATED = 12  # ... and a few rounds
+
+
+def held_out_prompts(plan) -> tuple[list[list[int]], dict]:
+    """The recipe's acceptance prompts through the target tokenizer, and their identity."""
+    from transformers import PreTrainedTokenizerFast
+
+    spec = plan.recipe.drafter.accept
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(plan.snapshot.directory / "tokenizer.json"))
+    text = calibration_text(spec.corpus, plan.recipe_path.resolve().parent, "drafter.accept.corpus")
+    data = gates.EvalData.from_text(text, tokenizer, spec.samples, spec.length, spec.seed, corpus=spec.corpus)
+    return data.tokens.tolist(), {**data.identity.model_dump(), "tokens": spec.tokens}
+
+
+def shipped_drafter(plan, target: TargetModules):
+    """(shipped modules, fp16 reference modules or None, quantization record or None)."""
+    dplan, quant = plan.drafter, plan.drafter.config.quantization
+    with stage(f"load drafter {dplan.kind} ({dplan.snapshot.reference})"):
+        modules = drafter.build_modules(dplan, plan.recipe, target, torch.float16)
+    if quant.method == "none":
+        return modules, None, None
+    fp16 = compute_copy(modules, torch.float16)
+    with stage(f"quantize drafter {quant.method} (groups of {quant.resolved_group_size})"):
+        record = drafter.quantize(modules, quant.method, quant.resolved_group_size)
+    return modules, fp16, record
+
+
+def measure(plan, target: TargetModules, modules, fp16_modules) -> tuple[dict, dict | None]:
+    """Acceptance of the shipped pair (lossless or fail) and, for a quantized drafter, the A/B verdict."""
+    dplan, spec = plan.drafter, plan.drafter.config.accept
+    prompts, data = held_out_prompts(plan)
+    target32 = compute_copy(target, torch.float32)
+    embeddings = target.core.embed_tokens.weight.detach().float().numpy()
+    with stage(f"accept: {len(prompts)} held-out prompts x {spec.tokens} tokens, speculative vs greedy"):
+        stats, runs = drafter.accept(dplan.kind, target32, compute_copy(modules, torch.float32), prompts,
+                                     spec.tokens, embeddings)
+    drafter.raise_if_lossy(stats, runs)
+    console.print(format_stats(stats))
+    acceptance = {"data": data, **stats}
+    if fp16_modules is None:
+        return acceptance, None
+    with stage("A/B: the fp16 drafter on the same prompts"):
+        base_stats, base_runs = drafter.accept(dplan.kind, target32, compute_copy(fp16_modules, torch.float32),
+                                               prompts, spec.tokens, embeddings)
+    ab = drafter.ab_verdict(paired_ab(base_runs, runs), spec.max_p_value)
+    ab["fp16_tokens_per_round"] = base_stats["tokens_per_round"]
+    console.print(format_ab(ab))
+    if ab["significant_loss"]:
+        raise GateError(
+            f"drafter quantization {dplan.config.quantization.method} loses acceptance: {ab['accepted_other']} vs "
+            f"{ab['accepted_base']} accepted drafts over {ab['matched_rounds']} paired rounds, sign test p = "
+            f"{ab['sign_test_p']:.3g} < {spec.max_p_value}; ship it with drafter.quantization.method: none"
+        )
+    return acceptance, ab
+
+
+def format_stats(stats: dict) -> str:
+    by_position = ", ".join("-" if a is None else f"{a:.2f}" for a in stats["acceptance_by_position"])
+    return (f"tokens per round {stats['tokens_per_round']:.3f} over {stats['rounds']} rounds; acceptance by draft "
+            f"position [{by_position}]; lossless {stats['lossless']} ({stats['near_ties']} near ties)")
+
+
+def format_ab(ab: dict) -> str:
+    return (f"A/B quantized vs fp16: {ab['matched_rounds']} paired rounds, identical proposals "
+            f"{ab['identical_proposals']:.3f}, more accepted: fp16 {ab['base_more']} / quantized {ab['other_more']}, "
+            f"sign test p {ab['sign_test_p']:.3g}, accepted drafts fp16 {ab['accepted_base']} / quantized "
+            f"{ab['accepted_other']}")
+
+
+def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target_dir: Path, out: Path):
+    dplan = plan.drafter
+    out.mkdir()
+    with stage("hash drafter source files"):
+        source_files = file_records(dplan.snapshot.directory)
+    modules, fp16_modules, quantization = shipped_drafter(plan, target)
+    acceptance, ab = measure(plan, target, modules, fp16_modules)
+    prompt = held_out_prompts(plan)[0][0][:CHECK_PROMPT_TOKENS]
+    embeddings = target.core.embed_tokens.weight.detach().float().numpy()
+    calls = drafter.recorded_calls(dplan.kind, target, modules, prompt, CHECK_GENERATED, embeddings)
+    packages = []
+    method = dplan.config.quantization.method
+    stem = f"{dplan.kind}_{'fp16' if method == 'none' else method}"  # as forge names it: dflash2_lut4.aimodel
+    from convert.build import package_entry
+
+    for name in plan.recipe.backends:
+        backend = backends.load(name)
+        path = out / f"{stem}{backends.SUFFIXES[name]}"
+        with stage(f"package {name}: {path.name} ({', '.join(modules.functions)})"):
+            backend.package(modules.functions, path)
+        with stage(f"check {name}: read back{' and replay a speculative run on Core AI' if name == 'coreai' else ''}"):
+            check = checks.check_drafter_package(name, path, modules, calls)
+        with stage(f"compile {name}"):
+            compiled = backend.compile(path, out / "compiled")
+        packages.append(package_entry(name, path, out, check, compiled))
+    extra_files = _write_extras(dplan, modules, out)
+    manifest = _manifest(plan, source_files, modules, target_manifest, target_dir, packages, extra_files,
+                         quantization, acceptance, ab)
+    (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
+    return manifest
+
+
+def _write_extras(dplan, modules, out: Path) -> list[dict]:
+    """config.json, LICENSE / NOTICE, SOURCE.json and (DFlash2) selector.safetensors as shipped."""
+    from safetensors.torch import save_file
+
+    source = dplan.snapshot.directory
+    written = []
+    for path in [*license_files(source), source / "config.json"]:
+        shutil.copy2(path, out / path.name)
+        written.append(out / path.name)
+    record = {"reference": dplan.snapshot.reference, "repo": dplan.snapshot.repo, "revision": dplan.snapshot.revision,
+              "kind": dplan.kind, "layout": dplan.layout}
+    (out / "SOURCE.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    written.append(out / "SOURCE.json")
+    codebooks = {n.removeprefix("candidate_selector."): p.detach().contiguous()
+                 for n, p in modules.core.named_parameters() if "codebook" in n}
+    if codebooks:
+        tensors = {f"candidate_selector.{k}": v for k, v in sorted(codebooks.items())}
+        save_file(tensors, str(out / "selector.safetensors"))
+        written.append(out / "selector.safetensors")
+    return [{"path": p.name, "sha256": sha256_file(p), "size": p.stat().st_size} for p in sorted(written)]
+
+
+def _binding(dplan, target_manifest: Manifest, target_dir: Path) -> dict:
+    interface = target_manifest.drafter_interface
+    mask = getattr(dplan.args, "mask_token_id", None) if dplan.kind == "dflash2" else None
+    taps = {"layers": list(dplan.args.target_layer_ids), "convention": TAP_CONVENTION} if dplan.kind == "dflash2" \
+        else None
+    return {
+        "export_id": target_manifest.export_id,
+        "lm_head_sha256": target_manifest.weights.lm_head_sha256,
+        "lm_head_file_sha256": interface.lm_head_file.sha256,
+        "embedding_sha256": target_manifest.weights.embedding_sha256,
+        "embeddings_file_sha256": interface.embeddings_file.sha256,
+        "mask_token_id": mask,
+        "mask_row_sha256": identity.embedding_row_sha256(target_dir / identity.EMBEDDINGS_FILE, mask)
+        if mask is not None else None,
+        "tokenizer_json_sha256": target_manifest.tokenizer.tokenizer_json_sha256,
+        "probe_ids_sha256": target_manifest.tokenizer.probe_ids_sha256,
+        "hidden_size": dplan.args.hidden_size,
+        "vocab_size": dplan.args.vocab_size,
+        "taps": taps,
+        "hidden_convention": drafter.MTP_HIDDEN_CONVENTION if dplan.kind == "mtp" else None,
+    }
+
+
+def _architecture(dplan, modules) -> dict:
+    args, config = dplan.args, dplan.config
+    if dplan.kind == "dflash2":
+        kind = "dflash2" if args.has_selector else "dflash"
+        runtime = {"draft_width": dplan.widths["draft"], "block_size": args.block_size,
+                   "context_update": config.context_update, "context_append": config.context_append,
+                   "ring_rows": config.ring, "sliding_window": max((w or 0) for w in args.layer_windows) or None,
+                   "mask_token_id": args.mask_token_id, "mask_scale": config.mask_scale,
+                   "conv_kernel_size": args.conv_kernel_size, "conv_group_size": args.conv_group_size,
+                   "selector_rank": args.selector_rank, "selector_top_k": args.selector_top_k,
+                   "tap_convention": TAP_CONVENTION}
+        architectures, layers, inter = [args.architecture], args.num_hidden_layers, args.intermediate_size
+    else:
+        kind = "mtp"
+        runtime = {"draft_steps": dplan.widths["accept"] - 1, "accept_width": dplan.widths["accept"],
+                   "context": dplan.specs[0].states[0].shape[2], "zero_centred_norm": args.zero_centred_norm,
+                   "hidden_convention": drafter.MTP_HIDDEN_CONVENTION}
+        architectures, layers, inter = [f"{args.model_type or 'qwen3'}-mtp"], args.mtp_layers, args.intermediate_size
+    return {
+        "kind": kind, "architectures": architectures, "layout": dplan.layout, "hidden_size": args.hidden_size,
+        "num_layers": layers, "num_heads": args.num_attention_heads, "num_kv_heads": args.num_key_value_heads,
+        "head_dim": args.head_dim, "intermediate_size": inter, "vocab_size": args.vocab_size,
+        "rope_theta": args.rope_theta, "rms_norm_eps": args.rms_norm_eps,
+        "parameter_count": args.parameter_count, "runtime": runtime,
+    }
+
+
+def _manifest(plan, source_files, modules, target_manifest, target_dir, packages, extra_files, quantization,
+              acceptance, ab) -> DrafterManifest:
+    from convert.build import _desc, toolchain_versions
+
+    dplan = plan.drafter
+    data = {
+        "name": f"{plan.recipe.name}-{dplan.kind}",
+        "export_id": "",
+        "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "toolchain": toolchain_versions(),
+        "source": {"reference": dplan.snapshot.reference, "repo": dplan.snapshot.repo,
+                   "revision": dplan.snapshot.revision, "files": [vars(r) for r in source_files]},
+        "architecture": _architecture(dplan, modules),
+        "target": _binding(dplan, target_manifest, target_dir),
+        "quantization": quantization,
+        "acceptance": _jsonable(acceptance),
+        "ab": _jsonable(ab) if ab else None,
+        "functions": [{"name": s.name, "inputs": [_desc(t) for t in s.inputs],
+                       "outputs": [_desc(t) for t in s.outputs], "states": [_desc(t) for t in s.states]}
+                      for s in dplan.specs],
+        "packages": packages,
+        "extra_files": extra_files,
+    }
+    manifest = DrafterManifest.model_validate(data)
+    manifest.export_id = identity.export_id(manifest.identity())
+    return manifest
+
+
+def _jsonable(value):
+    return json.loads(json.dumps(value, default=lambda v: v.item() if isinstance(v, np.generic) else str(v)))

@@ -1,0 +1,254 @@
+"""Greedy speculative decoding with an exported target and drafter, called the way a runtime calls them.
+
+Both sides are driven through one small interface, ``Functions``: ``call(function, inputs) -> outputs`` on
+numpy arrays, and ``reset()`` (a fresh session: zero states). The torch export modules (shipped weights) and
+the Core AI runtime's sessions both fit it, so ``spec-convert accept`` measures what ships.
+
+One round, DFlash2 (docs/drafters.md): the drafter proposes ``W - 1`` tokens after the anchor (the last
+token the target produced) from its context ring; the target verifies ``[anchor, drafts]`` at positions
+``p .. p+W-1``; the longest prefix of drafts equal to the target's argmax ids is accepted, plus the target's
+next id (the bonus). The verify rows of the anchor and the accepted drafts are the drafter's new context. Rows
+past them are stale in both KV caches and are overwritten later (positional rollback, nothing copied).
+
+One round, MTP: the head's ``accept`` over the newly committed tokens (each paired with the target's hidden
+state of the position before it) returns the first draft, ``draft_step`` chains the rest; the target
+verifies ``[bonus, drafts]``.
+
+Losslessness: the output must equal plain greedy decoding of the same target (prefill, then decode steps).
+A divergence is classified by the target's logits at that position in the speculative run (its verify logits),
+as the gates do: the two ids' logits closer than the near-tie margin is a near tie (block vs chain
+arithmetic), counted apart; otherwise it is a real flip and the check fails.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+class Functions(Protocol):
+    def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def reset(self) -> None: ...
+
+
+@dataclass
+class Round:
+    start: int  # text offset (tokens generated before the round)
+    proposal: tuple[int, ...]
+    accepted: int
+
+
+@dataclass
+class PromptRun:
+    prompt: list[int]
+    output: list[int]
+    rounds: list[Round] = field(default_factory=list)
+    divergence: dict | None = None  # first difference from plain greedy, classified
+
+
+def _ids(values: list[int], width: int, pad: int | None = None) -> np.ndarray:
+    """int32 [1, width]: ``values`` right-padded by repeating the last one (or with ``pad``)."""
+    filler = values[-1] if pad is None else pad
+    return np.asarray([values + [filler] * (width - len(values))], dtype=np.int32)
+
+
+def _rows(rows: np.ndarray, width: int) -> np.ndarray:
+    """[1, width, F]: ``rows`` [n, F] padded by repeating the last row (same position, same values)."""
+    pad = np.repeat(rows[-1:], width - len(rows), axis=0)
+    return np.concatenate([rows, pad])[None].astype(np.float16)
+
+
+class TargetDriver:
+    """The target's prefill / decode / verify, with the outputs a drafter needs kept per call."""
+
+    def __init__(self, functions: Functions, widths: dict[str, int]):
+        self.functions, self.widths = functions, widths
+
+    def run(self, function: str, tokens: list[int], p0: int) -> dict[str, np.ndarray]:
+        """Outputs of the first ``len(tokens)`` rows (padding rows repeat the last token and position)."""
+        width = self.widths[function]
+        out = self.functions.call(function, {"input_ids": _ids(tokens, width),
+                                             "position_ids": _ids(list(range(p0, p0 + len(tokens))), width)})
+        return {k: np.asarray(v)[0, : len(tokens)] for k, v in out.items()}
+
+    def prefill(self, prompt: list[int]) -> dict[str, np.ndarray]:
+        """The whole prompt in prefill chunks; outputs concatenated over its rows."""
+        self.functions.reset()
+        width, parts = self.widths["prefill"], []
+        for start in range(0, len(prompt), width):
+            parts.append(self.run("prefill", prompt[start : start + width], start))
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def greedy(self, prompt: list[int], tokens: int) -> tuple[list[int], list[np.ndarray | None]]:
+        """Plain greedy decoding: the ids, and per id the logits it was chosen from when returned."""
+        out = self.prefill(prompt)
+        ids, logits = [int(out["argmax_ids"][-1])], [out.get("logits", [None])[-1]]
+        while len(ids) < tokens:
+            step = self.run("decode", [ids[-1]], len(prompt) + len(ids) - 1)
+            ids.append(int(step["argmax_ids"][0]))
+            logits.append(step["logits"][0] if "logits" in step else None)
+        return ids, logits
+
+
+class DFlash2Driver:
+    def __init__(self, functions: Functions, widths: dict[str, int], embeddings: np.ndarray):
+        self.functions, self.widths, self.embeddings = functions, widths, embeddings
+
+    def add_context(self, taps: np.ndarray, p0: int, function: str) -> None:
+        width = self.widths[function]
+        for start in range(0, len(taps), width):
+            rows = taps[start : start + width]
+            positions = list(range(p0 + start, p0 + start + len(rows)))
+            self.functions.call(function, {"taps": _rows(rows, width), "position_ids": _ids(positions, width)})
+
+    def draft(self, anchor: int, p0: int) -> list[int]:
+        width = self.widths["draft"]
+        out = self.functions.call("draft", {
+            "anchor_embedding": self.embeddings[anchor][None, None].astype(np.float16),
+            "anchor_id": np.asarray([[anchor]], dtype=np.int32),
+            "position_ids": _ids(list(range(p0, p0 + width)), width),
+        })
+        return [int(t) for t in np.asarray(out["draft_ids"])[0]]
+
+
+class MTPDriver:
+    def __init__(self, functions: Functions, widths: dict[str, int]):
+        self.functions, self.widths = functions, widths
+
+    def accept(self, tokens: list[int], hidden: np.ndarray, p0: int) -> tuple[int, np.ndarray]:
+        """Rows (token at position p0+i, target hidden at p0+i-1); returns the last row's draft and hidden."""
+        width = self.widths["accept"]
+        for start in range(0, len(tokens), width):
+            chunk = tokens[start : start + width]
+            out = self.functions.call("accept", {
+                "input_ids": _ids(chunk, width), "hidden": _rows(hidden[start : start + width], width),
+                "position_ids": _ids(list(range(p0 + start, p0 + start + len(chunk))), width),
+            })
+        last = len(chunk) - 1
+        return int(np.asarray(out["draft_ids"])[0, last]), np.asarray(out["hidden_out"])[0, last]
+
+    def step(self, token: int, hidden: np.ndarray, position: int) -> tuple[int, np.ndarray]:
+        out = self.functions.call("draft_step", {
+            "input_ids": np.asarray([[token]], dtype=np.int32), "hidden": hidden[None, None].astype(np.float16),
+            "position_ids": np.asarray([[position]], dtype=np.int32),
+        })
+        return int(np.asarray(out["draft_ids"])[0, 0]), np.asarray(out["hidden_out"])[0, 0]
+
+
+def speculate(kind: str, target: TargetDriver, drafter, prompt: list[int], tokens: int) -> tuple[PromptRun, list]:
+    """Greedy speculative decoding of ``tokens`` ids after ``prompt``; returns the run and per output id the
+    target logits it was chosen from (None where the target does not return logits)."""
+    width = target.widths["verify"]
+    out = target.prefill(prompt)
+    n = len(prompt)
+    bonus = int(out["argmax_ids"][-1])
+    output, logits = [bonus], [out["logits"][-1] if "logits" in out else None]
+    run = PromptRun(prompt=list(prompt), output=output)
+    if kind == "dflash2":
+        drafter.functions.reset()
+        drafter.add_context(out["taps"], 0, "context_update")
+    else:
+        drafter.functions.reset()
+        draft, hidden = drafter.accept(prompt[1:] + [bonus], out["hidden"], 1)
+    p = n  # position of the bonus token (the anchor)
+    while len(output) < tokens:
+        if kind == "dflash2":
+            proposal = drafter.draft(bonus, p)
+        else:
+            proposal = [draft]
+            for j in range(1, width - 1):
+                draft_j, hidden = drafter.step(proposal[-1], hidden, p + j)
+                proposal.append(draft_j)
+        verified = target.run("verify", [bonus] + proposal, p)
+        argmax = [int(t) for t in verified["argmax_ids"]]
+        k = 0
+        while k < len(proposal) and proposal[k] == argmax[k]:
+            k += 1
+        run.rounds.append(Round(start=len(output), proposal=tuple(proposal), accepted=k))
+        new = proposal[:k] + [argmax[k]]
+        output.extend(new)
+        logits.extend(verified["logits"][: k + 1] if "logits" in verified else [None] * (k + 1))
+        if kind == "dflash2":
+            drafter.add_context(verified["taps"][: k + 1], p, "context_append")
+        else:
+            draft, hidden = drafter.accept(new, verified["hidden"][: k + 1], p + 1)
+        bonus, p = new[-1], p + k + 1
+    del output[tokens:]
+    return run, logits[:tokens]
+
+
+def check_lossless(run: PromptRun, greedy_ids: list[int], spec_logits: list, greedy_logits: list,
+                   margin: float) -> None:
+    """Compare with plain greedy; record the first divergence on ``run`` (kind near_tie / real_flip)."""
+    for i, (a, b) in enumerate(zip(run.output, greedy_ids, strict=False)):
+        if a == b:
+            continue
+        row = spec_logits[i] if spec_logits[i] is not None else greedy_logits[i]
+        gap = abs(float(row[a]) - float(row[b])) if row is not None else math.inf
+        run.divergence = {"offset": i, "speculative": a, "greedy": b, "logit_gap": gap,
+                          "kind": "near_tie" if gap < margin else "real_flip"}
+        return
+
+
+def acceptance_stats(runs: list[PromptRun], width: int) -> dict:
+    """Tokens per round, acceptance per draft position (of the rounds that reached it), lossless counts."""
+    rounds = [r for run in runs for r in run.rounds]
+    drafts = width - 1
+    reached = [0] * drafts
+    accepted = [0] * drafts
+    for r in rounds:
+        for i in range(drafts):
+            if i <= r.accepted and i < len(r.proposal):
+                reached[i] += 1
+                accepted[i] += i < r.accepted
+    divergences = [run.divergence for run in runs if run.divergence]
+    return {
+        "prompts": len(runs),
+        "rounds": len(rounds),
+        "tokens_per_round": sum(r.accepted + 1 for r in rounds) / len(rounds) if rounds else 0.0,
+        "mean_accepted": sum(r.accepted for r in rounds) / len(rounds) if rounds else 0.0,
+        "acceptance_by_position": [a / n if n else None for a, n in zip(accepted, reached, strict=True)],
+        "lossless": not any(d["kind"] == "real_flip" for d in divergences),
+        "near_ties": sum(d["kind"] == "near_tie" for d in divergences),
+        "real_flips": sum(d["kind"] == "real_flip" for d in divergences),
+    }
+
+
+def paired_ab(base: list[PromptRun], other: list[PromptRun]) -> dict:
+    """Rounds of two drafters on the same prompts matched by their start offset (the text is identical
+    when both are lossless): identical-proposal rate, sign test on the accept counts, total accepted."""
+    same = diff_base = diff_other = matched = total_base = total_other = 0
+    for run_a, run_b in zip(base, other, strict=True):
+        by_start = {r.start: r for r in run_b.rounds}
+        for r in run_a.rounds:
+            twin = by_start.get(r.start)
+            if twin is None:
+                continue
+            matched += 1
+            same += r.proposal == twin.proposal
+            total_base += r.accepted
+            total_other += twin.accepted
+            diff_base += r.accepted > twin.accepted
+            diff_other += twin.accepted > r.accepted
+    return {
+        "matched_rounds": matched,
+        "identical_proposals": same / matched if matched else None,
+        "base_more": diff_base,
+        "other_more": diff_other,
+        "sign_test_p": sign_test(diff_base, diff_other),
+        "accepted_base": total_base,
+        "accepted_other": total_other,
+    }
+
+
+def sign_test(a: int, b: int) -> float:
+    """Two-sided exact binomial sign test of a vs b successes (p = 0.5); 1.0 with no differing pairs."""
+    n = a + b
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(a, b) + 1)) / 2**n
+    return min(1.0, 2 * tail)
