@@ -33,7 +33,7 @@ def run_accept(recipe_path: Path, bundle: Path | None, runtime: str, tokens: int
     target, _ = shipped_modules(plan)
     modules, fp16_modules, _ = shipped_drafter(plan, target)
     if runtime == "torch":
-        acceptance, ab = measure(plan, target, modules, fp16_modules)
+        acceptance, ab = measure(plan, target, modules, fp16_modules, held_out_prompts(plan))
         return {"runtime": "torch", "acceptance": acceptance, "ab": ab}
     if bundle is None:
         raise InputError("--runtime coreai runs a built bundle's packages: give --bundle DIR")

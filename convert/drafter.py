@@ -22,10 +22,11 @@ from convert.compress import QuantizedLinear, apply_quantized
 from convert.errors import GateError, InputError
 from convert.models import dflash2, mtp
 from convert.models.qwen3 import Qwen3Args
-from convert.recipe import Drafter, Recipe
+from convert.recipe import Drafter, DrafterQuantization, Recipe
 from convert.sources import Snapshot, check_safetensors, resolve, tensor_shapes
 from convert.target import TargetModules
 from quant.affine import quantize_affine
+from quant.gptq import HessianAccumulator, gptq_quantize
 from quant.lut import quantize_lut
 
 MTP_HIDDEN_CONVENTION = "target final-norm output at position t (what its lm_head reads), vLLM's convention"
@@ -112,25 +113,54 @@ def build_modules(plan: DrafterPlan, recipe: Recipe, target: TargetModules, dtyp
     return modules
 
 
-def quantize(modules, method: str, group_size: int) -> dict:
-    """Round-to-nearest 4-bit of the drafter's own linears (the borrowed tables stay as the target ships them);
-    returns the manifest's quantization record."""
+def calibration_hessians(kind: str, target_modules, drafter_modules, prompts: list[list[int]], tokens: int,
+                         embeddings: np.ndarray) -> dict[str, torch.Tensor]:
+    """Input Hessians of the drafter's own linears over speculative decoding of ``prompts``: the drafter sees
+    exactly what it sees deployed (context rows from the target's taps or hidden states, draft blocks, accepted
+    rows). A chunk's padding rows repeat its last row and count again."""
+    accumulators, hooks = {}, []
+    for name, module in drafter_modules.core.named_modules():
+        if name in BORROWED or type(module) is not torch.nn.Linear:
+            continue
+        accumulators[name] = HessianAccumulator(module.in_features)
+        hooks.append(module.register_forward_hook(lambda _m, inputs, _out, acc=accumulators[name]: acc.add(inputs[0])))
+    try:
+        target, drafter = drivers(kind, target_modules, drafter_modules, embeddings)
+        for prompt in prompts:
+            speculative.speculate(kind, target, drafter, prompt, tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {name: acc.hessian() for name, acc in accumulators.items() if acc.count}
+
+
+def quantize(modules, quant: DrafterQuantization, hessians: dict[str, torch.Tensor] | None = None) -> dict:
+    """4-bit of the drafter's own linears (round to nearest, or GPTQ under ``hessians``); the borrowed tables
+    stay as the target ships them. Returns the manifest's quantization record."""
+    method, group = quant.format, quant.resolved_group_size
     weights = {}
     for name, module in modules.core.named_modules():
         if name in BORROWED or type(module) is not torch.nn.Linear:
             continue
         weight = module.weight.detach().float()
-        weights[name] = quantize_lut(weight, group_size) if method == "lut4" else quantize_affine(weight, group_size)
+        if hessians is not None:
+            if name not in hessians:
+                raise InputError(f"drafter.quantization.calibration: linear {name} saw no calibration input")
+            weights[name] = gptq_quantize(weight, hessians[name], method, group, name=name)
+        else:
+            weights[name] = quantize_lut(weight, group) if method == "lut4" else quantize_affine(weight, group)
+    mse = {n: float((qw.dequantize().float() - modules.core.get_submodule(n).weight.float()).pow(2).mean())
+           for n, qw in weights.items()}
     apply_quantized(modules.core, weights)
     own = {id(p): p for n, p in modules.core.named_parameters() if not n.startswith(BORROWED)}
     total = sum(p.numel() for p in own.values())
     quantized = sum(qw.codes.numel() for qw in weights.values())
     bits = sum(qw.bits_per_weight * qw.codes.numel() for qw in weights.values()) + 16 * (total - quantized)
+    keys = ("gptq_output_error", "rtn_output_error", "damping", "cholesky_retries")
     layers = [{"name": n, "method": qw.method, "group_size": qw.group_size, "bits_per_weight": qw.bits_per_weight,
-               "weight_mse": qw.stats.get("weight_mse", float(
-                   (qw.dequantize().float() - modules.core.get_submodule(n).weight.float()).pow(2).mean()))}
+               "weight_mse": mse[n], **{k: qw.stats[k] for k in keys if qw.stats.get(k) is not None}}
               for n, qw in sorted(weights.items())]
-    return {"method": method, "group_size": group_size, "bits_per_weight": bits / total, "layers": layers}
+    return {"method": quant.method, "group_size": group, "bits_per_weight": bits / total, "layers": layers}
 
 
 class TorchFunctions:

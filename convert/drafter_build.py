@@ -32,15 +32,20 @@ CHECK_PROMPT_TOKENS = 24  # the replayed run on the Core AI runtime: a short pro
 CHECK_GENERATED = 12  # ... and a few rounds
 
 
-def held_out_prompts(plan) -> tuple[list[list[int]], dict]:
-    """The recipe's acceptance prompts through the target tokenizer, and their identity."""
+def text_prompts(plan, spec, field: str) -> tuple[list[list[int]], dict]:
+    """``spec.samples`` windows of ``spec.length`` tokens of the spec's corpus through the target tokenizer, and
+    their identity (corpus sha256, n, length, seed, tokens generated after each)."""
     from transformers import PreTrainedTokenizerFast
 
-    spec = plan.recipe.drafter.accept
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(plan.snapshot.directory / "tokenizer.json"))
-    text = calibration_text(spec.corpus, plan.recipe_path.resolve().parent, "drafter.accept.corpus")
+    text = calibration_text(spec.corpus, plan.recipe_path.resolve().parent, field)
     data = gates.EvalData.from_text(text, tokenizer, spec.samples, spec.length, spec.seed, corpus=spec.corpus)
     return data.tokens.tolist(), {**data.identity.model_dump(), "tokens": spec.tokens}
+
+
+def held_out_prompts(plan) -> tuple[list[list[int]], dict]:
+    """The recipe's acceptance prompts (``drafter.accept``, by default the held-out split)."""
+    return text_prompts(plan, plan.drafter.config.accept, "drafter.accept.corpus")
 
 
 def shipped_drafter(plan, target: TargetModules):
@@ -51,15 +56,25 @@ def shipped_drafter(plan, target: TargetModules):
     if quant.method == "none":
         return modules, None, None
     fp16 = compute_copy(modules, torch.float16)
+    hessians, calibration = None, None
+    if quant.uses_gptq:
+        spec = quant.calibration
+        prompts, calibration = text_prompts(plan, spec, "drafter.quantization.calibration.corpus")
+        embeddings = target.core.embed_tokens.weight.detach().float().numpy()
+        with stage(f"calibrate drafter: speculative decoding of {len(prompts)} x {spec.length} tokens + "
+                   f"{spec.tokens} generated ({spec.corpus})"):
+            hessians = drafter.calibration_hessians(dplan.kind, compute_copy(target, torch.float32),
+                                                    compute_copy(modules, torch.float32), prompts, spec.tokens,
+                                                    embeddings)
     with stage(f"quantize drafter {quant.method} (groups of {quant.resolved_group_size})"):
-        record = drafter.quantize(modules, quant.method, quant.resolved_group_size)
-    return modules, fp16, record
+        record = drafter.quantize(modules, quant, hessians)
+    return modules, fp16, {**record, "calibration": calibration}
 
 
-def measure(plan, target: TargetModules, modules, fp16_modules) -> tuple[dict, dict | None]:
+def measure(plan, target: TargetModules, modules, fp16_modules, held_out) -> tuple[dict, dict | None]:
     """Acceptance of the shipped pair (lossless or fail) and, for a quantized drafter, the A/B verdict."""
     dplan, spec = plan.drafter, plan.drafter.config.accept
-    prompts, data = held_out_prompts(plan)
+    prompts, data = held_out
     target32 = compute_copy(target, torch.float32)
     embeddings = target.core.embed_tokens.weight.detach().float().numpy()
     with stage(f"accept: {len(prompts)} held-out prompts x {spec.tokens} tokens, speculative vs greedy"):
@@ -104,8 +119,9 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
     with stage("hash drafter source files"):
         source_files = file_records(dplan.snapshot.directory)
     modules, fp16_modules, quantization = shipped_drafter(plan, target)
-    acceptance, ab = measure(plan, target, modules, fp16_modules)
-    prompt = held_out_prompts(plan)[0][0][:CHECK_PROMPT_TOKENS]
+    held_out = held_out_prompts(plan)
+    acceptance, ab = measure(plan, target, modules, fp16_modules, held_out)
+    prompt = held_out[0][0][:CHECK_PROMPT_TOKENS]
     embeddings = target.core.embed_tokens.weight.detach().float().numpy()
     calls = drafter.recorded_calls(dplan.kind, target, modules, prompt, CHECK_GENERATED, embeddings)
     packages = []

@@ -124,18 +124,42 @@ class Target(Strict):
 
 
 DrafterKind = Literal["dflash2", "mtp"]
-DrafterQuantMethod = Literal["none", "affine4", "lut4"]
+
+
+class DrafterCalibration(TextSample):
+    """GPTQ calibration of a drafter: speculative decoding over n prompts, the drafter's inputs as deployed."""
+
+    corpus: str = "fixture:train"
+    samples: int = Field(16, gt=0)
+    length: int = Field(64, gt=1)
+    tokens: int = Field(64, gt=0, description="tokens generated after each prompt")
 
 
 class DrafterQuantization(Strict):
-    """Round-to-nearest 4-bit for the drafter's own linears; the borrowed lm_head is the target's, as shipped."""
+    """4-bit for the drafter's own linears; the borrowed lm_head (and embeddings) stay exactly as the target
+    ships them."""
 
-    method: DrafterQuantMethod = "none"
+    method: QuantMethod = "none"
     group_size: int | None = Field(None, gt=0, description="lut4: rows per table (16); affine4: columns (64)")
+    calibration: DrafterCalibration = DrafterCalibration()
+
+    @property
+    def format(self) -> str | None:
+        return None if self.method == "none" else self.method.removesuffix("-gptq")
+
+    @property
+    def uses_gptq(self) -> bool:
+        return self.method.endswith("-gptq")
 
     @property
     def resolved_group_size(self) -> int:
-        return self.group_size or (16 if self.method == "lut4" else 64)
+        return self.group_size or (16 if self.format == "lut4" else 64)
+
+    @model_validator(mode="after")
+    def _affine_groups(self) -> DrafterQuantization:
+        if self.format == "affine4" and self.resolved_group_size not in (32, 64, 128):
+            raise ValueError(f"affine4 groups are 32, 64 or 128 input columns (got {self.group_size})")
+        return self
 
 
 class Acceptance(TextSample):

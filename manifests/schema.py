@@ -225,10 +225,13 @@ class DrafterArchitecture(Model):
 
 
 class DrafterQuantization(Model):
-    method: Literal["affine4", "lut4"]
+    method: Literal["affine4", "lut4", "affine4-gptq", "lut4-gptq"]
     bits: int = 4
     group_size: int
     bits_per_weight: float = Field(description="over the drafter's own weights (borrowed lm_head excluded)")
+    calibration: dict[str, str | int] | None = Field(
+        description="GPTQ: the calibration prompts' identity (corpus, corpus_sha256, n, length, seed, tokens)"
+    )
     layers: list[QuantizedLayer]
 
 

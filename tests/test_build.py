@@ -123,9 +123,12 @@ def test_lm_head_hash_tracks_one_value(built, tiny_checkpoint):
     assert f"source.files.{model_file}.sha256" in changed
     allowed_prefixes = ("packages.", "gate.metrics.")  # package bytes and hashes, checks and gate of the new head
     unexpected = {k for k in changed if not k.startswith(allowed_prefixes)} - {
-        "weights.lm_head_sha256", "export_id", f"source.files.{model_file}.sha256"}
+        "weights.lm_head_sha256", "export_id", f"source.files.{model_file}.sha256",
+        "drafter_interface.lm_head_file.sha256"}  # a target with taps ships lm_head.safetensors for its drafter
     assert unexpected == set()
+    assert "drafter_interface.lm_head_file.sha256" in changed
     assert a["weights.embedding_sha256"] == c["weights.embedding_sha256"]
+    assert a["drafter_interface.embeddings_file.sha256"] == c["drafter_interface.embeddings_file.sha256"]
     assert {k for k in changed if k.endswith("stable_hash")} == {"packages.0.stable_hash", "packages.1.stable_hash"}
 
 

@@ -172,3 +172,16 @@ def test_check_pair_bad_input(pair):
     assert result.exit_code == 2 and "drafter bundle comes first" in result.output
     result = run("check-pair", str(bundle), str(bundle / "target"))
     assert result.exit_code == 2 and "target/ and drafter/" in result.output
+
+
+def test_accept_cli(pair):
+    tmp, bundle = pair
+    result = run("accept", str(tmp / "pair.yaml"), "--prompts", "1", "--tokens", "12")
+    assert result.exit_code == 0, result.output
+    assert "runtime: torch" in result.output and "lossless True" in result.output
+    assert "A/B quantized vs fp16" in result.output  # the recipe's drafter is lut4
+    result = run("accept", str(tmp / "pair.yaml"), "--runtime", "coreai", "--bundle", str(bundle), "--tokens", "6")
+    assert result.exit_code == 0, result.output
+    assert "runtime: coreai" in result.output and "lossless True" in result.output
+    result = run("accept", str(tmp / "pair.yaml"), "--runtime", "coreai")
+    assert result.exit_code == 2 and "--bundle" in result.output

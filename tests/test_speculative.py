@@ -1,0 +1,137 @@
+"""The speculative decoding loop, the lossless check and the paired A/B statistics, on constructed drafters."""
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import write_checkpoint
+
+from convert import speculative
+from convert.drafter import TorchFunctions, widths
+from convert.models.qwen3 import Qwen3Args
+from convert.recipe import Graphs, Target
+from convert.sources import load_tensors, read_json
+from convert.target import build_modules
+
+WIDTH = 5
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("spec") / "t"
+    write_checkpoint(directory, hidden_size=64, num_hidden_layers=2)
+    args = Qwen3Args.from_config(read_json(directory / "config.json"))
+    spec = Target(source="path:x", graphs=Graphs(prefill=8, verify=WIDTH), context=96, taps=[0, 1], logits=True)
+    modules = build_modules(args, spec, load_tensors(directory), torch.float32)
+    return speculative.TargetDriver(TorchFunctions(modules, target=True), widths(modules))
+
+
+class ScriptedDrafter:
+    """A DFlash2-shaped drafter proposing from a script: ``truth`` (the target's greedy continuation) with
+    ``wrong_at`` positions of each block replaced by a wrong id."""
+
+    def __init__(self, truth: list[int], prompt_len: int, wrong_at: set[int]):
+        self.truth, self.n, self.wrong_at = truth, prompt_len, wrong_at
+        self.functions = self
+        self.context_rows = 0
+
+    def reset(self) -> None:
+        self.context_rows = 0
+
+    def add_context(self, taps, p0, function) -> None:
+        assert p0 == self.context_rows  # context arrives in order, with no gap and no overlap
+        self.context_rows += len(taps)
+
+    def draft(self, anchor: int, p0: int) -> list[int]:
+        assert p0 == self.context_rows  # the context holds exactly the positions before the anchor
+        offset = p0 - self.n + 1  # index in truth of the first draft
+        ids = self.truth[offset : offset + WIDTH - 1]
+        ids = ids + [0] * (WIDTH - 1 - len(ids))
+        return [(t + 1) % 4096 if i in self.wrong_at else t for i, t in enumerate(ids)]
+
+
+def prompt() -> list[int]:
+    return torch.randint(4, 4000, (11,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+def test_perfect_drafter_accepts_every_draft(target):
+    tokens = 23
+    truth, _ = target.greedy(prompt(), tokens + WIDTH)
+    drafter = ScriptedDrafter(truth, len(prompt()), wrong_at=set())
+    run, logits = speculative.speculate("dflash2", target, drafter, prompt(), tokens)
+    assert run.output == truth[:tokens]
+    assert [r.accepted for r in run.rounds[:-1]] == [WIDTH - 1] * (len(run.rounds) - 1)
+    stats = speculative.acceptance_stats([run], WIDTH)
+    assert stats["acceptance_by_position"] == [1.0] * (WIDTH - 1)
+    assert len(logits) == tokens
+
+
+@pytest.mark.parametrize("wrong_at, accepted", [({0}, 0), ({2}, 2), ({3}, 3)])
+def test_first_wrong_draft_ends_the_round(target, wrong_at, accepted):
+    tokens = 20
+    truth, _ = target.greedy(prompt(), tokens + WIDTH)
+    run, _ = speculative.speculate("dflash2", target, ScriptedDrafter(truth, len(prompt()), wrong_at), prompt(),
+                                   tokens)
+    assert run.output == truth[:tokens]  # lossless whatever the drafter proposes
+    assert {r.accepted for r in run.rounds[:-1]} == {accepted}
+    stats = speculative.acceptance_stats([run], WIDTH)
+    assert stats["acceptance_by_position"][: accepted + 1] == [1.0] * accepted + [0.0]
+
+
+def test_lossless_check_classifies_divergence():
+    logits = np.zeros(8, dtype=np.float32)
+    logits[[2, 5]] = [3.0, 2.9]
+    run = speculative.PromptRun(prompt=[1], output=[4, 2, 7])
+    speculative.check_lossless(run, [4, 5, 7], [None, logits, None], [None, None, None], margin=0.25)
+    assert run.divergence == {"offset": 1, "speculative": 2, "greedy": 5, "logit_gap": pytest.approx(0.1),
+                              "kind": "near_tie"}
+    logits[5] = 1.0
+    run = speculative.PromptRun(prompt=[1], output=[4, 2, 7])
+    speculative.check_lossless(run, [4, 5, 7], [None, logits, None], [None, None, None], margin=0.25)
+    assert run.divergence["kind"] == "real_flip"
+    stats = speculative.acceptance_stats([run], WIDTH)
+    assert stats["lossless"] is False and stats["real_flips"] == 1
+
+
+def test_paired_ab_and_sign_test():
+    base = [speculative.PromptRun([0], [], [speculative.Round(0, (1, 2), 2), speculative.Round(3, (5, 6), 0),
+                                            speculative.Round(4, (7, 8), 1)])]
+    other = [speculative.PromptRun([0], [], [speculative.Round(0, (1, 2), 2), speculative.Round(3, (5, 9), 1),
+                                             speculative.Round(5, (7, 8), 1)])]
+    ab = speculative.paired_ab(base, other)
+    assert ab == {"matched_rounds": 2, "identical_proposals": 0.5, "base_more": 0, "other_more": 1,
+                  "sign_test_p": 1.0, "accepted_base": 2, "accepted_other": 3}
+    assert speculative.sign_test(0, 6) == pytest.approx(2 / 64)
+    assert speculative.sign_test(27, 32) == pytest.approx(0.603, abs=1e-3)  # seed 003's paired A/B
+
+
+class ScriptedHead:
+    """An MTP-shaped drafter that checks the rows the loop commits and proposes ``truth``."""
+
+    def __init__(self, truth: list[int], prompt_ids: list[int]):
+        self.truth, self.committed = truth, list(prompt_ids[:1])  # row p holds the token at position p (p >= 1)
+        self.functions = self
+        self.sequence = list(prompt_ids) + truth
+
+    def reset(self) -> None:
+        pass
+
+    def accept(self, tokens, hidden, p0):
+        assert p0 == len(self.committed)  # rows arrive in order, after positional rollback of draft rows
+        assert tokens == self.sequence[p0 : p0 + len(tokens)]  # the committed tokens, nothing else
+        assert len(hidden) == len(tokens)
+        self.committed += tokens
+        return self.sequence[len(self.committed)], np.zeros(4, dtype=np.float32)
+
+    def step(self, token, hidden, position):
+        assert token == self.sequence[position]
+        return self.sequence[position + 1], hidden
+
+
+def test_mtp_loop_commits_rows_in_order(target):
+    tokens = 17
+    ids = prompt()
+    truth, _ = target.greedy(ids, tokens + WIDTH)
+    head = ScriptedHead(truth, ids)
+    run, _ = speculative.speculate("mtp", target, head, ids, tokens)
+    assert run.output == truth[:tokens]
+    assert {r.accepted for r in run.rounds} == {WIDTH - 1}
