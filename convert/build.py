@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from convert import backends, checks, gates
+from convert import backends, checks, contract, gates
 from convert.backends.base import FunctionSpec
 from convert.bundle import MANIFEST, staging
 from convert.drafter import DrafterPlan, plan_drafter
@@ -92,6 +92,7 @@ def make_plan(recipe_path: Path, output: str | None = None) -> Plan:
     recipe = load_recipe(recipe_path)
     snapshot = resolve(recipe.target.source, recipe_path.resolve().parent)
     config_path = snapshot.directory / "config.json"
+    contract.check(snapshot.config(), recipe.target.contract, str(config_path), "target.contract")
     args = Qwen3Args.from_config(snapshot.config(), where=str(config_path))
     check_against_model(recipe, args.num_hidden_layers, args.max_position_embeddings, recipe_path)
     shapes = tensor_shapes(snapshot.directory)

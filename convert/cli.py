@@ -57,8 +57,18 @@ def build(recipe: Path, output: str | None, dry_run: bool) -> None:
     """Build the bundle a recipe describes."""
     from convert.build import build as run_build
     from convert.build import describe_plan, make_plan
+    from convert.errors import SourceUnavailable
 
-    plan = make_plan(recipe, output)
+    try:
+        plan = make_plan(recipe, output)
+    except SourceUnavailable as unavailable:
+        if not dry_run:
+            raise
+        from convert import contract
+        from convert.recipe import load_recipe
+
+        click.echo("\n".join(contract.describe(load_recipe(recipe), recipe, unavailable)))
+        return
     click.echo("\n".join(describe_plan(plan)))
     if dry_run:
         return

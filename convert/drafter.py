@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from convert import speculative
+from convert import contract, speculative
 from convert.backends.base import FunctionSpec
 from convert.compress import QuantizedLinear, apply_quantized
 from convert.errors import GateError, InputError
@@ -58,8 +58,10 @@ def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, t
     where = recipe_path
     if config.source is None and config.kind != "mtp":
         raise InputError(f"{where}: drafter.source: required for a {config.kind} drafter")
-    snapshot = resolve(config.source, recipe_path.resolve().parent) if config.source else target_snapshot
+    snapshot = resolve(config.source, recipe_path.resolve().parent, "drafter.source") if config.source \
+        else target_snapshot
     config_path = snapshot.directory / "config.json"
+    contract.check(snapshot.config(), config.contract, str(config_path), "drafter.contract")
     verify = recipe.target.graphs.verify
     if config.kind == "dflash2":
         args = dflash2.DFlash2Args.from_config(snapshot.config(), str(config_path))

@@ -7,6 +7,11 @@ class InputError(Exception):
     exit_code = 2
 
 
+class SourceUnavailable(InputError):
+    """A pinned checkpoint that is not on this machine (no local directory, not in the Hugging Face cache and no
+    download possible). ``build --dry-run`` can still plan from the recipe's ``contract``."""
+
+
 class GateError(Exception):
     """A numeric or identity check failed; nothing is published. Exit 1."""
 

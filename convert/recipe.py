@@ -8,7 +8,7 @@ within the model's positions) live in ``check_against_model``, run before any we
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -104,6 +104,9 @@ class Target(Strict):
     )
     quantization: Quantization = Quantization()
     gate: Gate = Gate()
+    contract: dict[str, Any] = Field(
+        default_factory=dict, description="config.json values the checkpoint must have (dotted keys for nested ones)"
+    )
 
     @field_validator("taps")
     @classmethod
@@ -185,6 +188,9 @@ class Drafter(Strict):
     mask_scale: float = Field(1.0, gt=0, description="dflash2: the mask row is the target's embedding row times this")
     quantization: DrafterQuantization = DrafterQuantization()
     accept: Acceptance = Acceptance()
+    contract: dict[str, Any] = Field(
+        default_factory=dict, description="config.json values the checkpoint must have (dotted keys for nested ones)"
+    )
 
 
 class Recipe(Strict):

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from convert.errors import InputError
+from convert.errors import InputError, SourceUnavailable
 
 HF_PATTERN = re.compile(r"^hf://(?P<repo>[\w.-]+/[\w.-]+)@(?P<revision>[^@\s]+)$")
 PINNED = re.compile(r"^[0-9a-f]{7,40}$")
@@ -50,20 +50,21 @@ class Snapshot:
         return read_json(self.directory / "config.json")
 
 
-def resolve(reference: str, recipe_dir: Path) -> Snapshot:
+def resolve(reference: str, recipe_dir: Path, field: str = "target.source") -> Snapshot:
+    """The snapshot ``reference`` names; ``SourceUnavailable`` when it is well formed but not on this machine."""
     if reference.startswith("path:"):
         raw = Path(reference[len("path:") :]).expanduser()
         directory = raw if raw.is_absolute() else (recipe_dir / raw)
         directory = directory.resolve()
         if not directory.is_dir():
-            raise InputError(f"target.source: {reference!r}: directory {directory} does not exist")
+            raise SourceUnavailable(f"{field}: {reference!r}: directory {directory} does not exist")
         return Snapshot(reference=reference, directory=directory)
     match = HF_PATTERN.match(reference)
     if not match:
-        raise InputError(f"target.source: {reference!r} is neither 'path:DIR' nor 'hf://org/name@revision'")
+        raise InputError(f"{field}: {reference!r} is neither 'path:DIR' nor 'hf://org/name@revision'")
     repo, revision = match["repo"], match["revision"]
     if not PINNED.match(revision):
-        raise InputError(f"target.source: {reference!r}: revision {revision!r} is not a commit hash; pin a commit")
+        raise InputError(f"{field}: {reference!r}: revision {revision!r} is not a commit hash; pin a commit")
     return Snapshot(reference=reference, directory=_hub_snapshot(repo, revision), repo=repo, revision=revision)
 
 
@@ -75,7 +76,7 @@ def _hub_snapshot(repo: str, revision: str) -> Path:
     if cached is not None:
         return cached
     if hub_offline():
-        raise InputError(
+        raise SourceUnavailable(
             f"hf://{repo}@{revision} is not in the Hugging Face cache ({cache}) and "
             "HF_HUB_OFFLINE is set; download it on a machine with network first"
         )
@@ -83,7 +84,7 @@ def _hub_snapshot(repo: str, revision: str) -> Path:
         patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "LICENSE*", "NOTICE*"]
         path = Path(snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=patterns))
     except Exception as exc:  # network, auth or unknown revision: all are a user's input problem here
-        raise InputError(
+        raise SourceUnavailable(
             f"hf://{repo}@{revision} is not in the Hugging Face cache ({cache}) and could not be "
             f"downloaded ({type(exc).__name__}); check the repo and revision or populate the cache"
         ) from None
