@@ -18,9 +18,14 @@ from convert.errors import InputError
 MANIFEST = "manifest.json"
 
 
+def is_bundle(path: Path) -> bool:
+    """A target or drafter bundle, or a pair (``target/`` and ``drafter/``)."""
+    return (path / MANIFEST).is_file() or (path / "target" / MANIFEST).is_file()
+
+
 def check_destination(output: Path) -> None:
     """Refuse to replace a directory that is not a bundle (it may hold someone's files)."""
-    if output.exists() and not (output / MANIFEST).is_file() and (not output.is_dir() or any(output.iterdir())):
+    if output.exists() and not is_bundle(output) and (not output.is_dir() or any(output.iterdir())):
         raise InputError(f"output {output}: exists and is not a spec-convert bundle; choose another --output")
 
 

@@ -81,7 +81,6 @@ def measure(plan, target: TargetModules, modules, fp16_modules, held_out) -> tup
         stats, runs = drafter.accept(dplan.kind, target32, compute_copy(modules, torch.float32), prompts,
                                      spec.tokens, embeddings)
     drafter.raise_if_lossy(stats, runs)
-    console.print(format_stats(stats))
     acceptance = {"data": data, **stats}
     if fp16_modules is None:
         return acceptance, None
@@ -90,7 +89,6 @@ def measure(plan, target: TargetModules, modules, fp16_modules, held_out) -> tup
                                                prompts, spec.tokens, embeddings)
     ab = drafter.ab_verdict(paired_ab(base_runs, runs), spec.max_p_value)
     ab["fp16_tokens_per_round"] = base_stats["tokens_per_round"]
-    console.print(format_ab(ab))
     if ab["significant_loss"]:
         raise GateError(
             f"drafter quantization {dplan.config.quantization.method} loses acceptance: {ab['accepted_other']} vs "
@@ -107,7 +105,8 @@ def format_stats(stats: dict) -> str:
 
 
 def format_ab(ab: dict) -> str:
-    return (f"A/B quantized vs fp16: {ab['matched_rounds']} paired rounds, identical proposals "
+    return (f"A/B quantized vs fp16 (fp16: {ab['fp16_tokens_per_round']:.3f} tokens per round): "
+            f"{ab['matched_rounds']} paired rounds, identical proposals "
             f"{ab['identical_proposals']:.3f}, more accepted: fp16 {ab['base_more']} / quantized {ab['other_more']}, "
             f"sign test p {ab['sign_test_p']:.3g}, accepted drafts fp16 {ab['accepted_base']} / quantized "
             f"{ab['accepted_other']}")
@@ -121,6 +120,9 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
     modules, fp16_modules, quantization = shipped_drafter(plan, target)
     held_out = held_out_prompts(plan)
     acceptance, ab = measure(plan, target, modules, fp16_modules, held_out)
+    console.print(format_stats(acceptance))
+    if ab:
+        console.print(format_ab(ab))
     prompt = held_out[0][0][:CHECK_PROMPT_TOKENS]
     embeddings = target.core.embed_tokens.weight.detach().float().numpy()
     calls = drafter.recorded_calls(dplan.kind, target, modules, prompt, CHECK_GENERATED, embeddings)

@@ -230,7 +230,7 @@ class DrafterQuantization(Model):
     group_size: int
     bits_per_weight: float = Field(description="over the drafter's own weights (borrowed lm_head excluded)")
     calibration: dict[str, str | int] | None = Field(
-        description="GPTQ: the calibration prompts' identity (corpus, corpus_sha256, n, length, seed, tokens)"
+        None, description="GPTQ: the calibration prompts' identity (corpus, corpus_sha256, n, length, seed, tokens)"
     )
     layers: list[QuantizedLayer]
 
