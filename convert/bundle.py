@@ -23,6 +23,13 @@ def is_bundle(path: Path) -> bool:
     return (path / MANIFEST).is_file() or (path / "target" / MANIFEST).is_file()
 
 
+def parts(path: Path) -> list[Path]:
+    """The bundles at ``path``: itself, or a pair's ``target/`` and ``drafter/``."""
+    if not (path / MANIFEST).is_file() and (path / "target" / MANIFEST).is_file():
+        return [d for d in (path / "target", path / "drafter") if (d / MANIFEST).is_file()]
+    return [path]
+
+
 def check_destination(output: Path) -> None:
     """Refuse to replace a directory that is not a bundle (it may hold someone's files)."""
     if output.exists() and not is_bundle(output) and (not output.is_dir() or any(output.iterdir())):

@@ -139,10 +139,12 @@ def check_pair(drafter_bundle: Path, target_bundle: Path) -> None:
 @click.argument("bundle", type=click.Path(path_type=Path))
 @user_errors
 def inspect(bundle: Path) -> None:
-    """Print a bundle's manifest readably."""
+    """Print a bundle's manifest readably (a pair's target and drafter both)."""
+    from convert.bundle import parts
     from convert.inspect import print_manifest, read_manifest
 
-    print_manifest(read_manifest(bundle))
+    for part in parts(bundle):
+        print_manifest(read_manifest(part))
 
 
 @main.command()
@@ -150,10 +152,12 @@ def inspect(bundle: Path) -> None:
 @user_errors
 def compile(bundle: Path) -> None:  # noqa: A001 - the command's name
     """Run the compile steps that were deferred (device AOT, coremlcompiler) and update the manifest."""
+    from convert.bundle import parts
     from convert.compile import compile_bundle
 
-    for line in compile_bundle(bundle):
-        click.echo(line)
+    for part in parts(bundle):
+        for line in compile_bundle(part):
+            click.echo(line)
 
 
 @main.command()

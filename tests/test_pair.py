@@ -119,6 +119,8 @@ def test_pair_bundle(pair):
     assert drafter["ab"]["matched_rounds"] == drafter["acceptance"]["rounds"]
     result = run("check-pair", str(bundle / "drafter"), str(bundle / "target"))
     assert result.exit_code == 0, result.output
+    result = run("inspect", str(bundle))  # a pair: both manifests
+    assert result.exit_code == 0 and "drafter export id" in result.output and target["export_id"] in result.output
 
 
 def test_refuses_other_lm_head(pair):
