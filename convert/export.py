@@ -10,6 +10,7 @@ prefill call followed by decode calls carries the cache exactly as a runtime car
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -29,6 +30,24 @@ class FunctionModule(nn.Module):
         state_tensors = [getattr(self, s.name) for s in self.spec.states]
         produced = self.core(*inputs, *state_tensors)
         return tuple(produced[o.name] for o in self.spec.outputs)
+
+
+@dataclass
+class ExportModules:
+    """One part's export modules: a shared ``core`` and its ``functions`` (FunctionModule, spec) by name, every
+    function holding the same state tensors."""
+
+    core: nn.Module
+    functions: dict[str, tuple[FunctionModule, FunctionSpec]]
+
+    def states(self) -> dict[str, torch.Tensor]:
+        module, spec = next(iter(self.functions.values()))
+        return {s.name: getattr(module, s.name) for s in spec.states}
+
+    def reset(self) -> None:
+        """Zero the states (a fresh runtime session)."""
+        for state in self.states().values():
+            state.zero_()
 
 
 def compute_copy(modules, dtype: torch.dtype):

@@ -62,16 +62,13 @@ class Gate(Strict):
     )
 
 
-class Quantization(Strict):
+class QuantizationMethod(Strict):
+    """A quantization method and its group size; shared by the target's and the drafter's settings."""
+
     method: QuantMethod = "none"
     group_size: int | None = Field(
         None, gt=0, description="lut4: output rows per table (default 16); affine4: input columns (default 64)"
     )
-    keep_fp16: list[str] = Field(
-        default_factory=list, description="weights kept fp16: 'embeddings', 'lm_head' or a module name"
-    )
-    lut_refits: int = Field(0, ge=0, description="lut4-gptq: refit the tables and sweep again while the error falls")
-    calibration: Calibration = Calibration()
 
     @property
     def format(self) -> str | None:
@@ -87,10 +84,18 @@ class Quantization(Strict):
         return self.group_size or (16 if self.format == "lut4" else 64)
 
     @model_validator(mode="after")
-    def _affine_groups(self) -> Quantization:
+    def _affine_groups(self) -> QuantizationMethod:
         if self.format == "affine4" and self.resolved_group_size not in (32, 64, 128):
             raise ValueError(f"affine4 groups are 32, 64 or 128 input columns (got {self.group_size})")
         return self
+
+
+class Quantization(QuantizationMethod):
+    keep_fp16: list[str] = Field(
+        default_factory=list, description="weights kept fp16: 'embeddings', 'lm_head' or a module name"
+    )
+    lut_refits: int = Field(0, ge=0, description="lut4-gptq: refit the tables and sweep again while the error falls")
+    calibration: Calibration = Calibration()
 
 
 class Target(Strict):
@@ -138,31 +143,11 @@ class DrafterCalibration(TextSample):
     tokens: int = Field(64, gt=0, description="tokens generated after each prompt")
 
 
-class DrafterQuantization(Strict):
+class DrafterQuantization(QuantizationMethod):
     """4-bit for the drafter's own linears; the borrowed lm_head (and embeddings) stay exactly as the target
     ships them."""
 
-    method: QuantMethod = "none"
-    group_size: int | None = Field(None, gt=0, description="lut4: rows per table (16); affine4: columns (64)")
     calibration: DrafterCalibration = DrafterCalibration()
-
-    @property
-    def format(self) -> str | None:
-        return None if self.method == "none" else self.method.removesuffix("-gptq")
-
-    @property
-    def uses_gptq(self) -> bool:
-        return self.method.endswith("-gptq")
-
-    @property
-    def resolved_group_size(self) -> int:
-        return self.group_size or (16 if self.format == "lut4" else 64)
-
-    @model_validator(mode="after")
-    def _affine_groups(self) -> DrafterQuantization:
-        if self.format == "affine4" and self.resolved_group_size not in (32, 64, 128):
-            raise ValueError(f"affine4 groups are 32, 64 or 128 input columns (got {self.group_size})")
-        return self
 
 
 class Acceptance(TextSample):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from convert.backends.base import FunctionSpec, TensorSpec
-from convert.export import FunctionModule
+from convert.export import ExportModules, FunctionModule
 from convert.models.qwen3 import Qwen3Args, Qwen3Core
 from convert.recipe import Target
 
@@ -39,15 +39,8 @@ def function_specs(args: Qwen3Args, target: Target, dtype: torch.dtype = torch.f
 
 
 @dataclass
-class TargetModules:
+class TargetModules(ExportModules):
     core: Qwen3Core
-    functions: dict[str, tuple[FunctionModule, FunctionSpec]]
-
-    def reset(self) -> None:
-        """Zero the KV states (a fresh runtime session); every function shares the same state tensors."""
-        module, spec = next(iter(self.functions.values()))
-        for state in spec.states:
-            getattr(module, state.name).zero_()
 
     def call(self, name: str, input_ids, position_ids) -> dict[str, torch.Tensor]:
         """Run function ``name`` in torch on the shared states; returns every core output, logits included

@@ -160,14 +160,27 @@ class DrafterInterface(Model):
     hidden_output: bool = Field(description="the target functions return the final-norm hidden states")
 
 
-class Manifest(Model):
+class BundleManifest(Model):
+    """What every bundle's manifest starts with; ``identity`` is what its export id hashes."""
+
     schema_version: Literal["1"] = SCHEMA_VERSION
-    kind: Literal["target"] = "target"
+    kind: str
     name: str
     export_id: str = Field(description="sha256 of the identity fields (all but built_at, toolchain, compile)")
     built_at: str
     toolchain: dict[str, str]
     source: Source
+
+    def identity(self) -> dict:
+        """The fields the export id covers: everything but time, toolchain and later compile status."""
+        data = self.model_dump(mode="json", exclude={"export_id", "built_at", "toolchain"})
+        for package in data["packages"]:
+            package.pop("compile")
+        return data
+
+
+class Manifest(BundleManifest):
+    kind: Literal["target"] = "target"
     architecture: Architecture
     taps: Taps | None
     tokenizer: Tokenizer
@@ -178,13 +191,6 @@ class Manifest(Model):
     packages: list[Package]
     extra_files: list[FileEntry] = Field(description="LICENSE / NOTICE / tokenizer / config copied into the bundle")
     drafter_interface: DrafterInterface | None = None
-
-    def identity(self) -> dict:
-        """The fields the export id covers: everything but time, toolchain and later compile status."""
-        data = self.model_dump(mode="json", exclude={"export_id", "built_at", "toolchain"})
-        for package in data["packages"]:
-            package.pop("compile")
-        return data
 
 
 class TargetBinding(Model):
@@ -235,14 +241,8 @@ class DrafterQuantization(Model):
     layers: list[QuantizedLayer]
 
 
-class DrafterManifest(Model):
-    schema_version: Literal["1"] = SCHEMA_VERSION
+class DrafterManifest(BundleManifest):
     kind: Literal["drafter"] = "drafter"
-    name: str
-    export_id: str = Field(description="sha256 of the identity fields (all but built_at, toolchain, compile)")
-    built_at: str
-    toolchain: dict[str, str]
-    source: Source
     architecture: DrafterArchitecture
     target: TargetBinding
     quantization: DrafterQuantization | None = None
@@ -251,12 +251,6 @@ class DrafterManifest(Model):
     functions: list[Function]
     packages: list[Package]
     extra_files: list[FileEntry]
-
-    def identity(self) -> dict:
-        data = self.model_dump(mode="json", exclude={"export_id", "built_at", "toolchain"})
-        for package in data["packages"]:
-            package.pop("compile")
-        return data
 
 
 def json_schema(model: type[Model] = Manifest) -> dict:

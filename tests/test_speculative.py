@@ -135,3 +135,47 @@ def test_mtp_loop_commits_rows_in_order(target):
     run, _ = speculative.speculate("mtp", target, head, ids, tokens)
     assert run.output == truth[:tokens]
     assert {r.accepted for r in run.rounds} == {WIDTH - 1}
+
+
+def test_target_taps_feed_the_dflash2_drafter_as_the_runtime_does(tmp_path):
+    """The target's export modules produce the taps (equal to transformers' hidden_states[i+1]), the speculative
+    driver writes them into the drafter's ring in runtime-sized fp16 chunks; the draft equals the eager reference
+    fed the same fp16 rows (fp32 arithmetic)."""
+    from dflash2_checkpoints import random_reference, tiny_config
+    from transformers import Qwen3ForCausalLM
+
+    from convert.models import dflash2
+
+    taps = [2, 0, 1]  # not sorted: the concatenation follows this order (the last layer, 3, would be HF's normed one)
+    write_checkpoint(tmp_path / "t", hidden_size=64, num_hidden_layers=4)
+    hf = Qwen3ForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.float32).eval()
+    args = Qwen3Args.from_config(read_json(tmp_path / "t" / "config.json"))
+    spec = Target(source="path:x", graphs=Graphs(prefill=16, verify=8), context=96, taps=taps)
+    target_modules = build_modules(args, spec, load_tensors(tmp_path / "t"), torch.float32)
+    driver = speculative.TargetDriver(TorchFunctions(target_modules, target=True), widths(target_modules))
+    ids = torch.randint(4, 4000, (37,), generator=torch.Generator().manual_seed(5)).tolist()
+    out = driver.prefill(ids)
+    with torch.no_grad():
+        states = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    features = torch.cat([states[i + 1][0] for i in taps], dim=-1)
+    assert np.abs(out["taps"] - features.numpy()).max() < 1e-4
+
+    config = tiny_config(vocab_size=4096, dflash_config={
+        "target_layer_ids": taps, "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2, "conv_group_size": 16,
+        "selector_rank": 16, "selector_top_k": 8})
+    reference = random_reference(config, seed=2)
+    drafter_args = dflash2.DFlash2Args.from_config(config)
+    embed, lm_head = hf.model.embed_tokens.weight.detach(), hf.lm_head.weight.detach()
+    drafter_modules = dflash2.build_modules(drafter_args, reference.drafter_state(), lm_head, embed[3], torch.float32,
+                                            max_positions=96, ring_rows=64, update_width=16, append_width=8)
+    drafter = speculative.DFlash2Driver(TorchFunctions(drafter_modules, target=False), widths(drafter_modules),
+                                        embed.numpy())
+    drafter.add_context(out["taps"], 0, "context_update")  # 37 rows: chunks of 16, the last one padded
+    anchor = int(out["argmax_ids"][-1])
+    got = drafter_modules.call("draft", anchor_embedding=embed[anchor][None, None], anchor_id=[[anchor]],
+                               position_ids=[list(range(37, 45))])
+    shipped = torch.from_numpy(out["taps"]).half().float()  # the runtime's taps input is fp16
+    ref = reference.draft(shipped, embed[anchor], embed[3], lm_head, anchor, 37)
+    assert float((got["logits"][0] - ref.logits).abs().max()) < 1e-4
+    assert got["draft_ids"][0].tolist() == ref.draft_ids.tolist()
+    assert drafter.draft(anchor, 37) == ref.draft_ids.tolist()

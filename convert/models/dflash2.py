@@ -57,8 +57,8 @@ from torch import nn
 
 from convert.backends.base import FunctionSpec, TensorSpec
 from convert.errors import InputError
-from convert.export import FunctionModule
-from convert.models.qwen3 import RMSNorm, rotate
+from convert.export import ExportModules, FunctionModule
+from convert.models.qwen3 import MLP, RMSNorm, layer_shapes, rotate
 from convert.sources import check_safetensors, read_json, weight_files
 
 ARCHITECTURES = ("DFlash2DraftModel", "DFlashDraftModel")
@@ -270,8 +270,7 @@ def _layer_windows(config: dict, layers: int, where: str) -> tuple[int | None, .
 
 def expected_shapes(args: DFlash2Args) -> dict[str, tuple[int, ...]]:
     """Every tensor a drafter checkpoint must hold, by canonical key (z-lab's, no prefix), with its shape."""
-    h, d, inter = args.hidden_size, args.head_dim, args.intermediate_size
-    q, kv = args.num_attention_heads * d, args.num_key_value_heads * d
+    h = args.hidden_size
     shapes: dict[str, tuple[int, ...]] = {
         "fc.weight": (h, args.feature_size),
         "hidden_norm.weight": (h,),
@@ -279,19 +278,8 @@ def expected_shapes(args: DFlash2Args) -> dict[str, tuple[int, ...]]:
     }
     for i in range(args.num_hidden_layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "self_attn.q_norm.weight": (d,),
-            p + "self_attn.k_norm.weight": (d,),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(layer_shapes(p, h, args.head_dim, args.num_attention_heads, args.num_key_value_heads,
+                                   args.intermediate_size))
         if args.has_conv:
             k, groups = args.conv_kernel_size, h // args.conv_group_size
             for conv in ("attention_conv", "mlp_conv"):
@@ -436,17 +424,6 @@ def _split_heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
     """[..., heads * D] -> [..., heads, D]; rank 2 (the export core) as a view with -1, so that no Python int is read
     from a tensor shape (coremltools rejects the aten::Int nodes tracing makes of them)."""
     return x.view(-1, heads, head_dim) if x.dim() == 2 else x.unflatten(-1, (heads, head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, args: DFlash2Args):
-        super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DraftLayer(nn.Module):
@@ -828,19 +805,8 @@ def function_specs(args: DFlash2Args, update_width: int = 64, append_width: int 
 
 
 @dataclass
-class DrafterModules:
+class DrafterModules(ExportModules):
     core: DFlash2Core
-    functions: dict[str, tuple[DrafterFunction, FunctionSpec]]
-
-    def reset(self) -> None:
-        """Zero the ring states (a fresh runtime session); every function shares the same state tensors."""
-        module, spec = next(iter(self.functions.values()))
-        for state in spec.states:
-            getattr(module, state.name).zero_()
-
-    def states(self) -> dict[str, torch.Tensor]:
-        module, spec = next(iter(self.functions.values()))
-        return {s.name: getattr(module, s.name) for s in spec.states}
 
     def call(self, name: str, **inputs) -> dict[str, torch.Tensor]:
         """Run function ``name`` in torch on the shared states with inputs by name (arrays or tensors, cast to the

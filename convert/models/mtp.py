@@ -55,9 +55,8 @@ from torch import nn
 
 from convert.backends.base import FunctionSpec, TensorSpec
 from convert.errors import InputError
-from convert.export import FunctionModule
-from convert.models.qwen3 import DecoderLayer, Qwen3Args, RMSNorm, rotate
-from convert.models.qwen3 import expected_shapes as qwen3_shapes
+from convert.export import ExportModules, FunctionModule
+from convert.models.qwen3 import DecoderLayer, Qwen3Args, RMSNorm, layer_shapes, rotate
 from convert.sources import tensor_shapes, weight_files
 
 QWEN35, DEEPSEEK = "qwen3.5", "deepseek"
@@ -177,18 +176,14 @@ class MTPArgs:
 def canonical_shapes(args: MTPArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor of the head under its canonical name (the Qwen3.5 key without ``mtp.``)."""
     h = args.hidden_size
-    block = {
-        k.removeprefix("model.layers.0."): v
-        for k, v in qwen3_shapes(args.block_args).items()
-        if k.startswith("model.layers.0.")
-    }
     shapes = {
         "fc.weight": (h, 2 * h),
         "pre_fc_norm_embedding.weight": (h,),
         "pre_fc_norm_hidden.weight": (h,),
         "norm.weight": (h,),
     }
-    shapes.update({"layers.0." + k: v for k, v in block.items()})
+    shapes.update(layer_shapes("layers.0.", h, args.head_dim, args.num_attention_heads, args.num_key_value_heads,
+                               args.intermediate_size, args.attention_bias))
     return shapes
 
 
@@ -545,15 +540,8 @@ def function_specs(
 
 
 @dataclass
-class MTPModules:
+class MTPModules(ExportModules):
     core: MTPCore
-    functions: dict[str, tuple[FunctionModule, FunctionSpec]]
-
-    def reset(self) -> None:
-        """Zero the head's KV states (a fresh runtime session); both functions share the same state tensors."""
-        module, spec = next(iter(self.functions.values()))
-        for state in spec.states:
-            getattr(module, state.name).zero_()
 
     def call(self, name: str, input_ids, hidden, position_ids) -> dict[str, torch.Tensor]:
         """Run function ``name`` in torch on the shared states; returns every core output, logits included."""

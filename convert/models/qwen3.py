@@ -97,39 +97,39 @@ class Qwen3Args:
         return self.num_hidden_layers * layer + heads * self.vocab_size * h + h
 
 
+def layer_shapes(prefix: str, hidden: int, head_dim: int, heads: int, kv_heads: int, intermediate: int,
+                 bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """The tensors of one Qwen3 decoder layer (q/k norms, SwiGLU MLP) under ``prefix``, with their shapes; the
+    drafters' layers are the same (DFlash2 adds its conv kernels, an MTP head is one such layer)."""
+    h, d, q, kv, inter = hidden, head_dim, heads * head_dim, kv_heads * head_dim, intermediate
+    shapes = {
+        prefix + "self_attn.q_proj.weight": (q, h),
+        prefix + "self_attn.k_proj.weight": (kv, h),
+        prefix + "self_attn.v_proj.weight": (kv, h),
+        prefix + "self_attn.o_proj.weight": (h, q),
+        prefix + "self_attn.q_norm.weight": (d,),
+        prefix + "self_attn.k_norm.weight": (d,),
+        prefix + "mlp.gate_proj.weight": (inter, h),
+        prefix + "mlp.up_proj.weight": (inter, h),
+        prefix + "mlp.down_proj.weight": (h, inter),
+        prefix + "input_layernorm.weight": (h,),
+        prefix + "post_attention_layernorm.weight": (h,),
+    }
+    if bias:
+        shapes.update({prefix + "self_attn.q_proj.bias": (q,), prefix + "self_attn.k_proj.bias": (kv,),
+                       prefix + "self_attn.v_proj.bias": (kv,), prefix + "self_attn.o_proj.bias": (h,)})
+    return shapes
+
+
 def expected_shapes(args: Qwen3Args) -> dict[str, tuple[int, ...]]:
     """Every tensor a Qwen3 checkpoint must hold, by transformers key, with its shape."""
-    h, d = args.hidden_size, args.head_dim
-    q, kv, inter = args.num_attention_heads * d, args.num_key_value_heads * d, args.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, h), "model.norm.weight": (h,)}
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, args.hidden_size),
+                                          "model.norm.weight": (args.hidden_size,)}
     if not args.tie_word_embeddings:
-        shapes["lm_head.weight"] = (args.vocab_size, h)
+        shapes["lm_head.weight"] = (args.vocab_size, args.hidden_size)
     for i in range(args.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "self_attn.q_norm.weight": (d,),
-                p + "self_attn.k_norm.weight": (d,),
-                p + "mlp.gate_proj.weight": (inter, h),
-                p + "mlp.up_proj.weight": (inter, h),
-                p + "mlp.down_proj.weight": (h, inter),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            }
-        )
-        if args.attention_bias:
-            shapes.update(
-                {
-                    p + "self_attn.q_proj.bias": (q,),
-                    p + "self_attn.k_proj.bias": (kv,),
-                    p + "self_attn.v_proj.bias": (kv,),
-                    p + "self_attn.o_proj.bias": (h,),
-                }
-            )
+        shapes.update(layer_shapes(f"model.layers.{i}.", args.hidden_size, args.head_dim, args.num_attention_heads,
+                                   args.num_key_value_heads, args.intermediate_size, args.attention_bias))
     return shapes
 
 
