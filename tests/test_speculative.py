@@ -179,3 +179,19 @@ def test_target_taps_feed_the_dflash2_drafter_as_the_runtime_does(tmp_path):
     assert float((got["logits"][0] - ref.logits).abs().max()) < 1e-4
     assert got["draft_ids"][0].tolist() == ref.draft_ids.tolist()
     assert drafter.draft(anchor, 37) == ref.draft_ids.tolist()
+
+
+def test_a_quantized_drafter_that_loses_acceptance_is_refused():
+    from convert.drafter import ab_verdict, raise_if_lossy
+    from convert.errors import GateError
+
+    base = [speculative.PromptRun([0], [], [speculative.Round(i, (1,), 1) for i in range(0, 20, 2)])]
+    worse = [speculative.PromptRun([0], [], [speculative.Round(i, (2,), 0) for i in range(0, 20, 2)])]
+    verdict = ab_verdict(speculative.paired_ab(base, worse), max_p=0.05)
+    assert verdict["base_more"] == 10 and verdict["sign_test_p"] == pytest.approx(2 / 1024)
+    assert verdict["significant_loss"] is True
+    assert ab_verdict(speculative.paired_ab(worse, base), max_p=0.05)["significant_loss"] is False  # it gains
+    run = speculative.PromptRun([0], [3], divergence={"offset": 0, "speculative": 3, "greedy": 4, "logit_gap": 2.0,
+                                                       "kind": "real_flip"})
+    with pytest.raises(GateError, match="not lossless: at output offset 0 it produced 3 where plain greedy"):
+        raise_if_lossy(speculative.acceptance_stats([run], WIDTH), [run])
