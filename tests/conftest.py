@@ -2,6 +2,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -13,3 +14,14 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("ckpt") / "tiny-qwen3"
     write_checkpoint(directory)
     return directory
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of small torch ops (hidden 256, at most 64 tokens): one thread is as fast, and on this 2-core
+    machine shared with other jobs two threads spin-wait for each other (a 64-token prefill went 25x slower,
+    test_calibrate from 8 s to over 40 s; measured). Use with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

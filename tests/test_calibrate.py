@@ -18,14 +18,7 @@ FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "stdlib-qwen3"
 LENGTH = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Small ops: one torch thread is as fast here, and two stall each other when other jobs share the 2 cores
-    (this file went from 8 s to over 40 s under such load)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

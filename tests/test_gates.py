@@ -28,14 +28,7 @@ TARGET = Target(source="path:x", graphs=Graphs(prefill=64, verify=8), context=51
 CORRUPTED_ROW = ("model.layers.0.self_attn.o_proj.weight", 50)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The gate's torch calls are small (hidden 256, at most 64 tokens). On this 2-core machine shared with other
-    jobs, two torch threads spin-waiting for each other made a 64-token prefill 25x slower than one (measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

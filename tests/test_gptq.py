@@ -6,15 +6,7 @@ import torch
 from quant.affine import fit_affine, quantize_affine, round_affine
 from quant.gptq import GPTQError, HessianAccumulator, gptq_quantize, lut_rounder, output_error
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Small ops: one torch thread is as fast here, and two stall each other when other jobs share the 2 cores
-    (this file went from 8 s to over 40 s under such load)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def correlated_inputs(features: int, tokens: int, seed: int) -> torch.Tensor:
