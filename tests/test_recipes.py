@@ -68,3 +68,27 @@ def test_taps_must_match_the_drafter(tmp_path):
     (tmp_path / "r.yaml").write_text(recipe)
     result = dry_run(tmp_path / "r.yaml")
     assert result.exit_code == 2 and "target.taps [2, 1, 4, 5, 6] must equal" in result.output
+
+
+def test_a_drafter_of_another_width_is_refused(tmp_path):
+    from dflash2_checkpoints import tiny_config, write_drafter
+
+    draft = {"target_layer_ids": [1, 2, 4, 5, 6], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
+             "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
+    config = tiny_config(vocab_size=8192, num_target_layers=8, dflash_config=draft)  # hidden 64, not 256
+    write_drafter(tmp_path / "d", config=config)
+    recipe = (RECIPES / "tiny_qwen3_dflash2.yaml").read_text().replace(
+        "path:../fixtures/stdlib-qwen3-dflash2", f"path:{tmp_path / 'd'}").replace(
+        "path:../fixtures/", f"path:{RECIPES.parent}/fixtures/")
+    (tmp_path / "r.yaml").write_text(recipe)
+    result = dry_run(tmp_path / "r.yaml")
+    assert result.exit_code == 2 and "hidden_size 64 differs from the target's 256: not its drafter" in result.output
+
+
+def test_an_mtp_drafter_needs_the_hidden_output(tmp_path):
+    recipe = (RECIPES / "tiny_qwen3_mtp.yaml").read_text().replace(
+        "path:../fixtures/", f"path:{RECIPES.parent}/fixtures/").replace("  hidden: true", "  hidden: false")
+    (tmp_path / "r.yaml").write_text(recipe)
+    result = dry_run(tmp_path / "r.yaml")
+    assert result.exit_code == 2
+    assert "target.hidden: an MTP drafter reads the target's final-norm hidden" in result.output
