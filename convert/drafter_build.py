@@ -209,6 +209,7 @@ def _architecture(dplan, modules) -> dict:
         kind = "mtp"
         runtime = {"draft_steps": dplan.widths["accept"] - 1, "accept_width": dplan.widths["accept"],
                    "context": dplan.specs[0].states[0].shape[2], "zero_centred_norm": args.zero_centred_norm,
+                   "attn_output_gate": args.attn_output_gate, "rotary_dim": args.rotary_dim,
                    "hidden_convention": drafter.MTP_HIDDEN_CONVENTION}
         architectures, layers, inter = [f"{args.model_type or 'qwen3'}-mtp"], args.mtp_layers, args.intermediate_size
     return {

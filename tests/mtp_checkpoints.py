@@ -8,6 +8,9 @@ so the loader is checked against the formats rather than against itself:
 * DeepSeek: ``model.layers.{N}.{eh_proj,enorm,hnorm,shared_head.norm}`` + the block under ``model.layers.{N}.``
   with N = the target's layer count (``num_nextn_predict_layers`` in the config), optionally the copies
   ``embed_tokens`` and ``shared_head.head``.
+
+A Qwen3.5-style head may be gated (``q_proj`` of 2 x heads x head_dim rows, [query | gate] per head, as
+transformers' Qwen3_5Attention) and use partial RoPE (``partial_rotary_factor`` in the config).
 """
 
 from __future__ import annotations
@@ -47,12 +50,18 @@ DEEPSEEK_TOP = {
 
 
 def head_tensors(
-    config: dict, layout: str = "qwen3.5", zero_centred: bool = False, seed: int = 0, dtype=torch.float32
+    config: dict,
+    layout: str = "qwen3.5",
+    zero_centred: bool = False,
+    seed: int = 0,
+    dtype=torch.float32,
+    gated: bool = False,
 ) -> dict[str, torch.Tensor]:
     """A seeded random dense MTP head for a Qwen3-shaped ``config`` (a config.json dict), keys as in ``layout``.
 
     Norm gains are drawn around 1 (plain) or around 0 (zero-centred, where the model applies 1 + w);
-    matrices N(0, 0.08) as in tests/checkpoints.py, so argmax ids are well separated.
+    matrices N(0, 0.08) as in tests/checkpoints.py, so argmax ids are well separated. ``gated`` doubles
+    q_proj's rows (the attention output gate).
     """
     h, q, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
     d, inter = config["head_dim"], config["intermediate_size"]
@@ -61,6 +70,8 @@ def head_tensors(
     top = QWEN35_TOP if layout == "qwen3.5" else {prefix + k: v for k, v in DEEPSEEK_TOP.items()}
     shapes = {k: ((h, 2 * h) if kind == "fc" else (h,)) for k, kind in top.items()}
     shapes.update({prefix + name: shape(h, q, kv, d, inter) for name, shape in BLOCK})
+    if gated:
+        shapes[prefix + "self_attn.q_proj.weight"] = (2 * q * d, h)
     tensors = {}
     for key, shape in shapes.items():
         if len(shape) == 1:
@@ -115,9 +126,14 @@ def write_head_only(directory: Path, config: dict, tensors: dict[str, torch.Tens
     write_index(directory, {"model.safetensors": tensors})
 
 
-def qwen35_text_config(target_config: dict) -> dict:
+def qwen35_text_config(target_config: dict, gated: bool = False, partial_rotary_factor: float = 1.0) -> dict:
     """A Qwen3.5-style config (head count and sizes under text_config, model_type qwen3_5_text: zero-centred
-    norms) with the sizes of a tiny Qwen3 target; full rotary and no attention gate, which this head needs."""
+    norms) with the sizes of a tiny Qwen3 target.
+
+    ``gated``: the attention output gate as the real Qwen3.5 configs have it, by the model type's default (no
+    ``attn_output_gate`` field); otherwise ``attn_output_gate: false`` is written. ``partial_rotary_factor``
+    goes inside ``rope_parameters``, as transformers v5 writes it.
+    """
     text = {
         k: target_config[k]
         for k in (
@@ -133,10 +149,8 @@ def qwen35_text_config(target_config: dict) -> dict:
             "tie_word_embeddings",
         )
     }
-    text.update(
-        model_type="qwen3_5_text",
-        mtp_num_hidden_layers=1,
-        partial_rotary_factor=1.0,
-        rope_parameters=target_config["rope_parameters"],
-    )
+    rope = {**target_config["rope_parameters"], "partial_rotary_factor": partial_rotary_factor}
+    text.update(model_type="qwen3_5_text", mtp_num_hidden_layers=1, rope_parameters=rope)
+    if not gated:
+        text["attn_output_gate"] = False
     return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text}

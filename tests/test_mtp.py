@@ -1,6 +1,9 @@
-"""MTP head: both checkpoint layouts, refusals, export modules vs the eager reference, packages on the runtime."""
+"""MTP head: both checkpoint layouts, refusals, the gated / partial-RoPE decoder layer against transformers'
+Qwen3-Next and Qwen3.5 layers, export modules vs the eager reference, packages on the runtime."""
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
@@ -23,6 +26,17 @@ FP16_HIDDEN_RELATIVE = 2e-2
 
 def _args(directory) -> MTPArgs:
     return MTPArgs.from_config(read_json(directory / "config.json"), where=str(directory / "config.json"))
+
+
+def _write_qwen35_head(tmp_path, gated: bool = True, partial_rotary_factor: float = 0.25, tensors_gated=None):
+    """A zero-centred Qwen3.5-style head-only checkpoint (gated q_proj and partial RoPE by default) next to a
+    tiny Qwen3 target; ``tensors_gated`` writes the q_proj of the other kind than the config says."""
+    hf = write_checkpoint(tmp_path / "target", vocab_size=512)
+    config = qwen35_text_config(read_json(tmp_path / "target" / "config.json"), gated, partial_rotary_factor)
+    gated_q = gated if tensors_gated is None else tensors_gated
+    written = head_tensors(config["text_config"], zero_centred=True, seed=5, gated=gated_q)
+    write_head_only(tmp_path / "head", config, written)
+    return hf, written
 
 
 def _target_hidden(model, tokens: list[int]) -> torch.Tensor:
@@ -124,7 +138,8 @@ def _shapes(layout: str = "qwen3.5") -> tuple[dict, MTPArgs]:
         (
             "qwen3.5",
             ("set", "mtp.layers.0.self_attn.q_proj.weight", (192, 64)),
-            r"'mtp\.layers\.0\.self_attn\.q_proj\.weight' has shape \[192, 64\] .*gated attention",
+            r"'mtp\.layers\.0\.self_attn\.q_proj\.weight' has shape \[192, 64\] \(2 x heads x head_dim rows: an "
+            r"attention output gate\), but the config has no gated attention .*expected \[96, 64\]",
         ),
         (
             "deepseek",
@@ -160,7 +175,8 @@ def test_refusals_on_disk_and_in_the_config(tmp_path):
         ({"mtp_num_hidden_layers": 0}, "declares no MTP head"),
         ({"mtp_num_hidden_layers": 2}, "mtp_num_hidden_layers=2: only a single MTP head layer"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope type 'yarn'"),
-        ({"model_type": "qwen3_next"}, r"partial_rotary_factor=0\.25"),  # transformers' default for the family
+        ({"partial_rotary_factor": 0.125}, r"partial_rotary_factor=0\.125 gives 3 rotary dims of head_dim 24"),
+        ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0}}, r"gives 0 rotary dims"),
         ({"hidden_size": None}, "missing field 'hidden_size'"),
     ]:
         changed = {k: v for k, v in {**config, **edits}.items() if v is not None}
@@ -169,6 +185,103 @@ def test_refusals_on_disk_and_in_the_config(tmp_path):
     config["num_attention_heads"] = 8  # q_proj rows then differ: read from disk, refused with the path
     with pytest.raises(InputError, match=r"ckpt: tensor 'mtp\.layers\.0\.self_attn\.q_proj\.weight' has shape"):
         mtp.load_head(tmp_path / "ckpt", MTPArgs.from_config(config))
+    config["num_attention_heads"] = 4  # as a Qwen3-Next config, the plain q_proj lacks the family's output gate
+    with pytest.raises(InputError, match=r"ckpt: tensor 'mtp\.layers\.0\.self_attn\.q_proj\.weight' has shape "
+                       r"\[96, 64\] \(heads x head_dim rows: no attention output gate\), but the config asks for "
+                       r"gated attention \(attn_output_gate=true.*expected \[192, 64\]"):
+        mtp.load_head(tmp_path / "ckpt", MTPArgs.from_config({**config, "model_type": "qwen3_next"}))
+
+
+def test_family_defaults_follow_transformers_configs():
+    """Absent fields take the Qwen3-Next / Qwen3.5 config classes' defaults: gate on, partial rotary 0.25,
+    head_dim 256 (the Qwen3.5 27B head's sizes); a Qwen3 config keeps full RoPE and no gate."""
+    text = {"model_type": "qwen3_5_text", "hidden_size": 5120, "num_attention_heads": 24, "num_key_value_heads": 4,
+            "intermediate_size": 17408, "vocab_size": 248320, "num_hidden_layers": 64, "mtp_num_hidden_layers": 1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "mrope_section": [11, 11, 10]}}
+    args = MTPArgs.from_config({"model_type": "qwen3_5", "text_config": text})
+    assert (args.attn_output_gate, args.head_dim, args.rotary_dim, args.zero_centred_norm) == (True, 256, 64, True)
+    shapes = mtp.expected_shapes(args, "qwen3.5")
+    assert shapes["mtp.layers.0.self_attn.q_proj.weight"] == (12288, 5120)
+    assert shapes["mtp.layers.0.self_attn.o_proj.weight"] == (5120, 6144)
+    qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.configuration_qwen3_5")
+    fields = copy.deepcopy({k: v for k, v in text.items() if k != "model_type"})  # transformers edits the dicts
+    hf_text = qwen3_5.Qwen3_5TextConfig(**fields).to_dict()
+    assert hf_text["head_dim"] == 256 and hf_text["rope_parameters"]["partial_rotary_factor"] == 0.25
+    assert MTPArgs.from_config(hf_text) == args
+    qwen3_like = MTPArgs.from_config({**text, "model_type": "qwen3", "head_dim": 128})
+    assert (qwen3_like.attn_output_gate, qwen3_like.rotary_dim, qwen3_like.zero_centred_norm) == (False, 128, False)
+    gate_off = MTPArgs.from_config({**text, "attn_output_gate": False, "partial_rotary_factor": 0.5})
+    assert (gate_off.attn_output_gate, gate_off.rotary_dim) == (False, 128)
+
+
+@pytest.mark.parametrize("config_gated", [False, True])
+def test_gated_q_proj_must_match_the_config(tmp_path, config_gated):
+    """A gated q_proj under a config without the gate, and a plain one under a gated config: refused by name."""
+    _write_qwen35_head(tmp_path, gated=config_gated, tensors_gated=not config_gated)
+    args = _args(tmp_path / "head")
+    assert args.attn_output_gate is config_gated
+    found, expected = ([96, 64], [192, 64]) if config_gated else ([192, 64], [96, 64])
+    key = r"'mtp\.layers\.0\.self_attn\.q_proj\.weight'"
+    with pytest.raises(InputError, match=rf"head: tensor {key} has shape \{found}.*expected \{expected}"):
+        mtp.load_head(tmp_path / "head", args)
+
+
+# ---------------------------------------------------------------- parity with transformers' own layer
+
+
+def _hf_full_attention_layer(model_type: str, seed: int = 11):
+    """transformers' own Qwen3-Next / Qwen3.5 full-attention decoder layer (tiny, seeded, eager attention) and its
+    rotary embedding; Qwen3-Next's layer 0 made dense (``mlp_only_layers``), as an MTP head's block is."""
+    sizes = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, layer_types=["full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    )
+    if model_type == "qwen3_next":
+        from transformers.models.qwen3_next import configuration_qwen3_next as conf
+        from transformers.models.qwen3_next import modeling_qwen3_next as modeling
+        config = conf.Qwen3NextConfig(**sizes, mlp_only_layers=[0])
+        layer, rotary = modeling.Qwen3NextDecoderLayer(config, 0), modeling.Qwen3NextRotaryEmbedding(config)
+    else:
+        from transformers.models.qwen3_5 import configuration_qwen3_5 as conf
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+        config = conf.Qwen3_5TextConfig(**sizes)
+        layer, rotary = modeling.Qwen3_5DecoderLayer(config, 0), modeling.Qwen3_5TextRotaryEmbedding(config)
+    config._attn_implementation = "eager"
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():  # norm gains around 0 (the layer applies 1 + w), matrices N(0, 0.08)
+            p.copy_((0.2 if p.dim() == 1 else 0.08) * torch.randn(p.shape, generator=g))
+    return config, layer.eval(), rotary
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text"])
+def test_decoder_layer_matches_transformers(model_type):
+    """Our reference and export core's decoder layer = transformers' full-attention layer (gated q_proj, partial
+    RoPE 0.25 of head_dim 32, zero-centred norms) on the same inputs and positions, fp32."""
+    config, layer, rotary = _hf_full_attention_layer(model_type)
+    args = MTPArgs.from_config({**config.to_dict(), "mtp_num_hidden_layers": 1})
+    assert (args.attn_output_gate, args.rotary_dim, args.zero_centred_norm) == (True, 8, True)
+    reference, core = mtp.MTPReference(args).eval(), mtp.MTPCore(args, CONTEXT).eval()
+    for head in (reference, core):
+        head.layers[0].load_state_dict(layer.state_dict())
+    assert tuple(core.layers[0].self_attn.q_proj.weight.shape) == (256, 64)
+    x = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(12))
+    causal = torch.full((9, 9), float("-inf")).triu(1)[None, None]
+    worst = 0.0
+    with torch.no_grad():
+        for start in (1, 40):  # positions start..start+8
+            positions = torch.arange(start, start + 9)[None]
+            want = layer(x, position_embeddings=rotary(x, positions), attention_mask=causal, position_ids=positions)
+            got = reference.decoder(x, positions)
+            worst = max(worst, (got - want).abs().max().item())
+            if start == 1:  # the core from fresh caches (its rows start at 1): 5 rows, then 4 more on the cache
+                caches = [torch.zeros(core.cache_shape()) for _ in range(2)]
+                first = core.decoder(x[0, :5], positions[:, :5].int(), *caches)
+                rest = core.decoder(x[0, 5:], positions[:, 5:].int(), *caches)
+                worst = max(worst, (torch.cat([first, rest]) - want[0]).abs().max().item())
+    print(f"{model_type}: max |delta| vs transformers' decoder layer {worst:.2e} (output scale {want.abs().max():.2f})")
+    assert worst < 1e-5, worst
 
 
 # ---------------------------------------------------------------- numerics (fp32, export vs reference)
@@ -212,24 +325,28 @@ class Scenario:
         return int(out["draft_ids"][0, n - 1]), out["hidden_out"][0, n - 1]
 
 
-def _fp32_setup(tmp_path, variant: str):
+def _setup(tmp_path, variant: str, dtype=torch.float32):
+    """(target model, args, export modules in ``dtype``, fp32 reference) for a head variant."""
     if variant == "qwen3.5-in-target":
         hf, _ = write_target_with_head(tmp_path / "ckpt", vocab_size=512)
         args, head_dir, target = _args(tmp_path / "ckpt"), tmp_path / "ckpt", load_tensors(tmp_path / "ckpt")
-    else:  # a zero-centred head-only checkpoint next to its target
-        hf = write_checkpoint(tmp_path / "target", vocab_size=512)
-        config = qwen35_text_config(read_json(tmp_path / "target" / "config.json"))
-        write_head_only(tmp_path / "head", config, head_tensors(config["text_config"], zero_centred=True, seed=5))
+    else:  # a zero-centred head-only checkpoint next to its target: plain, or gated with partial RoPE
+        gated = variant == "gated-partial-rope-head-only"
+        hf, _ = _write_qwen35_head(tmp_path, gated=gated, partial_rotary_factor=0.25 if gated else 1.0)
         args, head_dir, target = _args(tmp_path / "head"), tmp_path / "head", load_tensors(tmp_path / "target")
+        assert (args.attn_output_gate, args.rotary_dim) == ((True, 6) if gated else (False, 24))
     head = mtp.load_head(head_dir, args)
-    modules = mtp.build_modules(args, head, target, CONTEXT, dtype=torch.float32)
+    modules = mtp.build_modules(args, head, target, CONTEXT, dtype=dtype)
     reference = mtp.build_reference(args, head, target)
     return hf, args, modules, reference
 
 
-@pytest.mark.parametrize("variant", ["qwen3.5-in-target", "zero-centred-head-only"])
+VARIANTS = ["qwen3.5-in-target", "zero-centred-head-only", "gated-partial-rope-head-only"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_export_modules_match_the_reference_through_drafts_and_rollback(tmp_path, variant):
-    hf, args, modules, reference = _fp32_setup(tmp_path, variant)
+    hf, args, modules, reference = _setup(tmp_path, variant)
     tokens = torch.randint(4, args.vocab_size, (24,), generator=torch.Generator().manual_seed(7)).tolist()
     run = Scenario(modules, reference, tokens, _target_hidden(hf, tokens))
     run.accept(0, 4)
@@ -253,7 +370,7 @@ def test_export_modules_match_the_reference_through_drafts_and_rollback(tmp_path
 
 
 def test_stale_rows_and_row_zero_are_never_read(tmp_path):
-    _, args, modules, _ = _fp32_setup(tmp_path, "qwen3.5-in-target")
+    _, args, modules, _ = _setup(tmp_path, "gated-partial-rope-head-only")
     hidden = torch.randn(S, args.hidden_size, generator=torch.Generator().manual_seed(2))
     clean = modules.call("accept", [5, 6, 7, 8], hidden, [1, 2, 3, 4])["logits"]
     module = modules.functions["accept"][0]
@@ -264,9 +381,10 @@ def test_stale_rows_and_row_zero_are_never_read(tmp_path):
     assert torch.equal(modules.call("accept", [5, 6, 7, 8], hidden, [1, 2, 3, 4])["logits"], clean)
 
 
-def test_chain_training_form_equals_the_sequence_view(tmp_path):
+@pytest.mark.parametrize("variant", ["qwen3.5-in-target", "gated-partial-rope-head-only"])
+def test_chain_training_form_equals_the_sequence_view(tmp_path, variant):
     """Step k of ``chain`` at row t = the last row of a plain run over step 1's rows 0..t then one row per step."""
-    _, args, _, reference = _fp32_setup(tmp_path, "qwen3.5-in-target")
+    _, args, _, reference = _setup(tmp_path, variant)
     g = torch.Generator().manual_seed(4)
     steps = [torch.randint(4, args.vocab_size, (2, 9), generator=g) for _ in range(3)]
     hidden = torch.randn(2, 9, args.hidden_size, generator=g)
@@ -288,12 +406,9 @@ def test_chain_training_form_equals_the_sequence_view(tmp_path):
 # ---------------------------------------------------------------- packages
 
 
-def test_packages_read_back_and_run_on_the_coreai_runtime(tmp_path):
-    hf, _ = write_target_with_head(tmp_path / "ckpt", vocab_size=512)
-    args = _args(tmp_path / "ckpt")
-    modules = mtp.build_modules(
-        args, mtp.load_head(tmp_path / "ckpt", args), load_tensors(tmp_path / "ckpt"), CONTEXT, dtype=torch.float16
-    )
+@pytest.mark.parametrize("variant", ["qwen3.5-in-target", "gated-partial-rope-head-only"])
+def test_packages_read_back_and_run_on_the_coreai_runtime(tmp_path, variant):
+    hf, args, modules, _ = _setup(tmp_path, variant, dtype=torch.float16)
     functions = modules.functions
     specs = {name: spec for name, (_, spec) in functions.items()}
     assert specs == {s.name: s for s in mtp.function_specs(args, mtp.DRAFT_STEPS, CONTEXT, torch.float16)}
@@ -336,7 +451,7 @@ def test_packages_read_back_and_run_on_the_coreai_runtime(tmp_path):
             draft, out_hidden = int(want["draft_ids"][0, -1]), want["hidden_out"][0, -1:]
             calls.append(("draft_step", [draft], out_hidden, [positions[-1] + 1]))
         states = session.states()
-    print(f"runtime vs torch fp16: {flips} id flips, hidden_out max relative delta {worst_hidden:.2e}")
+    print(f"{variant}: runtime vs torch fp16: {flips} id flips, hidden_out max relative delta {worst_hidden:.2e}")
     assert flips <= 1, flips
     assert worst_hidden < FP16_HIDDEN_RELATIVE, worst_hidden
     torch_cache = functions["draft_step"][0].key_cache.float().numpy()

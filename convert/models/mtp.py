@@ -25,11 +25,26 @@ tensors are then ignored here, or in a checkpoint holding only the head):
 Both layouts are read into one canonical naming: the Qwen3.5 keys without ``mtp.`` (``fc.weight``,
 ``layers.0.self_attn.q_proj.weight`` ...), which is also the parameter naming of the modules here.
 
-The block must be dense and Qwen3-style: GQA attention with q_norm/k_norm and full RoPE, a SwiGLU MLP.
+The block must be dense: GQA attention with q_norm/k_norm, a SwiGLU MLP. Two attention features of the
+Qwen3-Next / Qwen3.5 full-attention layer are supported, exactly as transformers computes them
+(transformers/models/qwen3_next/modeling_qwen3_next.py and qwen3_5/modeling_qwen3_5.py: ``*Attention.forward``,
+``apply_rotary_pos_emb``, ``*RotaryEmbedding.compute_default_rope_parameters``):
+
+* gated attention (``attn_output_gate``; transformers' Qwen3-Next / Qwen3.5 attention always has it, so it
+  defaults to true for those model types and to false otherwise): ``q_proj`` has 2 x heads x head_dim rows,
+  viewed per head as [query | gate] (2 x head_dim) and chunked in two; the attention output (heads x head_dim,
+  before ``o_proj``) is multiplied by ``sigmoid(gate)``. The q_proj shape must agree with the config: a
+  mismatch either way is refused naming the tensor and the expected shape.
+* partial RoPE (``partial_rotary_factor``, in ``rope_parameters`` or at the top level; 0.25 for those model
+  types when absent, as their transformers configs default it, 1 otherwise): the first
+  ``rotary_dim = int(head_dim * factor)`` dims of each q/k head (after q_norm/k_norm) are rotated in the
+  rotate-half layout with ``inv_freq = theta ** -(arange(0, rotary_dim, 2) / rotary_dim)``, the rest pass through.
+  Qwen3.5's multimodal RoPE (``mrope_section``) equals this for text positions (its three position rows are
+  equal); the head takes 1-D positions.
+
 Refused with the key or field named: MLA attention (``kv_a_proj_with_mqa``, ``q_a_proj``, ``kv_b_proj``),
-MoE MLPs (``mlp.experts.*``, ``mlp.gate.weight``, ``mlp.shared_expert*``), Qwen3-Next / Qwen3.5's gated
-attention (``q_proj`` with 2 x heads x head_dim rows), partial rotary (``partial_rotary_factor`` < 1), more
-than one head layer, RoPE scaling.
+MoE MLPs (``mlp.experts.*``, ``mlp.gate.weight``, ``mlp.shared_expert*``), more than one head layer, RoPE
+scaling, a rotary dim that is not a positive even number.
 
 RMSNorm style: zero-centred, ``x_normed * (1 + w)``, exactly when the config's model_type (of
 ``text_config`` when present) is one of ``ZERO_CENTRED_MODEL_TYPES`` (the Qwen3-Next and Qwen3.5 families,
@@ -56,11 +71,15 @@ from torch import nn
 from convert.backends.base import FunctionSpec, TensorSpec
 from convert.errors import InputError
 from convert.export import ExportModules, FunctionModule
-from convert.models.qwen3 import DecoderLayer, Qwen3Args, RMSNorm, layer_shapes, rotate
+from convert.models.qwen3 import Attention, DecoderLayer, Qwen3Args, RMSNorm, layer_shapes, rotate
 from convert.sources import tensor_shapes, weight_files
 
 QWEN35, DEEPSEEK = "qwen3.5", "deepseek"
 ZERO_CENTRED_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
+# The same family's transformers defaults (configuration_qwen3_next.py, configuration_qwen3_5.py): attention always
+# gated (q_proj of 2 x heads x head_dim rows), partial_rotary_factor 0.25 and head_dim 256 when the field is absent.
+QWEN_NEXT_FAMILY = ZERO_CENTRED_MODEL_TYPES
+FAMILY_PARTIAL_ROTARY, FAMILY_HEAD_DIM = 0.25, 256
 DRAFT_STEPS = 3  # drafts per cycle: accept gives the first, draft_step the others; accept has S = DRAFT_STEPS + 1
 STATE_NAMES = ("key_cache", "value_cache")
 HEAD_COUNT_FIELDS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
@@ -93,6 +112,8 @@ class MTPArgs:
     mtp_layers: int
     zero_centred_norm: bool
     model_type: str
+    attn_output_gate: bool  # q_proj gives [query | gate] per head; attention output * sigmoid(gate) before o_proj
+    rotary_dim: int  # int(head_dim * partial_rotary_factor): the rotated leading dims of a q/k head
 
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> MTPArgs:
@@ -110,27 +131,34 @@ class MTPArgs:
             raise InputError(f"{where}: {count_field}={count}: only a single MTP head layer is supported for now")
         model_type = str(text.get("model_type") or top.get("model_type") or "")
         zero_centred = model_type in ZERO_CENTRED_MODEL_TYPES
+        family = model_type in QWEN_NEXT_FAMILY
         rope = text.get("rope_parameters") or {}
         scaling = text.get("rope_scaling") or {}
         rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
         if rope_type != "default":
             raise InputError(f"{where}: rope type {rope_type!r} is not supported for an MTP head (only 'default')")
-        # transformers' Qwen3-Next / Qwen3.5 configs default to partial rotary 0.25 when the field is absent
-        partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25 if zero_centred else 1.0))
-        if float(partial) != 1.0:
-            raise InputError(
-                f"{where}: partial_rotary_factor={partial}: an MTP head with partial rotary embeddings is not "
-                "supported yet (full RoPE only)"
-            )
+        # transformers' PreTrainedConfig.convert_rope_params_to_dict: rope_parameters first, then the top-level
+        # field, then the config class's default (0.25 for the Qwen3-Next / Qwen3.5 configs, else none: 1.0)
+        partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor"))
+        partial = float(partial if partial is not None else FAMILY_PARTIAL_ROTARY if family else 1.0)
+        gate = text.get("attn_output_gate", top.get("attn_output_gate"))
         try:
             hidden = int(text["hidden_size"])
             heads = int(text["num_attention_heads"])
+            head_dim = int(text.get("head_dim") or (FAMILY_HEAD_DIM if family else hidden // heads))
+            # compute_default_rope_parameters: dim = int(head_dim * partial_rotary_factor)
+            rotary_dim = int(head_dim * partial)
+            if not (0 < partial <= 1 and rotary_dim > 0 and rotary_dim % 2 == 0):
+                raise InputError(
+                    f"{where}: partial_rotary_factor={partial} gives {rotary_dim} rotary dims of head_dim {head_dim}: "
+                    "an MTP head needs a positive even number, at most head_dim"
+                )
             tie = text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
             return cls(
                 hidden_size=hidden,
                 num_attention_heads=heads,
                 num_key_value_heads=int(text.get("num_key_value_heads") or heads),
-                head_dim=int(text.get("head_dim") or hidden // heads),
+                head_dim=head_dim,
                 intermediate_size=int(text["intermediate_size"]),
                 vocab_size=int(text["vocab_size"]),
                 rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
@@ -142,9 +170,16 @@ class MTPArgs:
                 mtp_layers=count,
                 zero_centred_norm=zero_centred,
                 model_type=model_type,
+                attn_output_gate=bool(family if gate is None else gate),
+                rotary_dim=rotary_dim,
             )
         except KeyError as missing:
             raise InputError(f"{where}: missing field {missing.args[0]!r} needed for an MTP head") from None
+
+    @property
+    def q_rows(self) -> int:
+        """q_proj's output rows: heads x head_dim, twice that with the attention output gate."""
+        return (2 if self.attn_output_gate else 1) * self.num_attention_heads * self.head_dim
 
     @property
     def block_args(self) -> Qwen3Args:
@@ -184,6 +219,9 @@ def canonical_shapes(args: MTPArgs) -> dict[str, tuple[int, ...]]:
     }
     shapes.update(layer_shapes("layers.0.", h, args.head_dim, args.num_attention_heads, args.num_key_value_heads,
                                args.intermediate_size, args.attention_bias))
+    shapes["layers.0.self_attn.q_proj.weight"] = (args.q_rows, h)  # the gated q_proj: [query | gate] per head
+    if args.attention_bias:
+        shapes["layers.0.self_attn.q_proj.bias"] = (args.q_rows,)
     return shapes
 
 
@@ -248,11 +286,15 @@ def sanitize(shapes_in_checkpoint: dict[str, tuple[int, ...]], args: MTPArgs, wh
             )
     expected = expected_shapes(args, layout)
     q_key = checkpoint_key("layers.0.self_attn.q_proj.weight", args, layout)
-    gated = (2 * args.num_attention_heads * args.head_dim, args.hidden_size)
-    if present.get(q_key) == gated and expected[q_key] != gated:
+    plain_rows = args.num_attention_heads * args.head_dim
+    other = (plain_rows if args.attn_output_gate else 2 * plain_rows, args.hidden_size)
+    if present.get(q_key) == other:
+        found = "heads x head_dim rows: no" if args.attn_output_gate else "2 x heads x head_dim rows: an"
+        wants = "asks for" if args.attn_output_gate else "has no"
         raise InputError(
-            f"{where}: tensor {q_key!r} has shape {list(gated)} (2 x heads x head_dim rows): gated attention "
-            f"(Qwen3-Next / Qwen3.5 attention output gate) is not supported yet; expected {list(expected[q_key])}"
+            f"{where}: tensor {q_key!r} has shape {list(other)} ({found} attention output gate), but the config "
+            f"{wants} gated attention (attn_output_gate={str(args.attn_output_gate).lower()}; absent, it is true "
+            f"for the Qwen3-Next / Qwen3.5 model types, false otherwise); expected {list(expected[q_key])}"
         )
     for key, shape in expected.items():
         if key not in present:
@@ -355,6 +397,58 @@ class ZeroCentredRMSNorm(RMSNorm):
         return ((1.0 + self.weight.float()) * x32).to(x.dtype)
 
 
+class HeadAttention(Attention):
+    """The head's attention for the export core: Qwen3's, plus the optional output gate and partial RoPE.
+
+    As transformers' ``Qwen3NextAttention.forward`` / ``Qwen3_5Attention.forward``
+    (transformers/models/qwen3_next/modeling_qwen3_next.py, qwen3_5/modeling_qwen3_5.py): with the gate,
+    ``q_proj(x)`` is viewed [rows, heads, 2 x head_dim] and chunked into query and gate (each [rows, heads,
+    head_dim]); the gate, flattened to heads x head_dim, multiplies the attention output by ``sigmoid(gate)``
+    before ``o_proj``. RoPE (``apply_rotary_pos_emb``) rotates the first ``rotary_dim`` dims of each q/k head
+    after q_norm/k_norm and passes the rest through; the cache holds the keys so rotated (all head_dim dims).
+    Static-shape as Qwen3's: views with ``-1``, constant slices, ``index_put_`` cache writes.
+    """
+
+    def __init__(self, args: MTPArgs):
+        super().__init__(args.block_args, 0)
+        self.gated, self.rotary_dim = args.attn_output_gate, args.rotary_dim
+        if self.gated:
+            self.q_proj = nn.Linear(args.hidden_size, args.q_rows, bias=args.attention_bias)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE on the leading ``rotary_dim`` dims (cos/sin [S, rotary_dim/2]), the rest unchanged."""
+        if self.rotary_dim == self.head_dim:
+            return rotate(x, cos, sin)
+        return torch.cat([rotate(x[..., : self.rotary_dim], cos, sin), x[..., self.rotary_dim :]], dim=-1)
+
+    def forward(self, x, cos, sin, heads_rows, mask_bias, key_cache, value_cache):
+        """``heads_rows`` = (kv head, cache row) index tensors [Hkv, S] addressing this call's cache rows."""
+        d = self.head_dim
+        if self.gated:
+            q, gate = self.q_proj(x).view(-1, self.heads, 2 * d).chunk(2, dim=-1)
+            gate = gate.reshape(-1, self.heads * d)
+        else:
+            q, gate = self.q_proj(x).view(-1, self.heads, d), None
+        q = self.q_norm(q).transpose(0, 1)
+        k = self.k_norm(self.k_proj(x).view(-1, self.kv_heads, d)).transpose(0, 1)
+        v = self.v_proj(x).view(-1, self.kv_heads, d).transpose(0, 1)
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        heads, rows = heads_rows
+        write_index = (torch.full_like(rows, self.layer_index), heads, rows)
+        key_cache.index_put_(write_index, k.to(key_cache.dtype))
+        value_cache.index_put_(write_index, v.to(value_cache.dtype))
+        keys = key_cache[self.layer_index].to(x.dtype)
+        values = value_cache[self.layer_index].to(x.dtype)
+        group = self.heads // self.kv_heads
+        q = q.reshape(self.kv_heads, -1, d)  # GQA: a KV head serves `group` query heads
+        scores = q @ keys.transpose(1, 2) * d**-0.5 + mask_bias.repeat(group, 1)
+        probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
+        out = (probs @ values).view(self.heads, -1, d).transpose(0, 1).reshape(-1, self.heads * d)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
 def _zero_centre_norms(module: nn.Module) -> None:
     for name, child in module.named_children():
         if type(child) is RMSNorm:
@@ -383,6 +477,8 @@ class MTPHead(nn.Module):
         self.pre_fc_norm_hidden = norm(h, args.rms_norm_eps)
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(args.block_args, 0)])
+        for layer in self.layers:
+            layer.self_attn = HeadAttention(args)
         self.norm = norm(h, args.rms_norm_eps)
         if args.zero_centred_norm:
             _zero_centre_norms(self.layers)
@@ -435,28 +531,57 @@ class MTPReference(MTPHead):
             x = self.fused_input(ids, hidden)
             cos, sin = self.rope(position_ids + k)
             for layer, kv in zip(self.layers, earlier, strict=True):
-                x = x + self.attention(layer.self_attn, layer.input_layernorm(x), cos, sin, kv)
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                x = self.decoder_layer(layer, x, cos, sin, kv)
             hidden_out = self.norm(x)
             outputs.append(MTPOutput(hidden_out=hidden_out, logits=self.lm_head(hidden_out)))
             hidden = hidden_out
         return outputs
 
+    def decoder(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The head's decoder layers alone over whole sequences x [B, T, H] (causal), at ``position_ids`` [B, T]."""
+        cos, sin = self.rope(position_ids)
+        for layer in self.layers:
+            x = self.decoder_layer(layer, x, cos, sin, [])
+        return x
+
+    def decoder_layer(self, layer, x, cos, sin, earlier: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        x = x + self.attention(layer.self_attn, layer.input_layernorm(x), cos, sin, earlier)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
     def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, 1, T, head_dim/2] in fp32 from the positions (transformers' default RoPE)."""
-        d = self.args.head_dim
-        inv_freq = 1.0 / (self.args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        """cos, sin [B, 1, T, rotary_dim] in fp32, as transformers' Qwen3-Next rotary embedding (default RoPE over
+        the rotary dims: ``compute_default_rope_parameters`` and ``forward``, the angles repeated twice)."""
+        r = self.args.rotary_dim
+        inv_freq = 1.0 / (self.args.rope_theta ** (torch.arange(0, r, 2, dtype=torch.int64).float() / r))
         angles = position_ids.float()[..., None] * inv_freq.to(position_ids.device)
+        angles = torch.cat([angles, angles], dim=-1)
         return angles.cos()[:, None], angles.sin()[:, None]
 
+    @staticmethod
+    def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """transformers' ``apply_rotary_pos_emb``: rotate the first cos.shape[-1] dims, pass the rest through."""
+        r = cos.shape[-1]
+        x_rot, x_pass = x[..., :r], x[..., r:]
+        rotated_half = torch.cat([-x_rot[..., r // 2 :], x_rot[..., : r // 2]], dim=-1)
+        return torch.cat([x_rot * cos.to(x.dtype) + rotated_half * sin.to(x.dtype), x_pass], dim=-1)
+
     def attention(self, attn, x, cos, sin, earlier: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """GQA attention over this step's rows and the earlier steps' (``earlier`` gets this step's K, V)."""
+        """GQA attention over this step's rows and the earlier steps' (``earlier`` gets this step's K, V).
+
+        With the output gate, q_proj's rows per head are [query | gate] and the attention output is multiplied
+        by sigmoid(gate) before o_proj (transformers' ``Qwen3NextAttention.forward``).
+        """
         batch, rows, _ = x.shape
         heads, kv_heads, d = attn.heads, attn.kv_heads, attn.head_dim
-        q = attn.q_norm(attn.q_proj(x).view(batch, rows, heads, d)).transpose(1, 2)
+        if self.args.attn_output_gate:
+            q, gate = torch.chunk(attn.q_proj(x).view(batch, rows, heads, 2 * d), 2, dim=-1)
+            gate = gate.reshape(batch, rows, heads * d)
+        else:
+            q, gate = attn.q_proj(x).view(batch, rows, heads, d), None
+        q = attn.q_norm(q).transpose(1, 2)
         k = attn.k_norm(attn.k_proj(x).view(batch, rows, kv_heads, d)).transpose(1, 2)
         v = attn.v_proj(x).view(batch, rows, kv_heads, d).transpose(1, 2)
-        q, k = rotate(q, cos.to(q.dtype), sin.to(q.dtype)), rotate(k, cos.to(k.dtype), sin.to(k.dtype))
+        q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
         earlier.append((k, v))
         causal = torch.ones(rows, rows, dtype=torch.bool, device=x.device).tril()
         own_row = torch.eye(rows, dtype=torch.bool, device=x.device)
@@ -466,6 +591,8 @@ class MTPReference(MTPHead):
         scores = (q @ keys.transpose(-1, -2)).float() * d**-0.5
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).to(q.dtype)
         out = (probs @ values).transpose(1, 2).reshape(batch, rows, heads * d)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return attn.o_proj(out)
 
 
@@ -481,7 +608,8 @@ class MTPCore(MTPHead):
     def __init__(self, args: MTPArgs, context: int):
         super().__init__(args)
         self.context = context
-        exponents = torch.arange(0, args.head_dim, 2, dtype=torch.int64).float() / args.head_dim
+        # cos/sin over the rotary dims only (inv_freq as transformers' compute_default_rope_parameters), fp32
+        exponents = torch.arange(0, args.rotary_dim, 2, dtype=torch.int64).float() / args.rotary_dim
         inv_freq = 1.0 / (args.rope_theta**exponents)
         angles = torch.arange(context, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
@@ -490,9 +618,15 @@ class MTPCore(MTPHead):
         self.register_buffer("kv_head_index", torch.arange(args.num_key_value_heads)[:, None], persistent=False)
 
     def forward(self, input_ids, hidden, position_ids, key_cache, value_cache):
+        x = self.fused_input(input_ids[0].long(), hidden[0])  # [S, H]
+        hidden_out = self.norm(self.decoder(x, position_ids, key_cache, value_cache))
+        logits = self.lm_head(hidden_out)[None]
+        return {"draft_ids": logits.argmax(-1).to(torch.int32), "hidden_out": hidden_out[None], "logits": logits}
+
+    def decoder(self, x, position_ids, key_cache, value_cache):
+        """The head's decoder layers over rows x [S, H] at ``position_ids`` [1, S] int32, writing their cache rows."""
         dtype = self.fc.weight.dtype
         positions = position_ids[0].long()
-        x = self.fused_input(input_ids[0].long(), hidden[0])  # [S, H]
         cos, sin = self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
         rows = self.cache_rows[None, :]
         visible = (rows <= position_ids[0][:, None]) & (rows >= 1)  # [S, context]; row 0 is never a head row
@@ -501,9 +635,7 @@ class MTPCore(MTPHead):
         heads_rows = (self.kv_head_index.expand_as(cache_rows), cache_rows)
         for layer in self.layers:
             x = layer(x, cos, sin, heads_rows, mask_bias, key_cache, value_cache)
-        hidden_out = self.norm(x)
-        logits = self.lm_head(hidden_out)[None]
-        return {"draft_ids": logits.argmax(-1).to(torch.int32), "hidden_out": hidden_out[None], "logits": logits}
+        return x
 
     def cache_shape(self) -> tuple[int, int, int, int]:
         return (self.args.mtp_layers, self.args.num_key_value_heads, self.context, self.args.head_dim)
