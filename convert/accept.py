@@ -65,15 +65,15 @@ def _run_coreai(plan, bundle: Path, target, modules) -> dict:
     coreai = backends.load("coreai")
     target_package, drafter_package = _package(target_dir), _package(drafter_dir)
     with coreai.open_session(target_package) as t_session, coreai.open_session(drafter_package) as d_session:
-        t_driver = speculative.TargetDriver(t_session, drafter.widths(target))
-        d_driver = (speculative.DFlash2Driver(d_session, drafter.widths(modules), embeddings) if kind == "dflash2"
-                    else speculative.MTPDriver(d_session, drafter.widths(modules)))
+        t_driver = speculative.TargetDriver(t_session, target.widths)
+        d_driver = (speculative.DFlash2Driver(d_session, modules.widths, embeddings) if kind == "dflash2"
+                    else speculative.MTPDriver(d_session, modules.widths))
         with stage(f"speculative decoding on the Core AI runtime: {len(prompt)}-token prompt, {count} tokens"):
             run, spec_logits = speculative.speculate(kind, t_driver, d_driver, prompt, count)
         with stage("plain greedy decoding on the Core AI runtime"):
             greedy_ids, _ = t_driver.greedy(prompt, count)
     reference = speculative.TargetDriver(drafter.TorchFunctions(compute_copy(target, torch.float32), True),
-                                         drafter.widths(target))
+                                         target.widths)
     _, torch_logits = reference.greedy(prompt, count)
     speculative.check_lossless(run, greedy_ids, spec_logits, torch_logits, drafter.NEAR_TIE_LOGITS)
     stats = speculative.acceptance_stats([run], t_driver.widths["verify"])

@@ -119,7 +119,7 @@ def probe_tokens(vocab: int, count: int) -> list[int]:
 
 def run_coreai(session, modules: TargetModules, prompt: list[int] | None = None) -> dict:
     """Greedy on the runtime in lockstep with the torch modules; returns counts and worst deltas."""
-    widths = {name: spec.inputs[0].shape[1] for name, (_, spec) in modules.functions.items()}
+    widths = modules.widths
     vocab = modules.core.args.vocab_size
     prompt = prompt or probe_tokens(vocab, widths["prefill"] // 2 + 3)
     modules.reset()

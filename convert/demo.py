@@ -44,23 +44,19 @@ def run_demo(recipe: Path, output: str) -> None:
     reference = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
     rows = {"transformers fp32": greedy_reference(reference, prompt)}
     modules = build_modules(plan.args, plan.recipe.target, load_tensors(source), SHIP_DTYPE)
-    rows["export modules fp16 (torch)"] = greedy_functions(modules.call, modules.reset, prompt, _widths(modules))
+    rows["export modules fp16 (torch)"] = greedy_functions(modules.call, modules.reset, prompt, modules.widths)
     if "coreai" in plan.recipe.backends:
         package = plan.output / next(p.path for p in manifest.packages if p.format == "coreai")
         session = backends.load("coreai").open_session(package)
         rows[".aimodel fp16 (Core AI runtime)"] = greedy_functions(
             lambda name, ids, pos: session.call(name, {"input_ids": ids, "position_ids": pos}),
-            lambda: None, prompt, _widths(modules),
+            lambda: None, prompt, modules.widths,
         )
     out.print(f"\n[bold]greedy continuation of[/bold] {PROMPT!r} ({NEW_TOKENS} tokens)")
     for label, ids in rows.items():
         same = "" if ids == rows["transformers fp32"] else "  [yellow](differs from the reference)[/yellow]"
         out.print(f"  {label:32s} {tokenizer.decode(ids)!r}{same}")
     out.print(f"\ndone in {time.perf_counter() - start:.0f} s")
-
-
-def _widths(modules) -> dict[str, int]:
-    return {name: spec.inputs[0].shape[1] for name, (_, spec) in modules.functions.items()}
 
 
 def greedy_reference(model, prompt: list[int]) -> list[int]:

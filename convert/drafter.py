@@ -48,7 +48,7 @@ class DrafterPlan:
 
     @property
     def widths(self) -> dict[str, int]:
-        return {s.name: s.inputs[-1].shape[1] for s in self.specs}
+        return {s.name: s.width for s in self.specs}
 
 
 def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, target: Qwen3Args,
@@ -182,16 +182,12 @@ class TorchFunctions:
         return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in out.items()}
 
 
-def widths(modules) -> dict[str, int]:
-    return {name: spec.inputs[-1].shape[1] for name, (_, spec) in modules.functions.items()}
-
-
 def drivers(kind: str, target_modules, drafter_modules, embeddings: np.ndarray):
-    target = speculative.TargetDriver(TorchFunctions(target_modules, True), widths(target_modules))
+    target = speculative.TargetDriver(TorchFunctions(target_modules, True), target_modules.widths)
     functions = TorchFunctions(drafter_modules, False)
     if kind == "dflash2":
-        return target, speculative.DFlash2Driver(functions, widths(drafter_modules), embeddings)
-    return target, speculative.MTPDriver(functions, widths(drafter_modules))
+        return target, speculative.DFlash2Driver(functions, drafter_modules.widths, embeddings)
+    return target, speculative.MTPDriver(functions, drafter_modules.widths)
 
 
 def accept(kind: str, target_modules, drafter_modules, prompts: list[list[int]], tokens: int,

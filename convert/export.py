@@ -40,6 +40,10 @@ class ExportModules:
     core: nn.Module
     functions: dict[str, tuple[FunctionModule, FunctionSpec]]
 
+    @property
+    def widths(self) -> dict[str, int]:
+        return {name: spec.width for name, (_, spec) in self.functions.items()}
+
     def states(self) -> dict[str, torch.Tensor]:
         module, spec = next(iter(self.functions.values()))
         return {s.name: getattr(module, s.name) for s in spec.states}

@@ -379,10 +379,6 @@ def not_run_here() -> list[NotRun]:
     ]
 
 
-def _widths(modules: TargetModules) -> dict[str, int]:
-    return {name: spec.inputs[0].shape[1] for name, (_, spec) in modules.functions.items()}
-
-
 def _check_inputs(reference, modules: TargetModules, data: EvalData, taps, greedy_tokens: int, probe_blocks: int):
     """Refuse, naming the quantity, what the schedule cannot run."""
     dtype = next(reference.parameters()).dtype
@@ -394,7 +390,7 @@ def _check_inputs(reference, modules: TargetModules, data: EvalData, taps, greed
     missing = [t for t in taps if t not in modules.core.taps]
     if missing:
         raise InputError(f"tap layer {missing[0]} is not returned by the modules (taps {list(modules.core.taps)})")
-    widths, length, split = _widths(modules), data.identity.length, data.identity.length // 2
+    widths, length, split = modules.widths, data.identity.length, data.identity.length // 2
     if split + probe_blocks * widths["verify"] > length:
         raise InputError(f"evaluation length {length} is too short for {probe_blocks} probe block(s) of "
                          f"{widths['verify']} after a prefill of {split}")
@@ -447,7 +443,7 @@ def _cache_keyword(reference) -> str:
 def _candidate_window(modules: TargetModules, window: list[int], taps: list[int], greedy_tokens: int,
                       probe_blocks: int, generator: torch.Generator) -> _Window:
     """One window through the functions as a runtime calls them (module docstring, steps 1-4)."""
-    widths, length, vocab = _widths(modules), len(window), modules.core.args.vocab_size
+    widths, length, vocab = modules.widths, len(window), modules.core.args.vocab_size
     hidden, returned = modules.core.args.hidden_size, list(modules.core.taps)
     logits = torch.empty(length, vocab)
     features = {t: torch.empty(length, hidden) for t in taps}

@@ -29,6 +29,11 @@ class FunctionSpec:
     outputs: tuple[TensorSpec, ...]
     states: tuple[TensorSpec, ...] = ()
 
+    @property
+    def width(self) -> int:
+        """Tokens (rows) per call: the width of its ``position_ids``, which every function takes."""
+        return next(t for t in self.inputs if t.name == "position_ids").shape[1]
+
 
 @dataclass
 class CompileRecord:
