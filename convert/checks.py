@@ -14,6 +14,8 @@
   is stored compressed with its codes and tables bit for bit, and the format's own decompression of them
   equals ``QuantizedWeight.dequantize()`` bit for bit. The Core AI run above then shows the runtime
   computes with them.
+- Drafters: the same, with the Core AI run replaced by a replay of calls recorded from a speculative run of
+  the torch modules, and "every function" by "some function" (``context_update`` needs no lm_head).
 """
 
 from __future__ import annotations
@@ -49,16 +51,24 @@ def check_specs(found: dict[str, FunctionSpec], expected: list[FunctionSpec], wh
                 raise PackageError(f"{where}: function {spec.name} {kind} are {have}, the plan says {want}")
 
 
-def check_package(name: str, path, modules: TargetModules) -> dict:
+def check_package(name: str, path, modules, calls: list | None = None) -> dict:
+    """Specs read back, constants read back (quantized ones bit for bit) and, for Core AI, a run on the runtime.
+
+    A target (``calls`` None) runs a greedy sequence in lockstep with its modules (``run_coreai``) and stores every
+    weight in every function. A drafter replays ``calls`` recorded from a speculative run (``replay_coreai``); its
+    functions use different weights, so each weight must be stored in some function.
+    """
     specs = [spec for _, spec in modules.functions.values()]
+    every_function = calls is None
     weights = compress.quantized_weights(modules.core)
-    quantized = quantized_constants(name, path, weights) if weights else {}
+    quantized = quantized_constants(name, path, weights, every_function) if weights else {}
     if name == "coreai":
         with backends.load("coreai").open_session(path) as session:  # one ODIX lowering for both checks
             check_specs(session.specs(), specs, path.name)
-            return {**run_coreai(session, modules), **quantized}
+            run = run_coreai(session, modules) if calls is None else replay_coreai(session, calls)
+            return {**run, **quantized}
     check_specs(backends.load(name).read_back(path), specs, path.name)
-    return {**coreml_constants(path, modules), **quantized}
+    return {**coreml_constants(path, modules, every_function), **quantized}
 
 
 def quantized_constants(name: str, path, weights: dict[str, QuantizedWeight], every_function: bool = True) -> dict:
@@ -200,19 +210,6 @@ def coreml_constants(path, modules, every_function: bool = True) -> dict:
 def _digest(array: np.ndarray) -> str:
     a = np.ascontiguousarray(array)
     return hashlib.sha256(f"{a.dtype}:{a.shape}:".encode() + a.tobytes()).hexdigest()
-
-
-def check_drafter_package(name: str, path, modules, calls: list) -> dict:
-    """A drafter package: specs read back, quantized constants, and on Core AI the recorded calls replayed."""
-    specs = [spec for _, spec in modules.functions.values()]
-    weights = compress.quantized_weights(modules.core)
-    quantized = quantized_constants(name, path, weights, every_function=False) if weights else {}
-    if name == "coreai":
-        with backends.load("coreai").open_session(path) as session:
-            check_specs(session.specs(), specs, path.name)
-            return {**replay_coreai(session, calls), **quantized}
-    check_specs(backends.load(name).read_back(path), specs, path.name)
-    return {**coreml_constants(path, modules, every_function=False), **quantized}
 
 
 def replay_coreai(session, calls: list) -> dict:

@@ -137,7 +137,7 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
         with stage(f"package {name}: {path.name} ({', '.join(modules.functions)})"):
             backend.package(modules.functions, path)
         with stage(f"check {name}: read back{' and replay a speculative run on Core AI' if name == 'coreai' else ''}"):
-            check = checks.check_drafter_package(name, path, modules, calls)
+            check = checks.check_package(name, path, modules, calls)
         with stage(f"compile {name}"):
             compiled = backend.compile(path, out / "compiled")
         packages.append(package_entry(name, path, out, check, compiled))
