@@ -31,13 +31,14 @@ def run_accept(recipe_path: Path, bundle: Path | None, runtime: str, tokens: int
         plan.drafter.config = config
         plan.recipe = plan.recipe.model_copy(update={"drafter": config})
     target, _ = shipped_modules(plan)
-    modules, fp16_modules, _ = shipped_drafter(plan, target)
+    target32 = compute_copy(target, torch.float32)
+    modules, fp16_modules, _ = shipped_drafter(plan, target, target32)
     if runtime == "torch":
-        acceptance, ab = measure(plan, target, modules, fp16_modules, held_out_prompts(plan))
+        acceptance, ab = measure(plan, target, target32, modules, fp16_modules, held_out_prompts(plan))
         return {"runtime": "torch", "acceptance": acceptance, "ab": ab}
     if bundle is None:
         raise InputError("--runtime coreai runs a built bundle's packages: give --bundle DIR")
-    return _run_coreai(plan, bundle, target, modules)
+    return _run_coreai(plan, bundle, target, target32, modules)
 
 
 def _package(folder: Path) -> Path:
@@ -47,7 +48,7 @@ def _package(folder: Path) -> Path:
     return found[0]
 
 
-def _run_coreai(plan, bundle: Path, target, modules) -> dict:
+def _run_coreai(plan, bundle: Path, target, target32, modules) -> dict:
     from convert.inspect import read_manifest
     from manifests import identity
 
@@ -61,7 +62,7 @@ def _run_coreai(plan, bundle: Path, target, modules) -> dict:
     kind, spec = plan.drafter.kind, plan.drafter.config.accept
     prompt = held_out_prompts(plan)[0][0][: plan.recipe.target.graphs.prefill]
     count = min(spec.tokens, 16)
-    embeddings = target.core.embed_tokens.weight.detach().float().numpy()
+    embeddings = drafter.anchor_table(target)
     coreai = backends.load("coreai")
     target_package, drafter_package = _package(target_dir), _package(drafter_dir)
     with coreai.open_session(target_package) as t_session, coreai.open_session(drafter_package) as d_session:
@@ -72,7 +73,7 @@ def _run_coreai(plan, bundle: Path, target, modules) -> dict:
             run, spec_logits = speculative.speculate(kind, t_driver, d_driver, prompt, count)
         with stage("plain greedy decoding on the Core AI runtime"):
             greedy_ids, _ = t_driver.greedy(prompt, count)
-    reference = speculative.TargetDriver(drafter.TorchFunctions(compute_copy(target, torch.float32), True),
+    reference = speculative.TargetDriver(drafter.TorchFunctions(target32, True),
                                          target.widths)
     _, torch_logits = reference.greedy(prompt, count)
     speculative.check_lossless(run, greedy_ids, spec_logits, torch_logits, drafter.NEAR_TIE_LOGITS)

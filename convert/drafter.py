@@ -182,6 +182,12 @@ class TorchFunctions:
         return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in out.items()}
 
 
+def anchor_table(target_modules) -> np.ndarray:
+    """The target's embedding table exactly as shipped (fp16), which the host reads anchor rows from: a view of the
+    module's tensor, not a copy (at 27B it is 2.5 GB)."""
+    return target_modules.core.embed_tokens.weight.detach().numpy()
+
+
 def drivers(kind: str, target_modules, drafter_modules, embeddings: np.ndarray):
     target = speculative.TargetDriver(TorchFunctions(target_modules, True), target_modules.widths)
     functions = TorchFunctions(drafter_modules, False)

@@ -48,8 +48,9 @@ def held_out_prompts(plan) -> tuple[list[list[int]], dict]:
     return text_prompts(plan, plan.drafter.config.accept, "drafter.accept.corpus")
 
 
-def shipped_drafter(plan, target: TargetModules):
-    """(shipped modules, fp16 reference modules or None, quantization record or None)."""
+def shipped_drafter(plan, target: TargetModules, target32: TargetModules):
+    """(shipped modules, fp16 reference modules or None, quantization record or None). ``target32`` is the
+    shipped target computing in fp32, which GPTQ calibration drives."""
     dplan, quant = plan.drafter, plan.drafter.config.quantization
     with stage(f"load drafter {dplan.kind} ({dplan.snapshot.reference})"):
         modules = drafter.build_modules(dplan, plan.recipe, target, torch.float16)
@@ -60,23 +61,22 @@ def shipped_drafter(plan, target: TargetModules):
     if quant.uses_gptq:
         spec = quant.calibration
         prompts, calibration = text_prompts(plan, spec, "drafter.quantization.calibration.corpus")
-        embeddings = target.core.embed_tokens.weight.detach().float().numpy()
         with stage(f"calibrate drafter: speculative decoding of {len(prompts)} x {spec.length} tokens + "
                    f"{spec.tokens} generated ({spec.corpus})"):
-            hessians = drafter.calibration_hessians(dplan.kind, compute_copy(target, torch.float32),
-                                                    compute_copy(modules, torch.float32), prompts, spec.tokens,
-                                                    embeddings)
+            hessians = drafter.calibration_hessians(dplan.kind, target32, compute_copy(modules, torch.float32),
+                                                    prompts, spec.tokens, drafter.anchor_table(target))
     with stage(f"quantize drafter {quant.method} (groups of {quant.resolved_group_size})"):
         record = drafter.quantize(modules, quant, hessians)
     return modules, fp16, {**record, "calibration": calibration}
 
 
-def measure(plan, target: TargetModules, modules, fp16_modules, held_out) -> tuple[dict, dict | None]:
-    """Acceptance of the shipped pair (lossless or fail) and, for a quantized drafter, the A/B verdict."""
+def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_modules,
+            held_out) -> tuple[dict, dict | None]:
+    """Acceptance of the shipped pair (lossless or fail) and, for a quantized drafter, the A/B verdict; the
+    modules compute in fp32 (``target32``: the shipped target upcast)."""
     dplan, spec = plan.drafter, plan.drafter.config.accept
     prompts, data = held_out
-    target32 = compute_copy(target, torch.float32)
-    embeddings = target.core.embed_tokens.weight.detach().float().numpy()
+    embeddings = drafter.anchor_table(target)
     with stage(f"accept: {len(prompts)} held-out prompts x {spec.tokens} tokens, speculative vs greedy"):
         stats, runs = drafter.accept(dplan.kind, target32, compute_copy(modules, torch.float32), prompts,
                                      spec.tokens, embeddings)
@@ -117,15 +117,16 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
     out.mkdir()
     with stage("hash drafter source files"):
         source_files = file_records(dplan.snapshot.directory)
-    modules, fp16_modules, quantization = shipped_drafter(plan, target)
+    target32 = compute_copy(target, torch.float32)
+    modules, fp16_modules, quantization = shipped_drafter(plan, target, target32)
     held_out = held_out_prompts(plan)
-    acceptance, ab = measure(plan, target, modules, fp16_modules, held_out)
+    acceptance, ab = measure(plan, target, target32, modules, fp16_modules, held_out)
+    del target32  # packaging needs only the fp16 modules; the fp32 copy of the target is freed
     console.print(format_stats(acceptance))
     if ab:
         console.print(format_ab(ab))
     prompt = held_out[0][0][:CHECK_PROMPT_TOKENS]
-    embeddings = target.core.embed_tokens.weight.detach().float().numpy()
-    calls = drafter.recorded_calls(dplan.kind, target, modules, prompt, CHECK_GENERATED, embeddings)
+    calls = drafter.recorded_calls(dplan.kind, target, modules, prompt, CHECK_GENERATED, drafter.anchor_table(target))
     packages = []
     method = dplan.config.quantization.method
     stem = f"{dplan.kind}_{'fp16' if method == 'none' else method}"  # as forge names it: dflash2_lut4.aimodel
