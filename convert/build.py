@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from convert import backends, checks, contract, gates
-from convert.backends.base import FunctionSpec
+from convert.backends.base import FunctionSpec, function_lines
 from convert.bundle import MANIFEST, staging
 from convert.drafter import DrafterPlan, plan_drafter
 from convert.errors import GateError, InputError
@@ -379,33 +379,24 @@ def describe_plan(plan: Plan) -> list[str]:
     """The plan as lines: functions and shapes, parameters, package size and peak memory estimates."""
     recipe, args = plan.recipe, plan.args
     mib = 2**20
-
-    def tensors(ts) -> str:
-        return ", ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in ts)
-
     lines = [
         f"{recipe.name}: {plan.snapshot.reference} -> {plan.target_dir}",
         f"  qwen3: {args.num_hidden_layers} layers, hidden {args.hidden_size}, heads {args.num_attention_heads}/"
         f"{args.num_key_value_heads} (head_dim {args.head_dim}), vocab {args.vocab_size}, "
         f"{'tied' if args.tie_word_embeddings else 'untied'} lm_head, context {recipe.target.context}",
         "  functions:",
-    ]
-    for spec in plan.specs:
-        lines += [f"    {spec.name}", f"      inputs:  {tensors(spec.inputs)}"]
-        lines += [f"      outputs: {tensors(spec.outputs)}"]
-    lines += [
-        f"    states (all functions): {tensors(plan.specs[0].states)}",
+        *function_lines(plan.specs),
         f"  parameters: {plan.parameter_count:,}",
         f"  packages: {', '.join(recipe.backends)}; about {plan.package_bytes / mib:.1f} MiB of fp16 weights each",
         f"  KV states: {plan.kv_bytes / mib:.1f} MiB (fp16)",
         f"  estimated peak memory: {plan.peak_memory_bytes / mib:.0f} MiB",
     ]
     if plan.drafter:
-        lines += describe_drafter(plan, tensors)
+        lines += describe_drafter(plan)
     return lines
 
 
-def describe_drafter(plan: Plan, tensors) -> list[str]:
+def describe_drafter(plan: Plan) -> list[str]:
     d, a = plan.drafter, plan.drafter.args
     quant = d.config.quantization
     lines = [f"  drafter {d.kind}: {d.snapshot.reference} ({d.layout}) -> {plan.output / 'drafter'}",
@@ -416,8 +407,4 @@ def describe_drafter(plan: Plan, tensors) -> list[str]:
         lines.append(f"    taps {list(a.target_layer_ids)} (output of layer i, 0-based), block {a.block_size}, mask id "
                      f"{a.mask_token_id} x {d.config.mask_scale}, ring {d.config.ring} rows, selector rank "
                      f"{a.selector_rank} top-k {a.selector_top_k}")
-    for spec in d.specs:
-        lines += [f"    {spec.name}", f"      inputs:  {tensors(spec.inputs)}",
-                  f"      outputs: {tensors(spec.outputs)}"]
-    lines.append(f"    states (all functions): {tensors(d.specs[0].states)}")
-    return lines
+    return lines + function_lines(d.specs)

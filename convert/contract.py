@@ -102,7 +102,7 @@ def describe(recipe: Recipe, recipe_path: Path, unavailable: SourceUnavailable) 
 def _dflash2_lines(recipe: Recipe, recipe_path: Path, hidden: int, vocab: int, taps: list[int]) -> list[str]:
     """The drafter's functions from its contract. Fields that no shape depends on (intermediate_size,
     dflash_config.mask_token_id) may be left unpinned: they are read from config.json at build time."""
-    from convert.backends.base import TensorSpec
+    from convert.backends.base import function_lines
     from convert.models import dflash2
 
     drafter, target = recipe.drafter, recipe.target
@@ -121,17 +121,10 @@ def _dflash2_lines(recipe: Recipe, recipe_path: Path, hidden: int, vocab: int, t
     specs = dflash2.function_specs(args, drafter.context_update, drafter.context_append, drafter.ring, torch.float16,
                                    draft_width=target.graphs.verify)
 
-    def tensors(ts: tuple[TensorSpec, ...]) -> str:
-        return ", ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in ts)
-
     lines = [f"  drafter dflash2 {drafter.source}: {args.num_hidden_layers} layers, hidden {args.hidden_size}, heads "
              f"{args.num_attention_heads}/{args.num_key_value_heads} (head_dim {args.head_dim}), taps {taps}, "
              f"selector rank {args.selector_rank} top-k {args.selector_top_k}, block {args.block_size}, ring "
              f"{drafter.ring}, mask scale {drafter.mask_scale}, quantization {drafter.quantization.method}"]
     if unpinned:
         lines.append(f"    not pinned (read from config.json at build time): {', '.join(unpinned)}")
-    for spec in specs:
-        lines += [f"    {spec.name}", f"      inputs:  {tensors(spec.inputs)}",
-                  f"      outputs: {tensors(spec.outputs)}"]
-    lines.append(f"    states (all functions): {tensors(specs[0].states)}")
-    return lines
+    return lines + function_lines(specs)

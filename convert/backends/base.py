@@ -35,6 +35,20 @@ class FunctionSpec:
         return next(t for t in self.inputs if t.name == "position_ids").shape[1]
 
 
+def function_lines(specs: list[FunctionSpec]) -> list[str]:
+    """A plan's lines for one part: each function's inputs and outputs, then the states they share."""
+
+    def tensors(ts: tuple[TensorSpec, ...]) -> str:
+        return ", ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in ts)
+
+    lines = []
+    for spec in specs:
+        lines += [f"    {spec.name}", f"      inputs:  {tensors(spec.inputs)}",
+                  f"      outputs: {tensors(spec.outputs)}"]
+    lines.append(f"    states (all functions): {tensors(specs[0].states)}")
+    return lines
+
+
 @dataclass
 class CompileRecord:
     """What a compile step did: ``done`` with its outputs, or ``deferred`` with the reason."""
