@@ -16,14 +16,22 @@ Run: ``PYTHONPATH=. .venv/bin/python bench/quant_affine.py [--device cuda]``.
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
 
 import numpy as np
 import torch
 
-from bench.quant_lut import best_of, fixture_weights, installed, mse, one_layer_coreml_model, row
+from bench.quant_lut import (
+    HEADER,
+    RULE,
+    best_of,
+    fixture_weights,
+    installed,
+    mse,
+    one_layer_coreml_model,
+    parse_args,
+    row,
+)
 from quant.affine import quantize_affine
 
 
@@ -59,27 +67,11 @@ def _shift_scale_weight(model, shape) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--size", type=int, default=4096)
-    parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    torch.set_num_threads(args.threads)
-    weight = (torch.randn(args.size, args.size, generator=torch.Generator().manual_seed(args.seed)) * 0.02).half()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    print(f"device {device} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print(f"weight {args.size}x{args.size} fp16 N(0, 0.02^2) seed {args.seed}, groups of {args.group_size} columns")
-    print(f"load average at start {os.getloadavg()[0]:.2f}")
+    args, device, weight = parse_args(__doc__.splitlines()[0], 64, "groups of {} columns")
     quantize_affine(weight[:16].to(device), args.group_size)  # warm-up
-    header = "| method | seconds | vs ct | weight MSE | MSE / E[w^2] | MSE vs ct |"
-    rule = "| --- | ---: | ---: | ---: | ---: | ---: |"
     tensors = {f"synthetic {args.size}x{args.size}": weight}
     tensors.update({f"{k} {list(v.shape)}": v for k, v in fixture_weights().items()})
-    print(header, rule, sep="\n")
+    print(HEADER, RULE, sep="\n")
     for label, tensor in tensors.items():
         scale = float(tensor.float().pow(2).mean())
         theirs = coremltools_linear(tensor, args.group_size, args.repeats) if installed("coremltools") else None

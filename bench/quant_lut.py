@@ -167,11 +167,17 @@ def row(name: str, seconds: float, error: float, reference: tuple[float, float] 
     return f"| {name:<62} | {seconds:8.3f} | {speedup} | {error:.4e} | {error / scale:.4e} | {relative:>9} |"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+HEADER = "| method | seconds | vs ct | weight MSE | MSE / E[w^2] | MSE vs ct |"
+RULE = "| --- | ---: | ---: | ---: | ---: | ---: |"
+
+
+def parse_args(description: str, group_size: int, groups: str) -> tuple[argparse.Namespace, torch.device, torch.Tensor]:
+    """The quantizer benchmarks' common options, the device, and the seeded synthetic fp16 weight
+    (``--size`` square, N(0, 0.02^2)); prints what runs where."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--size", type=int, default=4096)
-    parser.add_argument("--group-size", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=group_size)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -181,12 +187,14 @@ def main() -> None:
     weight = (torch.randn(args.size, args.size, generator=torch.Generator().manual_seed(args.seed)) * 0.02).half()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"device {device} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print(f"weight {args.size}x{args.size} fp16 N(0, 0.02^2) seed {args.seed}, tables per {args.group_size} rows")
+    print(f"weight {args.size}x{args.size} fp16 N(0, 0.02^2) seed {args.seed}, {groups.format(args.group_size)}")
     print(f"load average at start {os.getloadavg()[0]:.2f} (other processes share these cores)")
+    return args, device, weight
 
+
+def main() -> None:
+    args, device, weight = parse_args(__doc__.splitlines()[0], 16, "tables per {} rows")
     quantize_lut(weight[: args.group_size].to(device), args.group_size)  # warm-up (CUDA context, kernels)
-    header = "| method | seconds | vs ct | weight MSE | MSE / E[w^2] | MSE vs ct |"
-    rule = "| --- | ---: | ---: | ---: | ---: | ---: |"
     scale = float(weight.float().pow(2).mean())
     results = {"ours": ours(weight.to(device), args.group_size, args.repeats)}
     if installed("coremltools"):
@@ -197,7 +205,7 @@ def main() -> None:
             label = f"coreai-opt KMeansPalettizer ({'fast' if fast else 'exact'} mode)"
             results[label] = coreai_opt_kmeans(weight, args.group_size, args.repeats, fast)
     reference = results.get("coremltools k-means per group")
-    print(header, rule, sep="\n")
+    print(HEADER, RULE, sep="\n")
     for label, (seconds, error) in results.items():
         print(row(f"{label} ({device.type})" if label == "ours" else label, seconds, error, reference, scale))
     if not installed("coremltools"):
@@ -208,7 +216,7 @@ def main() -> None:
     weights = fixture_weights()
     if weights:
         print(f"\nfixture weights ({FIXTURE.name}, fp16), tables per {args.group_size} rows:")
-        print(header, rule, sep="\n")
+        print(HEADER, RULE, sep="\n")
         for tensor_name, tensor in weights.items():
             label = f"{tensor_name} {list(tensor.shape)}"
             scale = float(tensor.float().pow(2).mean())
