@@ -23,7 +23,7 @@ from convert.errors import GateError, InputError
 from convert.gates import GateReport
 from convert.models.qwen3 import Qwen3Args, sanitize
 from convert.progress import console, stage
-from convert.quantize import QuantizeResult, quantize_core
+from convert.quantize import QuantizeResult, quantize_core, summary
 from convert.recipe import Recipe, check_against_model, load_recipe
 from convert.sources import (
     Snapshot,
@@ -282,23 +282,14 @@ def toolchain_versions() -> dict[str, str]:
 
 
 def _quantization_record(quant, result: QuantizeResult, modules: TargetModules) -> dict:
-    params = {id(p): p for p in modules.core.parameters()}.values()
-    quantized_numel = sum(qw.codes.numel() for qw in result.weights.values())
-    total_bits = sum(qw.bits_per_weight * qw.codes.numel() for qw in result.weights.values())
-    total_bits += 16 * (sum(p.numel() for p in params) - quantized_numel)
-    layers = []
-    for name, qw in sorted(result.weights.items()):
-        keys = ("weight_mse", "gptq_output_error", "rtn_output_error", "damping", "cholesky_retries")
-        stats = {k: qw.stats[k] for k in keys if qw.stats.get(k) is not None}
-        layers.append({"name": name, "method": qw.method, "group_size": qw.group_size,
-                       "bits_per_weight": qw.bits_per_weight, **stats})
+    bits_per_weight, layers = summary(result.weights, modules.core.parameters())
     calibration = None
     if result.calibration is not None:
         calibration = {"corpus": result.corpus, **result.calibration.identity()}
     return {
         "method": quant.method,
         "group_size": quant.resolved_group_size,
-        "bits_per_weight": total_bits / sum(p.numel() for p in params),
+        "bits_per_weight": bits_per_weight,
         "kept_fp16": sorted(
             n for n, m in modules.core.named_modules()
             if getattr(m, "weight", None) is not None and m.weight.dim() == 2 and n not in result.weights

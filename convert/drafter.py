@@ -22,12 +22,11 @@ from convert.compress import QuantizedLinear, apply_quantized
 from convert.errors import GateError, InputError
 from convert.models import dflash2, mtp
 from convert.models.qwen3 import Qwen3Args
+from convert.quantize import round_to_nearest, summary
 from convert.recipe import Drafter, DrafterQuantization, Recipe
 from convert.sources import Snapshot, check_safetensors, resolve, tensor_shapes
 from convert.target import TargetModules
-from quant.affine import quantize_affine
 from quant.gptq import HessianAccumulator, gptq_quantize
-from quant.lut import quantize_lut
 
 MTP_HIDDEN_CONVENTION = "target final-norm output at position t (what its lm_head reads), vLLM's convention"
 NEAR_TIE_LOGITS = 0.25  # as the gates' block-vs-chain probe and the package checks
@@ -150,19 +149,11 @@ def quantize(modules, quant: DrafterQuantization, hessians: dict[str, torch.Tens
                 raise InputError(f"drafter.quantization.calibration: linear {name} saw no calibration input")
             weights[name] = gptq_quantize(weight, hessians[name], method, group, name=name)
         else:
-            weights[name] = quantize_lut(weight, group) if method == "lut4" else quantize_affine(weight, group)
-    mse = {n: float((qw.dequantize().float() - modules.core.get_submodule(n).weight.float()).pow(2).mean())
-           for n, qw in weights.items()}
+            weights[name] = round_to_nearest(method, weight, group)
     apply_quantized(modules.core, weights)
-    own = {id(p): p for n, p in modules.core.named_parameters() if not n.startswith(BORROWED)}
-    total = sum(p.numel() for p in own.values())
-    quantized = sum(qw.codes.numel() for qw in weights.values())
-    bits = sum(qw.bits_per_weight * qw.codes.numel() for qw in weights.values()) + 16 * (total - quantized)
-    keys = ("gptq_output_error", "rtn_output_error", "damping", "cholesky_retries")
-    layers = [{"name": n, "method": qw.method, "group_size": qw.group_size, "bits_per_weight": qw.bits_per_weight,
-               "weight_mse": mse[n], **{k: qw.stats[k] for k in keys if qw.stats.get(k) is not None}}
-              for n, qw in sorted(weights.items())]
-    return {"method": quant.method, "group_size": group, "bits_per_weight": bits / total, "layers": layers}
+    own = [p for n, p in modules.core.named_parameters() if not n.startswith(BORROWED)]
+    bits_per_weight, layers = summary(weights, own)
+    return {"method": quant.method, "group_size": group, "bits_per_weight": bits_per_weight, "layers": layers}
 
 
 class TorchFunctions:

@@ -50,7 +50,7 @@ def quantize_core(core: Qwen3Core, quant: Quantization, source: Path, recipe_dir
     for name, module in core.named_modules():
         if name in keep or name in weights or not hasattr(module, "weight") or module.weight.dim() != 2:
             continue
-        weights[name] = _round_to_nearest(quant.format, module.weight.detach(), group)
+        weights[name] = round_to_nearest(quant.format, module.weight.detach(), group)
     apply_quantized(core, weights)
     return QuantizeResult(weights, calibration, quant.calibration.corpus if calibration else None)
 
@@ -66,10 +66,26 @@ def _kept(core: Qwen3Core, names: list[str]) -> set[str]:
     return kept
 
 
-def _round_to_nearest(method: str, weight: torch.Tensor, group: int) -> QuantizedWeight:
+def round_to_nearest(method: str, weight: torch.Tensor, group: int) -> QuantizedWeight:
     if method == "lut4":
         return quantize_lut(weight.float(), group)
     return quantize_affine(weight.float(), group)
+
+
+LAYER_STATS = ("weight_mse", "gptq_output_error", "rtn_output_error", "damping", "cholesky_retries")
+
+
+def summary(weights: dict[str, QuantizedWeight], parameters) -> tuple[float, list[dict]]:
+    """Bits per weight over ``parameters`` (those not in ``weights`` count 16) and the per-layer records the
+    manifests carry (method, group size, bits per weight and the quantizer's statistics)."""
+    params = {id(p): p for p in parameters}.values()
+    quantized = sum(qw.codes.numel() for qw in weights.values())
+    bits = sum(qw.bits_per_weight * qw.codes.numel() for qw in weights.values())
+    bits += 16 * (sum(p.numel() for p in params) - quantized)
+    layers = [{"name": name, "method": qw.method, "group_size": qw.group_size, "bits_per_weight": qw.bits_per_weight,
+               **{k: qw.stats[k] for k in LAYER_STATS if qw.stats.get(k) is not None}}
+              for name, qw in sorted(weights.items())]
+    return bits / sum(p.numel() for p in params), layers
 
 
 def _gptq(core: Qwen3Core, quant: Quantization, calibration: CalibrationSet, keep: set[str]):
