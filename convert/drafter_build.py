@@ -162,11 +162,9 @@ def _write_extras(dplan, modules, out: Path) -> list[dict]:
               "kind": dplan.kind, "layout": dplan.layout}
     (out / "SOURCE.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     written.append(out / "SOURCE.json")
-    codebooks = {n.removeprefix("candidate_selector."): p.detach().contiguous()
-                 for n, p in modules.core.named_parameters() if "codebook" in n}
-    if codebooks:
-        tensors = {f"candidate_selector.{k}": v for k, v in sorted(codebooks.items())}
-        save_file(tensors, str(out / "selector.safetensors"))
+    codebooks = {n: p.detach().contiguous() for n, p in modules.core.named_parameters() if "codebook" in n}
+    if codebooks:  # upstream's keys: candidate_selector.{predecessor,successor}_codebook, no .weight
+        save_file(codebooks, str(out / "selector.safetensors"))
         written.append(out / "selector.safetensors")
     return [{"path": p.name, "sha256": sha256_file(p), "size": p.stat().st_size} for p in sorted(written)]
 
