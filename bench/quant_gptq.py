@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 
+from convert.models.qwen3 import LINEAR_GROUPS, CausalRunner
 from quant.affine import quantize_affine
 from quant.calibrate import (
-    LINEAR_GROUPS,
-    CausalRunner,
     capture_hessians,
     encode,
     fixture_corpus_text,

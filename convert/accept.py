@@ -17,6 +17,7 @@ from convert.build import make_plan, shipped_modules
 from convert.drafter_build import format_ab, format_stats, held_out_prompts, measure, shipped_drafter
 from convert.errors import GateError, InputError
 from convert.export import compute_copy
+from convert.host import TargetDriver, module_driver
 from convert.progress import console, stage
 
 
@@ -66,15 +67,14 @@ def _run_coreai(plan, bundle: Path, target, target32, modules) -> dict:
     coreai = backends.load("coreai")
     target_package, drafter_package = _package(target_dir), _package(drafter_dir)
     with coreai.open_session(target_package) as t_session, coreai.open_session(drafter_package) as d_session:
-        t_driver = speculative.TargetDriver(t_session, target.widths)
+        t_driver = TargetDriver(t_session, target.widths, target_manifest.host_contract.model_dump())
         d_driver = (speculative.DFlash2Driver(d_session, modules.widths, embeddings) if kind == "dflash2"
                     else speculative.MTPDriver(d_session, modules.widths))
         with stage(f"speculative decoding on the Core AI runtime: {len(prompt)}-token prompt, {count} tokens"):
             run, spec_logits = speculative.speculate(kind, t_driver, d_driver, prompt, count)
         with stage("plain greedy decoding on the Core AI runtime"):
             greedy_ids, _ = t_driver.greedy(prompt, count)
-    reference = speculative.TargetDriver(drafter.TorchFunctions(target32, True),
-                                         target.widths)
+    reference = module_driver(target32)
     _, torch_logits = reference.greedy(prompt, count)
     speculative.check_lossless(run, greedy_ids, spec_logits, torch_logits, drafter.NEAR_TIE_LOGITS)
     stats = speculative.acceptance_stats([run], t_driver.widths["verify"])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import platform
 import shutil
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
@@ -15,13 +14,14 @@ from pathlib import Path
 
 import torch
 
-from convert import backends, checks, contract, gates
+from convert import backends, contract, gates
 from convert.backends.base import FunctionSpec, function_lines
 from convert.bundle import MANIFEST, staging
 from convert.drafter import DrafterPlan, plan_drafter
 from convert.errors import GateError, InputError
 from convert.gates import GateReport
-from convert.models.qwen3 import Qwen3Args, sanitize
+from convert.models import Layout, family_for, family_of
+from convert.packaging import package_formats
 from convert.progress import console, stage
 from convert.quantize import QuantizeResult, quantize_core, summary
 from convert.recipe import Recipe, check_against_model, load_recipe
@@ -50,7 +50,8 @@ class Plan:
     recipe_path: Path
     output: Path
     snapshot: Snapshot
-    args: Qwen3Args
+    args: object  # the architecture family's args (convert/models)
+    layout: Layout
     specs: list[FunctionSpec]
     checkpoint_bytes: int
     drafter: DrafterPlan | None = None
@@ -70,21 +71,15 @@ class Plan:
         return 2 * self.parameter_count
 
     @property
-    def kv_bytes(self) -> int:
-        return 2 * sum(_numel(s.shape) for s in self.specs[0].states)
+    def state_bytes(self) -> int:
+        """Every state of the target (KV caches, and a hybrid's conv, recurrent and pending states) as shipped."""
+        return sum(s.nbytes for s in self.specs[0].states)
 
     @property
     def peak_memory_bytes(self) -> int:
         """Estimate: the checkpoint tensors, fp16 modules, an fp32 copy during export and conversion
-        buffers of about twice the package, plus KV states and ~0.5 GB of libraries."""
-        return self.checkpoint_bytes + 2 * self.parameter_count * 5 + 2 * self.kv_bytes + 512 * 2**20
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        buffers of about twice the package, plus the states and ~0.5 GB of libraries."""
+        return self.checkpoint_bytes + 2 * self.parameter_count * 5 + 2 * self.state_bytes + 512 * 2**20
 
 
 def make_plan(recipe_path: Path, output: str | None = None) -> Plan:
@@ -93,16 +88,16 @@ def make_plan(recipe_path: Path, output: str | None = None) -> Plan:
     snapshot = resolve(recipe.target.source, recipe_path.resolve().parent)
     config_path = snapshot.directory / "config.json"
     contract.check(snapshot.config(), recipe.target.contract, str(config_path), "target.contract")
-    args = Qwen3Args.from_config(snapshot.config(), where=str(config_path))
+    family = family_for(snapshot.config(), str(config_path))
+    args = family.Args.from_config(snapshot.config(), where=str(config_path))
     check_against_model(recipe, args.num_hidden_layers, args.max_position_embeddings, recipe_path)
-    shapes = tensor_shapes(snapshot.directory)
-    sanitize(shapes, args)
+    layout = family.sanitize(tensor_shapes(snapshot.directory), args, f"checkpoint {snapshot.directory}")
     if not (snapshot.directory / "tokenizer.json").is_file():
         raise InputError(f"{snapshot.directory}: no tokenizer.json; a bundle ships its tokenizer and hashes it")
     checkpoint_bytes = sum(p.stat().st_size for p in snapshot.directory.glob("*.safetensors"))
     out = Path(output or recipe.output or Path("bundles") / recipe.name)
     drafter = plan_drafter(recipe, recipe_path, snapshot, args, SHIP_DTYPE) if recipe.drafter else None
-    return Plan(recipe, recipe_path, out, snapshot, args, function_specs(args, recipe.target, SHIP_DTYPE),
+    return Plan(recipe, recipe_path, out, snapshot, args, layout, function_specs(args, recipe.target, SHIP_DTYPE),
                 checkpoint_bytes, drafter)
 
 
@@ -112,7 +107,7 @@ def shipped_modules(plan: Plan) -> tuple[TargetModules, dict | None]:
     quant = plan.recipe.target.quantization
     with stage("load weights (safetensors, memory-mapped)"):
         tensors = load_tensors(plan.snapshot.directory)
-        modules = build_modules(plan.args, plan.recipe.target, tensors, SHIP_DTYPE)
+        modules = build_modules(plan.args, plan.recipe.target, tensors, SHIP_DTYPE, plan.layout)
         del tensors
     if not quant.format:
         return modules, None
@@ -142,11 +137,7 @@ def gate_bundle(recipe_path: Path, bundle: Path | None, report_path: Path) -> Ga
     report = gates.gate_target(plan, modules)
     if bundle is not None:
         manifest = read_manifest(bundle)
-        for field, tensor in (("lm_head_sha256", modules.core.lm_head.weight),
-                              ("embedding_sha256", modules.core.embed_tokens.weight)):
-            if getattr(manifest.weights, field) != identity.tensor_sha256(tensor):
-                raise InputError(f"{bundle}: weights.{field} differs from the weights {recipe_path} builds; "
-                                 "gate the bundle with the recipe it was built from")
+        weights_match(manifest, modules, bundle, recipe_path)
         package = next((p for p in manifest.packages if p.format == "coreai"), None)
         if package is not None:
             with stage(f"artifact gate: {package.path} on the Core AI runtime"):
@@ -155,6 +146,15 @@ def gate_bundle(recipe_path: Path, bundle: Path | None, report_path: Path) -> Ga
     report.write_json(report_path)
     report.raise_if_failed()
     return report
+
+
+def weights_match(manifest: Manifest, modules: TargetModules, bundle: Path, recipe_path: Path) -> None:
+    """Refuse modules rebuilt from ``recipe_path`` whose shipped tables are not the bundle's (lm_head, embeddings)."""
+    for field, tensor in (("lm_head_sha256", modules.core.lm_head.weight),
+                          ("embedding_sha256", modules.core.embed_tokens.weight)):
+        if getattr(manifest.weights, field) != identity.tensor_sha256(tensor):
+            raise InputError(f"{bundle}: weights.{field} differs from the weights {recipe_path} builds; use the "
+                             "recipe the bundle was built from")
 
 
 def build(plan: Plan) -> Manifest:
@@ -185,19 +185,10 @@ def _build_target(plan: Plan, out: Path, failed_report: Path) -> tuple[Manifest,
     modules, quantization = shipped_modules(plan)
     report = gate(plan, modules, failed_report)
     packages = []
-    for name in recipe.backends:
-        backend = backends.load(name)
-        path = out / f"{recipe.name}{backends.SUFFIXES[name]}"
-        with stage(f"package {name}: {path.name} ({', '.join(modules.functions)})"):
-            backend.package(modules.functions, path)
-        start = time.perf_counter()
-        with stage(f"check {name}: read back{' and run on the Core AI runtime' if name == 'coreai' else ''}"):
-            check = checks.check_package(name, path, modules)
-        if name == "coreai":  # the run check is the artifact gate: the .aimodel computes what was gated
-            report.artifact = gates.artifact_from_check(path.name, check, time.perf_counter() - start)
-        with stage(f"compile {name}"):
-            compiled = backend.compile(path, out / "compiled")
-        packages.append(package_entry(name, path, out, check, compiled))
+    for done in package_formats(recipe.backends, modules, out, recipe.name):
+        if done.format == "coreai":  # the run check is the artifact gate: the .aimodel computes what was gated
+            report.artifact = gates.artifact_from_check(done.path.name, done.check, done.check_seconds)
+        packages.append(package_entry(done.format, done.path, out, done.check, done.compiled))
     report.write_json(out / gates.REPORT_FILE)
     extra_files = copy_extras(snap.directory, out)
     feeds_drafter = plan.drafter is not None or bool(recipe.target.taps) or recipe.target.hidden
@@ -260,7 +251,7 @@ def copy_extras(source: Path, bundle: Path) -> list[dict]:
     ]
 
 
-def _special_ids(source: Path, args: Qwen3Args) -> dict:
+def _special_ids(source: Path, args) -> dict:
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
@@ -314,21 +305,8 @@ def _manifest(plan: Plan, source_files, modules: TargetModules, packages, extra_
             "revision": snap.revision,
             "files": [vars(r) for r in source_files],
         },
-        "architecture": {
-            "family": "qwen3",
-            "hidden_size": args.hidden_size,
-            "num_layers": args.num_hidden_layers,
-            "num_heads": args.num_attention_heads,
-            "num_kv_heads": args.num_key_value_heads,
-            "head_dim": args.head_dim,
-            "intermediate_size": args.intermediate_size,
-            "vocab_size": args.vocab_size,
-            "tie_word_embeddings": args.tie_word_embeddings,
-            "rope_type": args.rope_type,
-            "rope_theta": args.rope_theta,
-            "rms_norm_eps": args.rms_norm_eps,
-            "context": plan.recipe.target.context,
-        },
+        "architecture": family_of(args).architecture_record(args, plan.recipe.target),
+        "host_contract": modules.contract,
         "taps": {"layers": list(plan.recipe.target.taps)} if plan.recipe.target.taps else None,
         "tokenizer": {
             **identity.tokenizer_identity(snap.directory / "tokenizer.json"),
@@ -372,14 +350,13 @@ def describe_plan(plan: Plan) -> list[str]:
     mib = 2**20
     lines = [
         f"{recipe.name}: {plan.snapshot.reference} -> {plan.target_dir}",
-        f"  qwen3: {args.num_hidden_layers} layers, hidden {args.hidden_size}, heads {args.num_attention_heads}/"
-        f"{args.num_key_value_heads} (head_dim {args.head_dim}), vocab {args.vocab_size}, "
-        f"{'tied' if args.tie_word_embeddings else 'untied'} lm_head, context {recipe.target.context}",
+        *family_of(args).plan_lines(args, recipe.target),
+        *(f"  {note}" for note in plan.layout.notes()),
         "  functions:",
         *function_lines(plan.specs),
         f"  parameters: {plan.parameter_count:,}",
         f"  packages: {', '.join(recipe.backends)}; about {plan.package_bytes / mib:.1f} MiB of fp16 weights each",
-        f"  KV states: {plan.kv_bytes / mib:.1f} MiB (fp16)",
+        f"  states: {plan.state_bytes / mib:.1f} MiB in all",
         f"  estimated peak memory: {plan.peak_memory_bytes / mib:.0f} MiB",
     ]
     if plan.drafter:

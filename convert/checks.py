@@ -27,6 +27,7 @@ import torch
 
 from convert import backends, compress
 from convert.backends.base import FunctionSpec, PackageError
+from convert.host import COMMIT, TargetDriver, module_driver
 from convert.target import TargetModules
 from quant.types import QuantizedWeight
 
@@ -35,6 +36,7 @@ from quant.types import QuantizedWeight
 # logits are closer than 2.5x that error is a near tie; anything wider is a real difference.
 NEAR_TIE_LOGITS = 0.25
 FP16_OUTPUT_BOUND = 2e-2
+FP16_STATE_BOUND = 2e-2  # the states after the run, relative to their largest magnitude (docs/benchmarks.md)
 DECODE_STEPS = 4
 
 
@@ -62,13 +64,28 @@ def check_package(name: str, path, modules, calls: list | None = None) -> dict:
     every_function = calls is None
     weights = compress.quantized_weights(modules.core)
     quantized = quantized_constants(name, path, weights, every_function) if weights else {}
+    forms = device_safe_forms(name, path, modules)
     if name == "coreai":
         with backends.load("coreai").open_session(path) as session:  # one ODIX lowering for both checks
             check_specs(session.specs(), specs, path.name)
             run = run_coreai(session, modules) if calls is None else replay_coreai(session, calls)
-            return {**run, **quantized}
+            return {**run, **quantized, **forms}
     check_specs(backends.load(name).read_back(path), specs, path.name)
-    return {**coreml_constants(path, modules, every_function), **quantized}
+    return {**coreml_constants(path, modules, every_function), **quantized, **forms}
+
+
+def device_safe_forms(name: str, path, modules) -> dict:
+    """No function of the package holds an op the architecture replaced by a device-safe form (a hybrid target's
+    native silu and softplus: docs/hybrid.md), so no converter pass fused the safe form back into it."""
+    unsafe = set(getattr(getattr(modules.core, "args", None), "unsafe_ops", ()))
+    if not unsafe:
+        return {}
+    for function, types in backends.load(name).operation_types(path).items():
+        found = sorted(t for t in types if t in unsafe)
+        if found:
+            raise PackageError(f"{path.name}: function {function} holds {found[0]} ops: a conversion pass fused a "
+                               f"device-safe form back into the op it avoids ({', '.join(sorted(unsafe))})")
+    return {"unsafe_ops_absent": ",".join(sorted(unsafe))}
 
 
 def quantized_constants(name: str, path, weights: dict[str, QuantizedWeight], every_function: bool = True) -> dict:
@@ -128,44 +145,69 @@ def probe_tokens(vocab: int, count: int) -> list[int]:
 
 
 def run_coreai(session, modules: TargetModules, prompt: list[int] | None = None) -> dict:
-    """Greedy on the runtime in lockstep with the torch modules; returns counts and worst deltas."""
+    """Greedy on the runtime in lockstep with the torch modules, both through the target's host contract; returns
+    counts and worst deltas (outputs, and the states at the end).
+
+    A prefill, ``DECODE_STEPS`` decodes, then a rollback: on a positional contract a verify two tokens back; on a
+    commit-next-call one a verify of a draft that is wrong past its first half, a partial accept of that half and the
+    next verify and decode from the kept rows (the commit path on the device's arithmetic).
+    """
     widths = modules.widths
     vocab = modules.core.args.vocab_size
     prompt = prompt or probe_tokens(vocab, widths["prefill"] // 2 + 3)
-    modules.reset()
+    runtime, reference = TargetDriver(session, widths, modules.contract), module_driver(modules)
+    runtime.reset()
+    reference.reset()
     stats = {"runtime_calls": 0, "argmax_compared": 0, "argmax_near_ties": 0, "max_output_delta": 0.0}
 
-    def call(function: str, tokens: list[int], p0: int, real: int) -> int:
-        """Run one function on both; compare the first ``real`` rows; return the runtime's last-row argmax."""
-        width = widths[function]
-        ids = np.array([tokens + [0] * (width - len(tokens))], dtype=np.int32)
-        pos = np.array([list(range(p0, p0 + width))], dtype=np.int32)
-        got = session.call(function, {"input_ids": ids, "position_ids": pos})
-        ref = modules.call(function, ids, pos)
+    def call(function: str, tokens: list[int], p0: int) -> list[int]:
+        """Run one call on both and compare its rows; return the runtime's argmax ids."""
+        got, ref = runtime.run(function, tokens, p0), reference.run(function, tokens, p0)
         stats["runtime_calls"] += 1
-        _compare(function, p0, got, ref, real, stats)
-        return int(got["argmax_ids"][0, real - 1])
+        _compare(function, p0, got, ref, stats)
+        return [int(t) for t in got["argmax_ids"]]
 
-    nxt = call("prefill", prompt, 0, len(prompt))
-    generated = [nxt]
+    generated = [call("prefill", prompt, 0)[-1]]
     p = len(prompt)
     for _ in range(DECODE_STEPS):
-        nxt = call("decode", [nxt], p, 1)
-        generated.append(nxt)
+        generated.append(call("decode", [generated[-1]], p)[0])
         p += 1
-    rewind = p - 2  # reject the last two tokens: positional rollback, nothing copied
-    block = (generated[-3:-2] + prompt)[: widths["verify"]]
-    call("verify", block, rewind, len(block))
+    k = widths["verify"]
+    if modules.contract["rollback"] != COMMIT:
+        rewind = p - 2  # reject the last two tokens: positional rollback, nothing copied
+        block = (generated[-3:-2] + prompt)[:k]
+        call("verify", block, rewind)
+    else:
+        kept = max(1, k // 2)
+        block = [generated[-1]] + prompt[: k - 1]
+        ids = call("verify", block, p)
+        ids = call("verify", [ids[kept - 1]] + prompt[k : 2 * k - 1], p + kept)
+        call("decode", [ids[0]], p + kept + 1)
     stats["greedy_ids"] = " ".join(map(str, generated))
+    stats["max_state_delta"] = _compare_states(session.states(), modules.states())
     return stats
 
 
-def _compare(function, p0, got, ref, real: int, stats: dict) -> None:
-    ref_ids = ref["argmax_ids"][0, :real].numpy()
-    got_ids = np.asarray(got["argmax_ids"])[0, :real]
-    stats["argmax_compared"] += real
+def _compare_states(got: dict[str, np.ndarray], ref: dict[str, torch.Tensor]) -> float:
+    """The worst state difference, relative to each state's largest magnitude; above the fp16 bound is an error."""
+    worst = 0.0
+    for name, value in ref.items():
+        want = value.float().numpy()
+        scale = max(1.0, float(np.abs(want).max()))
+        delta = float(np.abs(np.asarray(got[name], dtype=np.float32) - want).max() / scale)
+        if delta > FP16_STATE_BOUND:
+            raise PackageError(f"state {name} differs from the torch module's by {delta:.3g} (relative), above the "
+                               f"fp16 bound {FP16_STATE_BOUND}")
+        worst = max(worst, delta)
+    return worst
+
+
+def _compare(function, p0, got, ref, stats: dict) -> None:
+    """Every row of one call: argmax ids equal but for near ties, returned floats within the fp16 bound."""
+    ref_ids, got_ids = ref["argmax_ids"], got["argmax_ids"]
+    stats["argmax_compared"] += len(ref_ids)
     if (ref_ids != got_ids).any():
-        logits = ref["logits"][0].float()
+        logits = ref["logits"]
         for row in np.nonzero(ref_ids != got_ids)[0]:
             gap = abs(float(logits[row, ref_ids[row]] - logits[row, got_ids[row]]))
             if gap >= NEAR_TIE_LOGITS:
@@ -176,8 +218,7 @@ def _compare(function, p0, got, ref, real: int, stats: dict) -> None:
             stats["argmax_near_ties"] += 1
     for name in ("taps", "hidden", "logits"):
         if name in got and name in ref:
-            a = np.asarray(got[name], dtype=np.float32)[0, :real]
-            b = ref[name][0, :real].float().numpy()
+            a, b = np.asarray(got[name], dtype=np.float32), ref[name]
             delta = float(np.abs(a - b).max() / max(1.0, float(np.abs(b).max())))
             stats["max_output_delta"] = max(stats["max_output_delta"], delta)
             if delta > FP16_OUTPUT_BOUND:

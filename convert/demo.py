@@ -10,12 +10,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from rich.console import Console
 
 from convert import backends
 from convert.build import SHIP_DTYPE, build, make_plan
+from convert.generate import greedy
+from convert.host import TargetDriver, module_driver
 from convert.sources import load_tensors
 from convert.target import build_modules
 
@@ -43,15 +44,13 @@ def run_demo(recipe: Path, output: str) -> None:
     prompt = tokenizer.encode(PROMPT)  # with <|bos|>, as the fixture was trained
     reference = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
     rows = {"transformers fp32": greedy_reference(reference, prompt)}
-    modules = build_modules(plan.args, plan.recipe.target, load_tensors(source), SHIP_DTYPE)
-    rows["export modules fp16 (torch)"] = greedy_functions(modules.call, modules.reset, prompt, modules.widths)
+    modules = build_modules(plan.args, plan.recipe.target, load_tensors(source), SHIP_DTYPE, plan.layout)
+    rows["export modules fp16 (torch)"] = greedy(module_driver(modules), prompt, NEW_TOKENS, eos=None)
     if "coreai" in plan.recipe.backends:
         package = plan.output / next(p.path for p in manifest.packages if p.format == "coreai")
-        session = backends.load("coreai").open_session(package)
-        rows[".aimodel fp16 (Core AI runtime)"] = greedy_functions(
-            lambda name, ids, pos: session.call(name, {"input_ids": ids, "position_ids": pos}),
-            lambda: None, prompt, modules.widths,
-        )
+        with backends.load("coreai").open_session(package) as session:
+            driver = TargetDriver(session, modules.widths, modules.contract)
+            rows[".aimodel fp16 (Core AI runtime)"] = greedy(driver, prompt, NEW_TOKENS, eos=None)
     out.print(f"\n[bold]greedy continuation of[/bold] {PROMPT!r} ({NEW_TOKENS} tokens)")
     for label, ids in rows.items():
         same = "" if ids == rows["transformers fp32"] else "  [yellow](differs from the reference)[/yellow]"
@@ -65,21 +64,3 @@ def greedy_reference(model, prompt: list[int]) -> list[int]:
         for _ in range(NEW_TOKENS):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
-
-
-def greedy_functions(call, reset, prompt: list[int], widths: dict[str, int]) -> list[int]:
-    """Greedy decoding the way a runtime drives the functions: right-padded prefill chunks, then decode."""
-    reset()
-    width = widths["prefill"]
-    nxt = 0
-    for p0 in range(0, len(prompt), width):
-        chunk = prompt[p0 : p0 + width]
-        ids = np.array([chunk + [0] * (width - len(chunk))], dtype=np.int32)
-        pos = np.arange(p0, p0 + width, dtype=np.int32)[None]
-        nxt = int(np.asarray(call("prefill", ids, pos)["argmax_ids"])[0, len(chunk) - 1])
-    generated = [nxt]
-    for p in range(len(prompt), len(prompt) + NEW_TOKENS - 1):
-        out = call("decode", np.array([[nxt]], dtype=np.int32), np.array([[p]], dtype=np.int32))
-        nxt = int(np.asarray(out["argmax_ids"])[0, 0])
-        generated.append(nxt)
-    return generated

@@ -20,6 +20,7 @@ from convert import contract, speculative
 from convert.backends.base import FunctionSpec
 from convert.compress import QuantizedLinear, apply_quantized
 from convert.errors import GateError, InputError
+from convert.host import ModuleFunctions, module_driver
 from convert.models import dflash2, mtp
 from convert.models.qwen3 import Qwen3Args
 from convert.quantize import round_to_nearest, summary
@@ -156,23 +157,6 @@ def quantize(modules, quant: DrafterQuantization, hessians: dict[str, torch.Tens
     return {"method": quant.method, "group_size": group, "bits_per_weight": bits_per_weight, "layers": layers}
 
 
-class TorchFunctions:
-    """``speculative.Functions`` over target or drafter export modules (numpy in and out)."""
-
-    def __init__(self, modules, target: bool):
-        self.modules, self.target = modules, target
-
-    def reset(self) -> None:
-        self.modules.reset()
-
-    def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if self.target:
-            out = self.modules.call(function, inputs["input_ids"], inputs["position_ids"])
-        else:
-            out = self.modules.call(function, **inputs)
-        return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in out.items()}
-
-
 def anchor_table(target_modules) -> np.ndarray:
     """The target's embedding table exactly as shipped (fp16), which the host reads anchor rows from: a view of the
     module's tensor, not a copy (at 27B it is 2.5 GB)."""
@@ -180,8 +164,8 @@ def anchor_table(target_modules) -> np.ndarray:
 
 
 def drivers(kind: str, target_modules, drafter_modules, embeddings: np.ndarray):
-    target = speculative.TargetDriver(TorchFunctions(target_modules, True), target_modules.widths)
-    functions = TorchFunctions(drafter_modules, False)
+    target = module_driver(target_modules)
+    functions = ModuleFunctions(drafter_modules)
     if kind == "dflash2":
         return target, speculative.DFlash2Driver(functions, drafter_modules.widths, embeddings)
     return target, speculative.MTPDriver(functions, drafter_modules.widths)
@@ -219,7 +203,7 @@ def ab_verdict(ab: dict, max_p: float) -> dict:
 class Recording:
     """A ``speculative.Functions`` that records every call with its outputs (the package check replays them)."""
 
-    def __init__(self, functions: TorchFunctions):
+    def __init__(self, functions: ModuleFunctions):
         self.functions, self.calls = functions, []
 
     def reset(self) -> None:

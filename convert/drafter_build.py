@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from convert import backends, checks, drafter, gates
+from convert import drafter, gates
 from convert.bundle import MANIFEST
 from convert.errors import GateError
 from convert.export import compute_copy
@@ -131,17 +131,10 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
     method = dplan.config.quantization.method
     stem = f"{dplan.kind}_{'fp16' if method == 'none' else method}"  # as forge names it: dflash2_lut4.aimodel
     from convert.build import package_entry
+    from convert.packaging import package_formats
 
-    for name in plan.recipe.backends:
-        backend = backends.load(name)
-        path = out / f"{stem}{backends.SUFFIXES[name]}"
-        with stage(f"package {name}: {path.name} ({', '.join(modules.functions)})"):
-            backend.package(modules.functions, path)
-        with stage(f"check {name}: read back{' and replay a speculative run on Core AI' if name == 'coreai' else ''}"):
-            check = checks.check_package(name, path, modules, calls)
-        with stage(f"compile {name}"):
-            compiled = backend.compile(path, out / "compiled")
-        packages.append(package_entry(name, path, out, check, compiled))
+    for done in package_formats(plan.recipe.backends, modules, out, stem, calls):
+        packages.append(package_entry(done.format, done.path, out, done.check, done.compiled))
     extra_files = _write_extras(dplan, modules, out)
     manifest = _manifest(plan, source_files, modules, target_manifest, target_dir, packages, extra_files,
                          quantization, acceptance, ab)

@@ -27,9 +27,13 @@ class FunctionModule(nn.Module):
             self.register_buffer(state.name, states[state.name], persistent=False)
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        state_tensors = [getattr(self, s.name) for s in self.spec.states]
-        produced = self.core(*inputs, *state_tensors)
+        produced = self.produce(*inputs)
         return tuple(produced[o.name] for o in self.spec.outputs)
+
+    def produce(self, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every output of the core for ``inputs`` in spec order, on this function's states (the gates and checks
+        read logits even where the function does not return them)."""
+        return self.core(*inputs, *(getattr(self, s.name) for s in self.spec.states))
 
 
 @dataclass

@@ -7,10 +7,14 @@ function by function the way a runtime calls them, on one KV state per window:
 1. ``prefill`` over the first half of the window in chunks of the prefill width (the last chunk
    right-padded, as a host pads a prompt);
 2. the block-vs-chain probe: ``verify`` over the next K positions (K = the verify width), then a
-   positional rollback and K ``decode`` steps over the same tokens; their argmax ids are compared;
+   rollback to its first ``a`` rows and K - a ``decode`` steps over the same tokens; the argmax ids of the verify's
+   rows a.. and of the chain are compared. A dense target probes one block with a = 0; a hybrid target, whose
+   rollback commits the kept rows on the next call, probes four blocks with a = 0, K/2, K-1 and 1 (partial
+   accepts, each chain starting from a state the commit made);
 3. ``verify`` blocks over the rest of the window, each carrying a draft whose last 0..K/2 tokens are
    wrong (seeded): only the accepted rows are read, and the next block starts at the first rejected
-   position, so the rejected rows are rolled back and overwritten as on a device;
+   position, so the rejected rows are rolled back as on a device (``convert.host.TargetDriver`` calls the
+   functions through the target's host contract);
 4. ``decode`` steps: a greedy continuation of G tokens from the end of the window.
 
 Every position of the window thus has candidate logits computed from the true tokens before it.
@@ -56,6 +60,8 @@ from convert import backends, checks
 from convert.backends.base import PackageError
 from convert.errors import GateError, InputError
 from convert.export import compute_copy
+from convert.host import COMMIT, module_driver
+from convert.models import family_of
 from convert.progress import console
 from convert.target import TargetModules
 from quant.calibrate import fixture_corpus_text, sample_calibration
@@ -268,27 +274,28 @@ def run_gates(
     thresholds: GateThresholds,
     taps: list[int] | None = None,
     greedy_tokens: int = 16,
-    probe_blocks: int = 1,
+    probe_accepts: tuple[int, ...] | None = None,
     compute_dtype: torch.dtype = torch.float32,
     progress: bool = True,
 ) -> GateReport:
     """Gate ``modules`` (weights as shipped) against ``reference`` (a transformers causal LM in fp32).
 
-    ``taps``: tapped layers to gate (default: every tap the modules return). ``probe_blocks``: verify
-    blocks per window compared with decode chains. The modules' own states are left untouched: the
-    candidate runs on a copy in ``compute_dtype``.
+    ``taps``: tapped layers to gate (default: every tap the modules return). ``probe_accepts``: one verify block
+    per entry, compared with the decode chain after keeping that many of its rows (default: ``default_probe``).
+    The modules' own states are left untouched: the candidate runs on a copy in ``compute_dtype``.
     """
     start = time.perf_counter()
     taps = list(modules.core.taps) if taps is None else list(taps)
-    _check_inputs(reference, modules, data, taps, greedy_tokens, probe_blocks)
+    probe_accepts = default_probe(modules) if probe_accepts is None else tuple(probe_accepts)
+    _check_inputs(reference, modules, data, taps, greedy_tokens, probe_accepts)
     candidate = compute_copy(modules, compute_dtype)
     generator = torch.Generator().manual_seed(data.identity.seed)
     stats = _Stats(taps)
     with _progress(progress) as bar:
         task = bar.add_task("numeric gate", total=data.identity.n)
         for index, window in enumerate(data.tokens.tolist()):
-            ref = _reference_window(reference, window, taps, greedy_tokens)
-            cand = _candidate_window(candidate, window, taps, greedy_tokens, probe_blocks, generator)
+            ref = _reference_window(reference, window, taps, greedy_tokens, modules)
+            cand = _candidate_window(candidate, window, taps, greedy_tokens, probe_accepts, generator)
             stats.add(index, ref, cand, thresholds.near_tie_margin)
             bar.advance(task)
     weights = str(next(modules.core.parameters()).dtype).removeprefix("torch.")
@@ -303,6 +310,15 @@ def run_gates(
         not_run=not_run_here(),
         seconds=time.perf_counter() - start,
     )
+
+
+def default_probe(modules: TargetModules) -> tuple[int, ...]:
+    """The probe's accepted rows per block: (0,) for a positional rollback (keeping rows is only a position there);
+    partial accepts for a commit-next-call one, where the kept rows go through the commit."""
+    if modules.contract["rollback"] != COMMIT:
+        return (0,)
+    k = modules.widths["verify"]
+    return tuple(dict.fromkeys((0, k // 2, k - 1, min(1, k - 1))))
 
 
 def artifact_gate(package_path: Path, modules: TargetModules, prompt: list[int] | None = None) -> ArtifactResult:
@@ -342,7 +358,7 @@ def artifact_from_check(package: str, check: dict, seconds: float) -> ArtifactRe
 def gate_target(plan, modules: TargetModules) -> GateReport:
     """The recipe's gate (``target.gate``) on a build plan's shipped modules: the reference is the transformers
     model in fp32 from the same pinned snapshot, the data the recipe's evaluation text through its tokenizer."""
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     from convert.quantize import calibration_text
 
@@ -361,8 +377,20 @@ def gate_target(plan, modules: TargetModules) -> GateReport:
         data = EvalData.from_text(text, tokenizer, spec.samples, spec.length, spec.seed, corpus=spec.corpus)
     except ValueError as exc:
         raise InputError(f"{plan.recipe_path}: target.gate.data: {exc}") from None
-    reference = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
+    reference = load_reference(source)
     return run_gates(reference, modules, data, thresholds, greedy_tokens=settings.greedy_tokens)
+
+
+def load_reference(source: Path):
+    """The transformers model of a checkpoint, in fp32: the class its config.json names (``architectures``), so a
+    vision-language checkpoint is its own ``*ForConditionalGeneration``; never remote code."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(source))
+    named = [getattr(transformers, a, None) for a in (config.architectures or [])]
+    cls = next((c for c in named if c is not None and hasattr(c, "from_pretrained")), AutoModelForCausalLM)
+    return cls.from_pretrained(str(source), dtype=torch.float32).eval()
 
 
 def not_run_here() -> list[NotRun]:
@@ -379,21 +407,24 @@ def not_run_here() -> list[NotRun]:
     ]
 
 
-def _check_inputs(reference, modules: TargetModules, data: EvalData, taps, greedy_tokens: int, probe_blocks: int):
+def _check_inputs(reference, modules: TargetModules, data: EvalData, taps, greedy_tokens: int,
+                  probe_accepts: tuple[int, ...]):
     """Refuse, naming the quantity, what the schedule cannot run."""
     dtype = next(reference.parameters()).dtype
     if dtype != torch.float32:
         raise InputError(f"the gate's reference must be the transformers model in float32, got {dtype}")
-    if reference.config.vocab_size != modules.core.args.vocab_size:
-        raise InputError(f"reference vocab {reference.config.vocab_size} != modules vocab "
-                         f"{modules.core.args.vocab_size}: not the same model")
+    vocab = reference.config.get_text_config().vocab_size
+    if vocab != modules.core.args.vocab_size:
+        raise InputError(f"reference vocab {vocab} != modules vocab {modules.core.args.vocab_size}: not the same model")
     missing = [t for t in taps if t not in modules.core.taps]
     if missing:
         raise InputError(f"tap layer {missing[0]} is not returned by the modules (taps {list(modules.core.taps)})")
     widths, length, split = modules.widths, data.identity.length, data.identity.length // 2
-    if split + probe_blocks * widths["verify"] > length:
-        raise InputError(f"evaluation length {length} is too short for {probe_blocks} probe block(s) of "
+    if split + len(probe_accepts) * widths["verify"] > length:
+        raise InputError(f"evaluation length {length} is too short for {len(probe_accepts)} probe block(s) of "
                          f"{widths['verify']} after a prefill of {split}")
+    if not all(0 <= a < widths["verify"] for a in probe_accepts):
+        raise InputError(f"probe accepts {list(probe_accepts)} must lie in 0..{widths['verify'] - 1}")
     if greedy_tokens < 1:
         raise InputError(f"greedy_tokens must be at least 1, got {greedy_tokens}")
     rows = {  # cache rows written, padding included
@@ -416,9 +447,10 @@ class _Window:
 
 
 @torch.no_grad()
-def _reference_window(reference, window: list[int], taps: list[int], greedy_tokens: int) -> _Window:
+def _reference_window(reference, window: list[int], taps: list[int], greedy_tokens: int, modules) -> _Window:
     captured = {}
-    hooks = [reference.model.layers[t].register_forward_hook(
+    layers = family_of(modules.core.args).reference_layers(reference)
+    hooks = [layers[t].register_forward_hook(
         lambda _m, _i, out, t=t: captured.__setitem__(t, out[0] if isinstance(out, tuple) else out))
         for t in taps]
     try:
@@ -441,33 +473,34 @@ def _cache_keyword(reference) -> str:
 
 
 def _candidate_window(modules: TargetModules, window: list[int], taps: list[int], greedy_tokens: int,
-                      probe_blocks: int, generator: torch.Generator) -> _Window:
+                      probe_accepts: tuple[int, ...], generator: torch.Generator) -> _Window:
     """One window through the functions as a runtime calls them (module docstring, steps 1-4)."""
     widths, length, vocab = modules.widths, len(window), modules.core.args.vocab_size
     hidden, returned = modules.core.args.hidden_size, list(modules.core.taps)
     logits = torch.empty(length, vocab)
     features = {t: torch.empty(length, hidden) for t in taps}
+    driver = module_driver(modules)
 
     def call(function: str, tokens: list[int], p0: int, keep: int) -> torch.Tensor:
-        """Run ``function`` on ``tokens`` right-padded to its width at ``p0``; keep rows ``p0 .. p0+keep-1``."""
-        width = widths[function]
-        out = modules.call(function, tokens + [0] * (width - len(tokens)), range(p0, p0 + width))
-        logits[p0 : p0 + keep] = out["logits"][0, :keep].float()
+        """Run ``function`` on ``tokens`` at ``p0``; keep rows ``p0 .. p0+keep-1``; return their logits."""
+        out = driver.run(function, tokens, p0)
+        logits[p0 : p0 + keep] = torch.from_numpy(out["logits"][:keep])
         for t in taps:
             i = returned.index(t)
-            features[t][p0 : p0 + keep] = out["taps"][0, :keep, i * hidden : (i + 1) * hidden].float()
-        return out["logits"][0, :keep].float()
+            features[t][p0 : p0 + keep] = torch.from_numpy(out["taps"][:keep, i * hidden : (i + 1) * hidden])
+        return logits[p0 : p0 + keep].clone()
 
-    modules.reset()
+    driver.reset()
     split = length // 2
     for p0 in range(0, split, widths["prefill"]):
         keep = min(widths["prefill"], split - p0)
         call("prefill", window[p0 : p0 + keep], p0, keep)
     k, p, probe = widths["verify"], split, []
-    for _ in range(probe_blocks):
+    for kept in probe_accepts:
         block = call("verify", window[p : p + k], p, k)
-        chain = torch.stack([modules.call("decode", [window[q]], [q])["logits"][0, 0].float() for q in range(p, p + k)])
-        probe.append((p, block, chain))
+        chain = torch.stack([torch.from_numpy(driver.run("decode", [window[q]], q)["logits"][0])
+                             for q in range(p + kept, p + k)])
+        probe.append((p + kept, block[kept:], chain))
         p += k
     while p < length:
         rejected = int(torch.randint(0, k // 2 + 1, (), generator=generator))
@@ -477,7 +510,7 @@ def _candidate_window(modules: TargetModules, window: list[int], taps: list[int]
         p += accepted
     greedy = [int(logits[-1].argmax())]
     for q in range(length, length + greedy_tokens - 1):
-        greedy.append(int(modules.call("decode", [greedy[-1]], [q])["argmax_ids"][0, 0]))
+        greedy.append(int(driver.run("decode", [greedy[-1]], q)["argmax_ids"][0]))
     return _Window(logits, features, greedy, probe)
 
 

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from convert.bundle import MANIFEST
 from convert.errors import InputError
-from manifests.schema import DrafterManifest, Manifest
+from manifests.schema import SCHEMA_VERSION, DrafterManifest, Manifest
 
 
 def read_manifest(bundle: Path) -> Manifest | DrafterManifest:
@@ -30,7 +30,8 @@ def read_manifest(bundle: Path) -> Manifest | DrafterManifest:
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"])
-        raise InputError(f"{path}: {field}: {err['msg']} (manifest does not match schema version 1)") from None
+        raise InputError(f"{path}: {field}: {err['msg']} (manifest does not match schema version "
+                         f"{SCHEMA_VERSION}; rebuild the bundle)") from None
 
 
 def print_manifest(m: Manifest | DrafterManifest) -> None:
@@ -46,6 +47,16 @@ def print_manifest(m: Manifest | DrafterManifest) -> None:
         f"  {a.family}: {a.num_layers} layers, hidden {a.hidden_size}, heads {a.num_heads}/{a.num_kv_heads} "
         f"(head_dim {a.head_dim}), vocab {a.vocab_size}, context {a.context}, rope {a.rope_type} theta {a.rope_theta:g}"
     )
+    if a.hybrid:
+        h = a.hybrid
+        pattern = "".join("L" if t == "linear_attention" else "F" for t in h.layer_types)
+        out.print(f"  hybrid layers {pattern} (L Gated DeltaNet, F attention, RoPE on {h.rotary_dim} dims); GDN "
+                  f"{h.linear_num_key_heads} key / {h.linear_num_value_heads} value heads (dims "
+                  f"{h.linear_key_head_dim}/{h.linear_value_head_dim}), conv kernel {h.linear_conv_kernel_dim}")
+    c = m.host_contract
+    extra = f", inputs {', '.join(c.inputs)}" if c.inputs else ""
+    pending = f", pending rows {c.pending_rows}" if c.pending_rows else ""
+    out.print(f"  host contract {c.name} v{c.version}: rollback {c.rollback}{extra}{pending}")
     out.print(f"  weights {m.weights.dtype}, {m.weights.parameter_count:,} parameters")
     out.print(f"  lm_head {m.weights.lm_head_sha256[:16]}{' (tied)' if m.weights.lm_head_tied else ''}"
               f"  embedding {m.weights.embedding_sha256[:16]}")

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from convert.compress import apply_quantized
 from convert.errors import InputError
-from convert.models.qwen3 import Qwen3Core
+from convert.models import family_of
 from convert.recipe import Quantization
 from quant.affine import quantize_affine
 from quant.calibrate import CalibrationSet, quantize_sequential, sample_calibration
@@ -36,9 +37,13 @@ class QuantizeResult:
     corpus: str | None
 
 
-def quantize_core(core: Qwen3Core, quant: Quantization, source: Path, recipe_dir: Path) -> QuantizeResult:
-    """Quantize ``core`` (the fp16 shipping core) in place as ``quant`` says; returns what was done."""
+def quantize_core(core: nn.Module, quant: Quantization, source: Path, recipe_dir: Path) -> QuantizeResult:
+    """Quantize ``core`` (the fp16 shipping core) in place as ``quant`` says; returns what was done.
+
+    The architecture's small weights (``KEEP_FP16``: a Gated DeltaNet's in_proj_a / in_proj_b) stay fp16 always."""
     keep = _kept(core, quant.keep_fp16)
+    small = family_of(core.args).KEEP_FP16
+    keep |= {name for name, _ in core.named_modules() if small and name.endswith(small)}
     if core.args.tie_word_embeddings:
         keep |= {"embed_tokens", "lm_head"}  # one shared table: quantizing it would untie and duplicate it
     group = quant.resolved_group_size
@@ -55,7 +60,7 @@ def quantize_core(core: Qwen3Core, quant: Quantization, source: Path, recipe_dir
     return QuantizeResult(weights, calibration, quant.calibration.corpus if calibration else None)
 
 
-def _kept(core: Qwen3Core, names: list[str]) -> set[str]:
+def _kept(core: nn.Module, names: list[str]) -> set[str]:
     modules = dict(core.named_modules())
     kept = set()
     for name in names:
@@ -88,7 +93,7 @@ def summary(weights: dict[str, QuantizedWeight], parameters) -> tuple[float, lis
     return bits / sum(p.numel() for p in params), layers
 
 
-def _gptq(core: Qwen3Core, quant: Quantization, calibration: CalibrationSet, keep: set[str]):
+def _gptq(core: nn.Module, quant: Quantization, calibration: CalibrationSet, keep: set[str]):
     """GPTQ every decoder linear (layer-sequential, on an fp32 copy) and the lm_head."""
     method, group = quant.format, quant.resolved_group_size
     device = "cuda" if torch.cuda.is_available() else "cpu"

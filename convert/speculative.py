@@ -1,8 +1,9 @@
 """Greedy speculative decoding with an exported target and drafter, called the way a runtime calls them.
 
-Both sides are driven through one small interface, ``Functions``: ``call(function, inputs) -> outputs`` on
-numpy arrays, and ``reset()`` (a fresh session: zero states). The torch export modules (shipped weights) and
-the Core AI runtime's sessions both fit it, so ``spec-convert accept`` measures what ships.
+Both sides are driven through one small interface, ``convert.host.Functions``: ``call(function, inputs) ->
+outputs`` on numpy arrays, and ``reset()`` (a fresh session: zero states). The torch export modules (shipped
+weights) and the Core AI runtime's sessions both fit it, so ``spec-convert accept`` measures what ships. The
+target is called through ``convert.host.TargetDriver``, which follows its host contract.
 
 One round, DFlash2 (docs/drafters.md): the drafter proposes ``W - 1`` tokens after the anchor (the last
 token the target produced) from its context ring; the target verifies ``[anchor, drafts]`` at positions
@@ -24,15 +25,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
-
-class Functions(Protocol):
-    def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
-
-    def reset(self) -> None: ...
+from convert.host import Functions, TargetDriver
 
 
 @dataclass
@@ -60,38 +56,6 @@ def _rows(rows: np.ndarray, width: int) -> np.ndarray:
     """[1, width, F]: ``rows`` [n, F] padded by repeating the last row (same position, same values)."""
     pad = np.repeat(rows[-1:], width - len(rows), axis=0)
     return np.concatenate([rows, pad])[None].astype(np.float16)
-
-
-class TargetDriver:
-    """The target's prefill / decode / verify, with the outputs a drafter needs kept per call."""
-
-    def __init__(self, functions: Functions, widths: dict[str, int]):
-        self.functions, self.widths = functions, widths
-
-    def run(self, function: str, tokens: list[int], p0: int) -> dict[str, np.ndarray]:
-        """Outputs of the first ``len(tokens)`` rows (padding rows repeat the last token and position)."""
-        width = self.widths[function]
-        out = self.functions.call(function, {"input_ids": _ids(tokens, width),
-                                             "position_ids": _ids(list(range(p0, p0 + len(tokens))), width)})
-        return {k: np.asarray(v)[0, : len(tokens)] for k, v in out.items()}
-
-    def prefill(self, prompt: list[int]) -> dict[str, np.ndarray]:
-        """The whole prompt in prefill chunks; outputs concatenated over its rows."""
-        self.functions.reset()
-        width, parts = self.widths["prefill"], []
-        for start in range(0, len(prompt), width):
-            parts.append(self.run("prefill", prompt[start : start + width], start))
-        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-
-    def greedy(self, prompt: list[int], tokens: int) -> tuple[list[int], list[np.ndarray | None]]:
-        """Plain greedy decoding: the ids, and per id the logits it was chosen from when returned."""
-        out = self.prefill(prompt)
-        ids, logits = [int(out["argmax_ids"][-1])], [out.get("logits", [None])[-1]]
-        while len(ids) < tokens:
-            step = self.run("decode", [ids[-1]], len(prompt) + len(ids) - 1)
-            ids.append(int(step["argmax_ids"][0]))
-            logits.append(step["logits"][0] if "logits" in step else None)
-        return ids, logits
 
 
 class DFlash2Driver:

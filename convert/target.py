@@ -1,68 +1,61 @@
-"""The target part: its function specs (the shape contract) and the export modules that implement them."""
+"""The target part: its function specs (the shape contract) and the export modules that implement them, for any
+architecture family of ``convert/models``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from convert.backends.base import FunctionSpec, TensorSpec
-from convert.export import ExportModules, FunctionModule
-from convert.models.qwen3 import Qwen3Args, Qwen3Core
+from convert.backends.base import FunctionSpec
+from convert.export import ExportModules
+from convert.models import Layout, family_of
 from convert.recipe import Target
 
-STATE_NAMES = ("key_cache", "value_cache")
-DTYPE_NAMES = {torch.float16: "float16", torch.float32: "float32"}
+TORCH_DTYPES = {"int32": torch.int32, "float16": torch.float16, "float32": torch.float32}
 
 
-def function_specs(args: Qwen3Args, target: Target, dtype: torch.dtype = torch.float16) -> list[FunctionSpec]:
-    """prefill / decode / verify: same inputs, states and outputs, each at its own static width S.
-
-    Every function returns ``argmax_ids`` [1,S] int32 (the host reads the row of its last real
-    token, so a prompt's final chunk may be right-padded); ``taps``, ``hidden`` and ``logits`` are optional.
-    """
-    fdtype = DTYPE_NAMES[dtype]
-    cache = (args.num_hidden_layers, args.num_key_value_heads, target.context, args.head_dim)
-    states = tuple(TensorSpec(name, cache, fdtype) for name in STATE_NAMES)
-    specs = []
-    for name, width in (("prefill", target.graphs.prefill), ("decode", 1), ("verify", target.graphs.verify)):
-        outputs = [TensorSpec("argmax_ids", (1, width), "int32")]
-        if target.taps:
-            outputs.append(TensorSpec("taps", (1, width, len(target.taps) * args.hidden_size), fdtype))
-        if target.hidden:
-            outputs.append(TensorSpec("hidden", (1, width, args.hidden_size), fdtype))
-        if target.logits:
-            outputs.append(TensorSpec("logits", (1, width, args.vocab_size), fdtype))
-        inputs = (TensorSpec("input_ids", (1, width), "int32"), TensorSpec("position_ids", (1, width), "int32"))
-        specs.append(FunctionSpec(name=name, inputs=inputs, outputs=tuple(outputs), states=states))
-    return specs
+def function_specs(args, target: Target, dtype: torch.dtype = torch.float16) -> list[FunctionSpec]:
+    """prefill / decode / verify of ``args``' family, each at its own static width S (``convert/models``)."""
+    return family_of(args).function_specs(args, target, dtype)
 
 
 @dataclass
 class TargetModules(ExportModules):
-    core: Qwen3Core
+    core: nn.Module
+    contract: dict  # the family's host contract (manifests.schema.HostContract): how a runtime drives the functions
 
-    def call(self, name: str, input_ids, position_ids) -> dict[str, torch.Tensor]:
+    def call(self, name: str, input_ids, position_ids, **extra) -> dict[str, torch.Tensor]:
         """Run function ``name`` in torch on the shared states; returns every core output, logits included
-        (the checks and gates read logits even when the shipped function does not return them)."""
+        (the checks and gates read logits even when the shipped function does not return them). ``extra``: the
+        function's other inputs by name (a hybrid target's ``accept`` and ``valid``)."""
         module, spec = self.functions[name]
-        ids = torch.as_tensor(input_ids, dtype=torch.int32).reshape(1, -1)
-        pos = torch.as_tensor(position_ids, dtype=torch.int32).reshape(1, -1)
-        if ids.shape != spec.inputs[0].shape:
-            raise ValueError(f"{name} takes input_ids of shape {list(spec.inputs[0].shape)}, got {list(ids.shape)}")
+        given = {"input_ids": input_ids, "position_ids": position_ids, **extra}
+        if set(given) != {t.name for t in spec.inputs}:
+            raise ValueError(f"{name} takes inputs {[t.name for t in spec.inputs]}, got {sorted(given)}")
+        tensors = []
+        for t in spec.inputs:
+            value = torch.as_tensor(given[t.name]).to(TORCH_DTYPES[t.dtype]).reshape(-1)
+            if value.numel() != torch.Size(t.shape).numel():
+                raise ValueError(f"{name} takes {t.name} of shape {list(t.shape)}, got {value.numel()} values")
+            tensors.append(value.reshape(t.shape))
         with torch.no_grad():
-            return module.core(ids, pos, *(getattr(module, s.name) for s in spec.states))
+            return module.produce(*tensors)
 
 
-def build_modules(
-    args: Qwen3Args, target: Target, tensors: dict[str, torch.Tensor], dtype: torch.dtype
-) -> TargetModules:
-    """Export modules filled with ``tensors`` in ``dtype``, sharing one core and one pair of KV states."""
-    core = Qwen3Core(args, target.context, tuple(target.taps or ())).to(dtype).eval()
-    core.load_weights(tensors)
+def build_modules(args, target: Target, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                  layout: Layout | None = None) -> TargetModules:
+    """Export modules filled with ``tensors`` in ``dtype``, sharing one core and one set of states. ``layout``: how
+    the checkpoint stores the model (``sanitize``'s result; checked here when not given)."""
+    family = family_of(args)
+    if layout is None:
+        layout = family.sanitize({k: tuple(v.shape) for k, v in tensors.items()}, args)
+    core = family.build_core(args, target).to(dtype).eval()
+    core.load_weights(tensors, layout)
     for p in core.parameters():
         p.requires_grad_(False)
-    specs = function_specs(args, target, dtype)
-    states = {s.name: torch.zeros(s.shape, dtype=dtype) for s in specs[0].states}
-    functions = {s.name: (FunctionModule(core, s, states), s) for s in specs}
-    return TargetModules(core=core, functions=functions)
+    specs = family.function_specs(args, target, dtype)
+    states = {s.name: torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype]) for s in specs[0].states}
+    functions = {s.name: (family.FunctionModule(core, s, states), s) for s in specs}
+    return TargetModules(core=core, functions=functions, contract=family.host_contract(args, target))

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"  # 2: architecture families beyond Qwen3 dense, the host contract
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 DRAFTER_SCHEMA_PATH = Path(__file__).with_name("drafter_manifest.schema.json")
 TAP_CONVENTION = (
@@ -40,8 +40,23 @@ class Source(Model):
     files: list[FileEntry]
 
 
+class HybridLayers(Model):
+    """A hybrid target's layer pattern and Gated DeltaNet shapes (the Qwen3.5 family)."""
+
+    layer_types: list[Literal["linear_attention", "full_attention"]]
+    rotary_dim: int = Field(description="RoPE on the first rotary_dim dims of each attention head")
+    attention_output_gate: bool
+    linear_num_key_heads: int
+    linear_num_value_heads: int = Field(description="value head j reads key head j // (value heads / key heads)")
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    recurrent_state_scale: float = Field(description="recurrent_state holds the delta-rule state times this power of "
+                                         "two (the device-safe scaling; opaque to a runtime, which never reads it)")
+
+
 class Architecture(Model):
-    family: Literal["qwen3"]
+    family: Literal["qwen3", "qwen3_5"]
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -54,6 +69,22 @@ class Architecture(Model):
     rope_theta: float
     rms_norm_eps: float
     context: int = Field(description="KV cache capacity of the exported functions")
+    hybrid: HybridLayers | None = None
+
+
+class HostContract(Model):
+    """What a runtime sets between calls and must never do: README "Hybrid targets" and docs/hybrid.md explain it.
+    A drafter binds the name and version of its target's contract."""
+
+    name: str
+    version: int
+    rollback: Literal["positional", "commit-next-call"] = Field(
+        description="positional: continue at an earlier position; commit-next-call: the next call's accept input "
+                    "keeps the first rows of the previous decode / verify")
+    inputs: dict[str, str] = Field(description="function inputs beyond input_ids and position_ids, by name")
+    pending_rows: dict[str, int] = Field(description="functions that leave their rows pending, with the rows they "
+                                         "can leave (the most the next call's accept may keep)")
+    rules: list[str]
 
 
 class Taps(Model):
@@ -163,7 +194,7 @@ class DrafterInterface(Model):
 class BundleManifest(Model):
     """What every bundle's manifest starts with; ``identity`` is what its export id hashes."""
 
-    schema_version: Literal["1"] = SCHEMA_VERSION
+    schema_version: Literal["2"] = SCHEMA_VERSION
     kind: str
     name: str
     export_id: str = Field(description="sha256 of the identity fields (all but built_at, toolchain, compile)")
@@ -182,6 +213,7 @@ class BundleManifest(Model):
 class Manifest(BundleManifest):
     kind: Literal["target"] = "target"
     architecture: Architecture
+    host_contract: HostContract
     taps: Taps | None
     tokenizer: Tokenizer
     weights: Weights

@@ -1,16 +1,17 @@
-"""Calibration for GPTQ: token samples from a corpus, and layer-sequential Hessian capture over the Qwen3 core.
+"""Calibration for GPTQ: token samples from a corpus, and layer-sequential Hessian capture over a target's export core.
 
 Samples: the corpus text goes through the real tokenizer as one token stream; ``n`` windows of ``length`` tokens
 start at offsets drawn from a seeded generator. ``CalibrationSet`` records the text's sha256, n, length and seed
 (the calibration identity the manifest records).
 
 Capture (as in the GPTQ reference's layer-sequential loop): the embeddings of every sample, then for each decoder
-layer, each group of its linears in turn (q/k/v, then o, then gate/up, then down: "true sequential", so o_proj's
-Hessian sees the already-quantized q/k/v): run the layer over every sample with hooks that accumulate that
-group's input Hessians, hand each linear to the caller's ``quantize_linear``, put the dequantized weight back.
-Then the layer's outputs, computed with its quantized weights, become the next layer's inputs; only one layer's
-activations are held at a time. Layers run unbatched (the export core works on one sequence), causally over
-the sample itself with a zeroed KV cache of the sample's length.
+layer, each group of its linears in turn (the architecture's ``linear_groups``; for attention q/k/v, then o, then
+gate/up, then down: "true sequential", so o_proj's Hessian sees the already-quantized q/k/v; for a Gated DeltaNet
+in_proj_qkv/in_proj_z, then out_proj): run the layer over every sample with hooks that accumulate that group's
+input Hessians, hand each linear to the caller's ``quantize_linear``, put the dequantized weight back. Then the
+layer's outputs, computed with its quantized weights, become the next layer's inputs; only one layer's activations
+are held at a time. Layers run unbatched (the export core works on one sequence), causally over the sample itself
+from zeroed states (the architecture's ``calibration_runner``).
 """
 
 from __future__ import annotations
@@ -21,16 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from convert.models.qwen3 import DecoderLayer, Qwen3Core
+from convert.models import family_of
 from quant.gptq import HessianAccumulator
 from quant.types import QuantizedWeight
-
-LINEAR_GROUPS = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp.down_proj",),
-)
 
 # (transformers name without ".weight", weight [out, in], Hessian [in, in]) -> quantized weight, or None to keep it
 QuantizeLinear = Callable[[str, torch.Tensor, torch.Tensor], "QuantizedWeight | None"]
@@ -77,35 +71,8 @@ def sample_calibration(text: str, tokenizer, n: int = 128, length: int = 2048, s
     return CalibrationSet(tokens=tokens, corpus_sha256=sha, n=n, length=length, seed=seed)
 
 
-class CausalRunner:
-    """Runs one decoder layer of ``core`` over a sequence of ``length`` tokens at positions 0..length-1.
-
-    The same inputs ``Qwen3Core.forward`` builds, for a zeroed cache holding exactly this sequence (each call
-    writes every cache row before reading, so the cache is reused across samples without clearing).
-    """
-
-    def __init__(self, core: Qwen3Core, length: int):
-        if length > core.context:
-            raise ValueError(f"calibration length {length} exceeds the core's context {core.context}")
-        args, dtype, device = core.args, core.embed_tokens.weight.dtype, core.embed_tokens.weight.device
-        positions = torch.arange(length, device=device)
-        self.cos, self.sin = core.rope_cos[:length].to(dtype), core.rope_sin[:length].to(dtype)
-        self.mask_bias = torch.where(positions[None, :] <= positions[:, None], 0.0, -1e4).to(dtype)
-        rows = positions[None, :].expand(args.num_key_value_heads, -1)
-        self.heads_rows = (core.kv_head_index.expand_as(rows), rows)
-        cache = (args.num_hidden_layers, args.num_key_value_heads, length, args.head_dim)
-        self.key_cache = torch.zeros(cache, dtype=dtype, device=device)
-        self.value_cache = torch.zeros(cache, dtype=dtype, device=device)
-
-    def __call__(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [n, length, hidden] -> the layer's outputs, sample by sample."""
-        return torch.stack(
-            [layer(s, self.cos, self.sin, self.heads_rows, self.mask_bias, self.key_cache, self.value_cache) for s in x]
-        )
-
-
 def capture_hessians(
-    layer: DecoderLayer, names: tuple[str, ...], x: torch.Tensor, runner: CausalRunner
+    layer: torch.nn.Module, names: tuple[str, ...], x: torch.Tensor, runner: Callable
 ) -> tuple[dict[str, HessianAccumulator], torch.Tensor]:
     """Input Hessians of the linears ``names`` (e.g. ``mlp.down_proj``) of ``layer`` over the inputs ``x``, and the
     layer's outputs."""
@@ -130,13 +97,16 @@ class SequentialResult:
 
 
 @torch.no_grad()
-def quantize_sequential(core: Qwen3Core, tokens: torch.Tensor, quantize_linear: QuantizeLinear) -> SequentialResult:
-    """Quantize every decoder-layer linear of ``core`` in place, layer by layer, on calibration ``tokens`` [n, L]."""
-    runner = CausalRunner(core, tokens.shape[1])
+def quantize_sequential(core: torch.nn.Module, tokens: torch.Tensor,
+                        quantize_linear: QuantizeLinear) -> SequentialResult:
+    """Quantize every decoder-layer linear of an export ``core`` in place, layer by layer, on calibration ``tokens``
+    [n, L]; the core's architecture family says how a layer runs over a sample and which linears it quantizes."""
+    family = family_of(core.args)
+    runner = family.calibration_runner(core, tokens.shape[1])
     x = core.embed_tokens(tokens.to(core.embed_tokens.weight.device).long())
     quantized = {}
     for i, layer in enumerate(core.layers):
-        for names in LINEAR_GROUPS:
+        for names in family.linear_groups(core, layer):
             accumulators, _ = capture_hessians(layer, names, x, runner)
             for name, acc in accumulators.items():
                 full_name = f"model.layers.{i}.{name}"

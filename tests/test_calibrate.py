@@ -1,4 +1,5 @@
-"""Calibration: seeded samples through the real tokenizer, and layer-sequential capture over the Qwen3 core."""
+"""Calibration: seeded samples through the real tokenizer, and layer-sequential capture over the Qwen3 core (the
+hybrid core's capture: tests/test_qwen3_5.py)."""
 
 import dataclasses
 import hashlib
@@ -9,9 +10,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from convert.models.qwen3 import Qwen3Args, Qwen3Core
+from convert.models.qwen3 import LINEAR_GROUPS, Qwen3Args, Qwen3Core
 from convert.sources import load_tensors
-from quant.calibrate import LINEAR_GROUPS, encode, fixture_corpus_text, quantize_sequential, sample_calibration
+from quant.calibrate import encode, fixture_corpus_text, quantize_sequential, sample_calibration
 from quant.gptq import HessianAccumulator, gptq_quantize
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "stdlib-qwen3"

@@ -6,7 +6,7 @@ import torch
 from checkpoints import write_checkpoint
 
 from convert import speculative
-from convert.drafter import TorchFunctions
+from convert.host import ModuleFunctions, module_driver
 from convert.models.qwen3 import Qwen3Args
 from convert.recipe import Graphs, Target
 from convert.sources import load_tensors, read_json
@@ -22,7 +22,7 @@ def target(tmp_path_factory):
     args = Qwen3Args.from_config(read_json(directory / "config.json"))
     spec = Target(source="path:x", graphs=Graphs(prefill=8, verify=WIDTH), context=96, taps=[0, 1], logits=True)
     modules = build_modules(args, spec, load_tensors(directory), torch.float32)
-    return speculative.TargetDriver(TorchFunctions(modules, target=True), modules.widths)
+    return module_driver(modules)
 
 
 class ScriptedDrafter:
@@ -152,7 +152,7 @@ def test_target_taps_feed_the_dflash2_drafter_as_the_runtime_does(tmp_path):
     args = Qwen3Args.from_config(read_json(tmp_path / "t" / "config.json"))
     spec = Target(source="path:x", graphs=Graphs(prefill=16, verify=8), context=96, taps=taps)
     target_modules = build_modules(args, spec, load_tensors(tmp_path / "t"), torch.float32)
-    driver = speculative.TargetDriver(TorchFunctions(target_modules, target=True), target_modules.widths)
+    driver = module_driver(target_modules)
     ids = torch.randint(4, 4000, (37,), generator=torch.Generator().manual_seed(5)).tolist()
     out = driver.prefill(ids)
     with torch.no_grad():
@@ -168,7 +168,7 @@ def test_target_taps_feed_the_dflash2_drafter_as_the_runtime_does(tmp_path):
     embed, lm_head = hf.model.embed_tokens.weight.detach(), hf.lm_head.weight.detach()
     drafter_modules = dflash2.build_modules(drafter_args, reference.drafter_state(), lm_head, embed[3], torch.float32,
                                             max_positions=96, ring_rows=64, update_width=16, append_width=8)
-    drafter = speculative.DFlash2Driver(TorchFunctions(drafter_modules, target=False), drafter_modules.widths,
+    drafter = speculative.DFlash2Driver(ModuleFunctions(drafter_modules), drafter_modules.widths,
                                         embed.numpy())
     drafter.add_context(out["taps"], 0, "context_update")  # 37 rows: chunks of 16, the last one padded
     anchor = int(out["argmax_ids"][-1])

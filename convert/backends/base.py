@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("int32", "float16", "float32")
+DTYPE_BYTES = {"int32": 4, "float16": 2, "float32": 4}
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,13 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str  # one of DTYPES
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
 
 
 @dataclass(frozen=True)
@@ -45,8 +53,16 @@ def function_lines(specs: list[FunctionSpec]) -> list[str]:
     for spec in specs:
         lines += [f"    {spec.name}", f"      inputs:  {tensors(spec.inputs)}",
                   f"      outputs: {tensors(spec.outputs)}"]
-    lines.append(f"    states (all functions): {tensors(specs[0].states)}")
+    lines.append("    states (all functions):")
+    lines += [f"      {t.name} {list(t.shape)} {t.dtype}: {_size(t.nbytes)}" for t in specs[0].states]
     return lines
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
 
 
 @dataclass

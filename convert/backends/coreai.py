@@ -131,11 +131,7 @@ def compressed_weights(path: Path) -> dict[str, list[compress.ShippedWeight]]:
     them: ``DenseResourceElementsAttr`` has no reader, and converting a ui4 ``DenseElementsAttr`` to numpy aborts
     the process.
     """
-    program = AIModelAsset.load(path).program
-    try:
-        module = program._module._mlir_module
-    except AttributeError as error:
-        raise PackageError("coreai-core changed AIProgram's internals; update compressed_weights") from error
+    module = _mlir_module(AIModelAsset.load(path).program)
     blobs = _resource_blobs((path / "main.mlirb").read_bytes())
     shipped = {}
     with module.context:
@@ -150,6 +146,27 @@ def compressed_weights(path: Path) -> dict[str, list[compress.ShippedWeight]]:
                 if op.name in _COMPRESSED_OPS
             ]
     return shipped
+
+
+def operation_types(path: Path) -> dict[str, set[str]]:
+    """The op names each function of the asset holds, without the dialect prefix (``decomposable.`` included):
+    ``coreai.decomposable.broadcasting_mul`` is ``broadcasting_mul``."""
+    module = _mlir_module(AIModelAsset.load(path).program)
+    found = {}
+    with module.context:
+        for graph in module.body.operations:
+            if graph.name == "coreai.graph":
+                function = ir.StringAttr(graph.attributes["sym_name"]).value
+                found[function] = {op.name.rsplit(".", 1)[-1] for op in graph.regions[0].blocks[0].operations}
+    return found
+
+
+def _mlir_module(program):
+    """The MLIR module of an ``AIProgram`` (no public op walk exists, hence its private ``_module``)."""
+    try:
+        return program._module._mlir_module
+    except AttributeError as error:
+        raise PackageError("coreai-core changed AIProgram's internals; update the Core AI backend") from error
 
 
 _COMPRESSED_OPS = ("coreai.lut_to_dense", "coreai.blockwise_shift_scale")

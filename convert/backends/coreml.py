@@ -274,6 +274,12 @@ def function_constants(path: Path, function_name: str) -> dict[str, np.ndarray]:
     return constants
 
 
+def operation_types(path: Path) -> dict[str, set[str]]:
+    """The MIL op types each function of the package holds (after every conversion pass)."""
+    spec, program = _load_program(path)
+    return {f.name: {op.op_type for op in program.functions[f.name].operations} for f in spec.description.functions}
+
+
 def compressed_weights(path: Path) -> dict[str, list[compress.ShippedWeight]]:
     """Every compressed weight of every function, by function: its codes and tables as stored, and the dense
     weight coremltools' own decompression makes of them."""

@@ -1,0 +1,112 @@
+"""Target architectures: one small file per family behind this registry, picked from a checkpoint's config.json.
+
+Every family module (``qwen3``: Qwen3 dense; ``qwen3_5``: the hybrid Qwen3.5 family) defines the same names, and
+nothing outside ``convert/models`` names a family:
+
+- ``FAMILY``: the manifest's ``architecture.family``; ``accepts(config)``: whether a config.json is this family's.
+- ``Args.from_config(config, where)``: the family's args dataclass (``args.family`` names the family back).
+- ``sanitize(shapes, args, where) -> Layout``: refuse a checkpoint whose keys or shapes are not the config's.
+- ``build_core(args, target)``: the export core (``load_weights(tensors, layout)``, ``forward`` per function).
+- ``function_specs(args, target, dtype)``, ``FunctionModule``: the functions' shape contract and the module class
+  that calls the core for one function.
+- ``host_contract(args, target)``: what a runtime sets between calls (``manifests.schema.HostContract``).
+- ``architecture_record(args, target)``: the manifest's architecture fields; ``plan_lines(args, target)``: the
+  plan's lines on the architecture and its states.
+- ``calibration_runner(core, length)`` and ``linear_groups(core, layer)``: how GPTQ runs one decoder layer over a
+  calibration sample and which of its linears it quantizes together (``quant/calibrate.py``); ``KEEP_FP16``:
+  module-name suffixes of small weights never quantized.
+- ``reference_layers(model)``: the decoder layers of the transformers reference (the gates hook their outputs).
+- ``PLAN_FIELDS`` (and ``PLAN_ALTERNATIVES``): the config fields a recipe contract pins so that ``build --dry-run``
+  plans the functions without the checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from convert.backends.base import TensorSpec
+from convert.errors import InputError
+
+FAMILIES = ("qwen3_5", "qwen3")  # first match wins
+DTYPE_NAMES = {torch.float16: "float16", torch.float32: "float32"}
+# Families we know by name and do not convert: (model_type, architecture) -> what to say
+REFUSED = {
+    "qwen3_next": "Qwen3-Next (fused in_proj_qkvz / in_proj_ba and mixture-of-experts MLPs) is not supported",
+    "qwen3_5_moe": "Qwen3.5 MoE (mixture-of-experts MLPs) is not supported; dense Qwen3.5 / 3.6 / 3.8 models are",
+    "qwen3_moe": "Qwen3 MoE (mixture-of-experts MLPs) is not supported; Qwen3 dense models are",
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a checkpoint stores the target: its text model's key prefix, and the tensor groups that are not the
+    target's (a vision tower, an MTP head), counted."""
+
+    prefix: str = "model."  # "model." (a causal LM) or "model.language_model." (a vision-language checkpoint)
+    ignored: tuple[tuple[str, int], ...] = ()  # (what, tensor count)
+
+    def canonical(self, key: str) -> str:
+        """The key under the causal LM's naming (``model.*``, ``lm_head.weight``)."""
+        return "model." + key.removeprefix(self.prefix) if key.startswith(self.prefix) else key
+
+    def stored(self, canonical: str) -> str:
+        """The checkpoint key of a canonical one."""
+        return self.prefix + canonical.removeprefix("model.") if canonical.startswith("model.") else canonical
+
+    def notes(self) -> list[str]:
+        return [f"{what}: {count} tensors, not shipped with the target" for what, count in self.ignored]
+
+
+def family(name: str) -> ModuleType:
+    if name not in FAMILIES:
+        raise InputError(f"unknown architecture family {name!r}; one of {', '.join(FAMILIES)}")
+    return importlib.import_module(f"convert.models.{name}")
+
+
+def family_of(args) -> ModuleType:
+    """The family module of a family's args."""
+    return family(args.family)
+
+
+def family_for(config: dict, where: str = "config.json") -> ModuleType:
+    """The family whose config this is, or an error naming the model type and what is supported."""
+    text = config.get("text_config", config)
+    model_type = str(text.get("model_type") or config.get("model_type") or "")
+    for key in (model_type, str(config.get("model_type") or "")):
+        if key in REFUSED:
+            raise InputError(f"{where}: model_type {key!r}: {REFUSED[key]}")
+    for name in FAMILIES:
+        module = family(name)
+        if module.accepts(config):
+            return module
+    archs = config.get("architectures") or []
+    raise InputError(f"{where}: architectures {archs} (model_type {model_type or 'not set'!r}) is not a supported "
+                     "target: Qwen3 dense (Qwen3ForCausalLM) or the Qwen3.5 family (Qwen3_5ForCausalLM, "
+                     "Qwen3_5ForConditionalGeneration)")
+
+
+def read_args(config: dict, where: str = "config.json"):
+    """The args of whatever family ``config`` is."""
+    return family_for(config, where).Args.from_config(config, where)
+
+
+def target_outputs(args, target, width: int, dtype: str) -> tuple[TensorSpec, ...]:
+    """The outputs every target function returns, whatever its family: ``argmax_ids`` [1,S] int32 (the host reads
+    the row of its last real token, so a prompt's final chunk may be right-padded), then ``taps``, ``hidden`` and
+    ``logits`` when the recipe asks for them."""
+    outputs = [TensorSpec("argmax_ids", (1, width), "int32")]
+    if target.taps:
+        outputs.append(TensorSpec("taps", (1, width, len(target.taps) * args.hidden_size), dtype))
+    if target.hidden:
+        outputs.append(TensorSpec("hidden", (1, width, args.hidden_size), dtype))
+    if target.logits:
+        outputs.append(TensorSpec("logits", (1, width, args.vocab_size), dtype))
+    return tuple(outputs)
+
+
+def function_widths(target) -> tuple[tuple[str, int], ...]:
+    return (("prefill", target.graphs.prefill), ("decode", 1), ("verify", target.graphs.verify))

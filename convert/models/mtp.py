@@ -71,7 +71,8 @@ from torch import nn
 from convert.backends.base import FunctionSpec, TensorSpec
 from convert.errors import InputError
 from convert.export import ExportModules, FunctionModule
-from convert.models.qwen3 import Attention, DecoderLayer, Qwen3Args, RMSNorm, layer_shapes, rotate
+from convert.models.qwen3 import DecoderLayer, Qwen3Args, RMSNorm, layer_shapes, register_positions
+from convert.models.qwen3_5 import GatedAttention, ZeroCentredRMSNorm, zero_centre_norms
 from convert.sources import tensor_shapes, weight_files
 
 QWEN35, DEEPSEEK = "qwen3.5", "deepseek"
@@ -384,79 +385,6 @@ def borrowed_tables(
     return tables["model.embed_tokens.weight"], tables["lm_head.weight"]
 
 
-class ZeroCentredRMSNorm(RMSNorm):
-    """Qwen3-Next / Qwen3.5 RMSNorm: ``x_normed * (1 + w)``, the gain stored around 0 (initialised to zeros)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__(dim, eps)
-        nn.init.zeros_(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return ((1.0 + self.weight.float()) * x32).to(x.dtype)
-
-
-class HeadAttention(Attention):
-    """The head's attention for the export core: Qwen3's, plus the optional output gate and partial RoPE.
-
-    As transformers' ``Qwen3NextAttention.forward`` / ``Qwen3_5Attention.forward``
-    (transformers/models/qwen3_next/modeling_qwen3_next.py, qwen3_5/modeling_qwen3_5.py): with the gate,
-    ``q_proj(x)`` is viewed [rows, heads, 2 x head_dim] and chunked into query and gate (each [rows, heads,
-    head_dim]); the gate, flattened to heads x head_dim, multiplies the attention output by ``sigmoid(gate)``
-    before ``o_proj``. RoPE (``apply_rotary_pos_emb``) rotates the first ``rotary_dim`` dims of each q/k head
-    after q_norm/k_norm and passes the rest through; the cache holds the keys so rotated (all head_dim dims).
-    Static-shape as Qwen3's: views with ``-1``, constant slices, ``index_put_`` cache writes.
-    """
-
-    def __init__(self, args: MTPArgs):
-        super().__init__(args.block_args, 0)
-        self.gated, self.rotary_dim = args.attn_output_gate, args.rotary_dim
-        if self.gated:
-            self.q_proj = nn.Linear(args.hidden_size, args.q_rows, bias=args.attention_bias)
-
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate-half RoPE on the leading ``rotary_dim`` dims (cos/sin [S, rotary_dim/2]), the rest unchanged."""
-        if self.rotary_dim == self.head_dim:
-            return rotate(x, cos, sin)
-        return torch.cat([rotate(x[..., : self.rotary_dim], cos, sin), x[..., self.rotary_dim :]], dim=-1)
-
-    def forward(self, x, cos, sin, heads_rows, mask_bias, key_cache, value_cache):
-        """``heads_rows`` = (kv head, cache row) index tensors [Hkv, S] addressing this call's cache rows."""
-        d = self.head_dim
-        if self.gated:
-            q, gate = self.q_proj(x).view(-1, self.heads, 2 * d).chunk(2, dim=-1)
-            gate = gate.reshape(-1, self.heads * d)
-        else:
-            q, gate = self.q_proj(x).view(-1, self.heads, d), None
-        q = self.q_norm(q).transpose(0, 1)
-        k = self.k_norm(self.k_proj(x).view(-1, self.kv_heads, d)).transpose(0, 1)
-        v = self.v_proj(x).view(-1, self.kv_heads, d).transpose(0, 1)
-        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
-        heads, rows = heads_rows
-        write_index = (torch.full_like(rows, self.layer_index), heads, rows)
-        key_cache.index_put_(write_index, k.to(key_cache.dtype))
-        value_cache.index_put_(write_index, v.to(value_cache.dtype))
-        keys = key_cache[self.layer_index].to(x.dtype)
-        values = value_cache[self.layer_index].to(x.dtype)
-        group = self.heads // self.kv_heads
-        q = q.reshape(self.kv_heads, -1, d)  # GQA: a KV head serves `group` query heads
-        scores = q @ keys.transpose(1, 2) * d**-0.5 + mask_bias.repeat(group, 1)
-        probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
-        out = (probs @ values).view(self.heads, -1, d).transpose(0, 1).reshape(-1, self.heads * d)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
-
-
-def _zero_centre_norms(module: nn.Module) -> None:
-    for name, child in module.named_children():
-        if type(child) is RMSNorm:
-            setattr(module, name, ZeroCentredRMSNorm(child.weight.shape[0], child.eps))
-        else:
-            _zero_centre_norms(child)
-
-
 class MTPHead(nn.Module):
     """The head's parameters (canonical names) plus the borrowed target embedding and lm_head.
 
@@ -478,10 +406,10 @@ class MTPHead(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(args.block_args, 0)])
         for layer in self.layers:
-            layer.self_attn = HeadAttention(args)
+            layer.self_attn = GatedAttention(args.block_args, 0, args.attn_output_gate, args.rotary_dim)
         self.norm = norm(h, args.rms_norm_eps)
         if args.zero_centred_norm:
-            _zero_centre_norms(self.layers)
+            zero_centre_norms(self.layers)
 
     def load_weights(self, head: HeadWeights, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
         own = dict(self.named_parameters(remove_duplicate=False))
@@ -609,13 +537,7 @@ class MTPCore(MTPHead):
         super().__init__(args)
         self.context = context
         # cos/sin over the rotary dims only (inv_freq as transformers' compute_default_rope_parameters), fp32
-        exponents = torch.arange(0, args.rotary_dim, 2, dtype=torch.int64).float() / args.rotary_dim
-        inv_freq = 1.0 / (args.rope_theta**exponents)
-        angles = torch.arange(context, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
-        self.register_buffer("cache_rows", torch.arange(context, dtype=torch.int32), persistent=False)
-        self.register_buffer("kv_head_index", torch.arange(args.num_key_value_heads)[:, None], persistent=False)
+        register_positions(self, args.rotary_dim, args.rope_theta, context, args.num_key_value_heads)
 
     def forward(self, input_ids, hidden, position_ids, key_cache, value_cache):
         x = self.fused_input(input_ids[0].long(), hidden[0])  # [S, H]

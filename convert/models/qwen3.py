@@ -17,9 +17,36 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from convert import export
+from convert.backends.base import FunctionSpec, TensorSpec
 from convert.errors import InputError
+from convert.models import DTYPE_NAMES, Layout, function_widths, target_outputs
 
+FAMILY = "qwen3"
 ARCHITECTURES = ("Qwen3ForCausalLM",)
+STATE_NAMES = ("key_cache", "value_cache")
+KEEP_FP16 = ()  # every 2-D weight of a dense layer is a large linear
+HOST_CONTRACT = {
+    "name": "spec-convert/positional",
+    "version": 1,
+    "rollback": "positional",
+    "inputs": {},
+    "pending_rows": {},
+    "rules": [
+        "cache row c holds position c; each call writes its rows at its positions and a query at position p reads "
+        "rows 0..p (the causal mask is computed in the graph from position_ids)",
+        "after a verify, continue at the position after the last accepted token: the rejected rows lie beyond every "
+        "later query's position until a later call overwrites them; nothing is copied",
+        "positions must be below the context; a prompt's last prefill chunk may be right-padded (read the row of "
+        "its last real token)",
+    ],
+}
+
+
+def accepts(config: dict) -> bool:
+    text = config.get("text_config", config)
+    return bool(set(text.get("architectures") or config.get("architectures") or []) & set(ARCHITECTURES)) or \
+        text.get("model_type") == "qwen3"
 
 
 @dataclass(frozen=True)
@@ -42,6 +69,7 @@ class Qwen3Args:
     mtp_layers: int = 0  # an MTP head declared by the config: its tensors are convert/models/mtp.py's, not ours
 
     rope_type = "default"
+    family = FAMILY
 
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> Qwen3Args:
@@ -133,7 +161,7 @@ def expected_shapes(args: Qwen3Args) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def sanitize(shapes_in_checkpoint: dict[str, tuple[int, ...]], args: Qwen3Args) -> None:
+def sanitize(shapes_in_checkpoint: dict[str, tuple[int, ...]], args: Qwen3Args, where: str = "checkpoint") -> Layout:
     """Refuse a checkpoint whose keys or shapes are not exactly a Qwen3 model's, naming the tensor.
 
     A tied checkpoint may still carry ``lm_head.weight`` (some writers save it); it is ignored then, as are
@@ -141,9 +169,11 @@ def sanitize(shapes_in_checkpoint: dict[str, tuple[int, ...]], args: Qwen3Args) 
     """
     expected = expected_shapes(args)
     present = dict(shapes_in_checkpoint)
+    ignored = ()
     if args.mtp_layers:
         head = ("mtp.", *(f"model.layers.{args.num_hidden_layers + i}." for i in range(args.mtp_layers)))
         present = {k: v for k, v in present.items() if not k.startswith(head)}
+        ignored = (("MTP head", len(shapes_in_checkpoint) - len(present)),)
     if args.tie_word_embeddings:
         present.pop("lm_head.weight", None)
     for key, shape in expected.items():
@@ -155,6 +185,7 @@ def sanitize(shapes_in_checkpoint: dict[str, tuple[int, ...]], args: Qwen3Args) 
     if unknown:
         more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
         raise InputError(f"checkpoint: unexpected tensor {unknown[0]!r}{more} for a Qwen3 dense model")
+    return Layout(ignored=ignored)
 
 
 class RMSNorm(nn.Module):
@@ -189,10 +220,7 @@ class Attention(nn.Module):
         No Python int is read from a tensor shape (``-1`` in views instead): coremltools rejects the
         ``aten::Int`` nodes that tracing makes of them.
         """
-        q = self.q_norm(self.q_proj(x).view(-1, self.heads, self.head_dim)).transpose(0, 1)
-        k = self.k_norm(self.k_proj(x).view(-1, self.kv_heads, self.head_dim)).transpose(0, 1)
-        v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim).transpose(0, 1)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k, v, gate = self.project(x, cos, sin)
         heads, rows = heads_rows
         write_index = (torch.full_like(rows, self.layer_index), heads, rows)
         key_cache.index_put_(write_index, k.to(key_cache.dtype))
@@ -204,7 +232,17 @@ class Attention(nn.Module):
         scores = q @ keys.transpose(1, 2) * self.head_dim**-0.5 + mask_bias.repeat(group, 1)
         probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
         out = (probs @ values).view(self.heads, -1, self.head_dim).transpose(0, 1)
-        return self.o_proj(out.reshape(-1, self.heads * self.head_dim))
+        out = out.reshape(-1, self.heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def project(self, x, cos, sin):
+        """q [heads, S, d] and k, v [kv heads, S, d], normed and rotated; and the output gate (None: Qwen3 has none)."""
+        q = self.q_norm(self.q_proj(x).view(-1, self.heads, self.head_dim)).transpose(0, 1)
+        k = self.k_norm(self.k_proj(x).view(-1, self.kv_heads, self.head_dim)).transpose(0, 1)
+        v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim).transpose(0, 1)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v, None
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -214,14 +252,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class MLP(nn.Module):
-    def __init__(self, args: Qwen3Args):
+    """SwiGLU: ``down(act(gate(x)) * up(x))``; ``activation`` is SiLU (a hybrid target passes its device-safe form)."""
+
+    def __init__(self, args: Qwen3Args, activation=nn.functional.silu):
         super().__init__()
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.activation = activation
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -255,45 +296,165 @@ class Qwen3Core(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        exponents = torch.arange(0, args.head_dim, 2, dtype=torch.int64).float() / args.head_dim
-        inv_freq = 1.0 / (args.rope_theta**exponents)
-        angles = torch.arange(context, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
-        self.register_buffer("cache_rows", torch.arange(context, dtype=torch.int32), persistent=False)
-        # constants rather than torch.arange in forward: coremltools warns on every int64 arange it meets
-        self.register_buffer("kv_head_index", torch.arange(args.num_key_value_heads)[:, None], persistent=False)
+        register_positions(self, args.head_dim, args.rope_theta, context, args.num_key_value_heads)
 
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: dict[str, torch.Tensor], layout: Layout | None = None) -> None:
         """Fill from transformers keys (already checked by ``sanitize``)."""
-        own = {"model." + k if not k.startswith("lm_head") else k: v for k, v in self.state_dict().items()}
-        with torch.no_grad():
-            for key, param in own.items():
-                if key == "lm_head.weight" and self.args.tie_word_embeddings:
-                    continue
-                param.copy_(tensors[key].to(param.dtype))
+        load_checkpoint_tensors(self, tensors, layout or Layout())
 
     def forward(self, input_ids, position_ids, key_cache, value_cache):
-        dtype = self.embed_tokens.weight.dtype
-        positions = position_ids[0].long()
-        x = self.embed_tokens(input_ids[0].long())  # [S, H]
-        cos, sin = self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
-        visible = self.cache_rows[None, :] <= position_ids[0][:, None]  # [S, context]
-        mask_bias = torch.where(visible, 0.0, -1e4).to(dtype)
-        rows = positions[None, :].expand(self.args.num_key_value_heads, -1)  # [Hkv, S]
-        heads_rows = (self.kv_head_index.expand_as(rows), rows)
+        x, attention = attention_inputs(self, input_ids, position_ids)
         tapped = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, heads_rows, mask_bias, key_cache, value_cache)
+            x = layer(x, *attention, key_cache, value_cache)
             if i in self.taps:
                 tapped.append((self.taps.index(i), x))
-        hidden = self.norm(x)[None]
-        logits = self.lm_head(hidden)
-        out = {"argmax_ids": logits.argmax(-1).to(torch.int32), "logits": logits, "hidden": hidden}
-        if self.taps:
-            out["taps"] = torch.cat([t for _, t in sorted(tapped, key=lambda p: p[0])], dim=-1)[None]
-        return out
+        return head_outputs(self, x, tapped)
 
     def cache_shape(self) -> tuple[int, int, int, int]:
         a = self.args
         return (a.num_hidden_layers, a.num_key_value_heads, self.context, a.head_dim)
+
+
+def register_positions(module: nn.Module, rotary_dim: int, theta: float, rows: int, kv_heads: int) -> None:
+    """The constants an export core reads positions through: RoPE cos/sin tables [rows, rotary_dim/2] in fp32
+    (``inv_freq`` as transformers' ``compute_default_rope_parameters``), the cache row numbers and the KV head index
+    (constants rather than aranges in forward: coremltools warns on every int64 arange it meets)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    angles = torch.arange(rows, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    module.register_buffer("rope_cos", angles.cos(), persistent=False)
+    module.register_buffer("rope_sin", angles.sin(), persistent=False)
+    module.register_buffer("cache_rows", torch.arange(rows, dtype=torch.int32), persistent=False)
+    module.register_buffer("kv_head_index", torch.arange(kv_heads)[:, None], persistent=False)
+
+
+def attention_inputs(core: nn.Module, input_ids, position_ids) -> tuple[torch.Tensor, tuple]:
+    """The embedded rows [S, H] of a call, and what its attention layers read: cos, sin, the (KV head, cache row)
+    write indices [Hkv, S] and the causal mask bias [S, context] from the positions (row c holds position c)."""
+    dtype = core.embed_tokens.weight.dtype
+    positions = position_ids[0].long()
+    x = core.embed_tokens(input_ids[0].long())
+    cos, sin = core.rope_cos[positions].to(dtype), core.rope_sin[positions].to(dtype)
+    visible = core.cache_rows[None, :] <= position_ids[0][:, None]
+    mask_bias = torch.where(visible, 0.0, -1e4).to(dtype)
+    rows = positions[None, :].expand(core.args.num_key_value_heads, -1)
+    return x, (cos, sin, (core.kv_head_index.expand_as(rows), rows), mask_bias)
+
+
+def causal_attention(core: nn.Module, length: int) -> tuple:
+    """``attention_inputs``' attention part for one sequence at positions 0..length-1 (GPTQ calibration)."""
+    dtype, device = core.embed_tokens.weight.dtype, core.embed_tokens.weight.device
+    positions = torch.arange(length, device=device)
+    mask_bias = torch.where(positions[None, :] <= positions[:, None], 0.0, -1e4).to(dtype)
+    rows = positions[None, :].expand(core.args.num_key_value_heads, -1)
+    cos, sin = core.rope_cos[:length].to(dtype), core.rope_sin[:length].to(dtype)
+    return cos, sin, (core.kv_head_index.expand_as(rows), rows), mask_bias
+
+
+def head_outputs(core: nn.Module, x: torch.Tensor, tapped: list) -> dict[str, torch.Tensor]:
+    """Every output a target function may expose, from the last layer's rows ``x`` [S, H] and the ``tapped``
+    (recipe index, layer output) pairs: argmax ids, logits, the final-norm hidden states and the taps in order."""
+    hidden = core.norm(x)[None]
+    logits = core.lm_head(hidden)
+    out = {"argmax_ids": logits.argmax(-1).to(torch.int32), "logits": logits, "hidden": hidden}
+    if core.taps:
+        out["taps"] = torch.cat([t for _, t in sorted(tapped, key=lambda p: p[0])], dim=-1)[None]
+    return out
+
+
+def load_checkpoint_tensors(core: nn.Module, tensors: dict[str, torch.Tensor], layout: Layout) -> None:
+    """Fill a target core's parameters (named as the causal LM's keys without ``model.``) from checkpoint tensors
+    stored under ``layout``'s keys; a tied lm_head is the embedding's tensor already."""
+    by_canonical = {layout.canonical(k): v for k, v in tensors.items()}
+    own = {"model." + k if not k.startswith("lm_head") else k: v for k, v in core.state_dict().items()}
+    with torch.no_grad():
+        for key, param in own.items():
+            if key == "lm_head.weight" and core.args.tie_word_embeddings:
+                continue
+            param.copy_(by_canonical[key].to(param.dtype))
+
+
+class CausalRunner:
+    """Runs one decoder layer of ``core`` over a sequence of ``length`` tokens at positions 0..length-1 (GPTQ
+    calibration, ``quant/calibrate.py``).
+
+    The same inputs ``Qwen3Core.forward`` builds, for a zeroed cache holding exactly this sequence (each call
+    writes every cache row before reading, so the cache is reused across samples without clearing).
+    """
+
+    def __init__(self, core: Qwen3Core, length: int):
+        if length > core.context:
+            raise ValueError(f"calibration length {length} exceeds the core's context {core.context}")
+        args, dtype, device = core.args, core.embed_tokens.weight.dtype, core.embed_tokens.weight.device
+        self.attention = causal_attention(core, length)
+        cache = (args.num_hidden_layers, args.num_key_value_heads, length, args.head_dim)
+        self.key_cache = torch.zeros(cache, dtype=dtype, device=device)
+        self.value_cache = torch.zeros(cache, dtype=dtype, device=device)
+
+    def __call__(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [n, length, hidden] -> the layer's outputs, sample by sample."""
+        return torch.stack([layer(s, *self.attention, self.key_cache, self.value_cache) for s in x])
+
+
+# ------------------------------------------------------------------------------------------ registry hooks
+
+Args = Qwen3Args
+PLAN_FIELDS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "intermediate_size")  # what a contract pins to plan the functions without the checkpoint
+PLAN_ALTERNATIVES: dict[str, tuple[str, ...]] = {}
+FunctionModule = export.FunctionModule  # positional inputs: input_ids, position_ids, then the states
+LINEAR_GROUPS = (  # GPTQ's "true sequential" order: o_proj's Hessian sees the quantized q/k/v, and so on
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+
+
+def build_core(args: Qwen3Args, target) -> Qwen3Core:
+    return Qwen3Core(args, target.context, tuple(target.taps or ()))
+
+
+def function_specs(args: Qwen3Args, target, dtype: torch.dtype = torch.float16) -> list[FunctionSpec]:
+    """prefill / decode / verify: same inputs (``input_ids``, ``position_ids``), states and outputs, each at its
+    own static width S."""
+    fdtype = DTYPE_NAMES[dtype]
+    cache = (args.num_hidden_layers, args.num_key_value_heads, target.context, args.head_dim)
+    states = tuple(TensorSpec(name, cache, fdtype) for name in STATE_NAMES)
+    specs = []
+    for name, width in function_widths(target):
+        inputs = (TensorSpec("input_ids", (1, width), "int32"), TensorSpec("position_ids", (1, width), "int32"))
+        specs.append(FunctionSpec(name, inputs, target_outputs(args, target, width, fdtype), states))
+    return specs
+
+
+def host_contract(args: Qwen3Args, target) -> dict:
+    return HOST_CONTRACT
+
+
+def architecture_record(args: Qwen3Args, target) -> dict:
+    return {
+        "family": FAMILY, "hidden_size": args.hidden_size, "num_layers": args.num_hidden_layers,
+        "num_heads": args.num_attention_heads, "num_kv_heads": args.num_key_value_heads, "head_dim": args.head_dim,
+        "intermediate_size": args.intermediate_size, "vocab_size": args.vocab_size,
+        "tie_word_embeddings": args.tie_word_embeddings, "rope_type": args.rope_type, "rope_theta": args.rope_theta,
+        "rms_norm_eps": args.rms_norm_eps, "context": target.context,
+    }
+
+
+def plan_lines(args: Qwen3Args, target) -> list[str]:
+    return [f"  qwen3: {args.num_hidden_layers} layers, hidden {args.hidden_size}, heads {args.num_attention_heads}/"
+            f"{args.num_key_value_heads} (head_dim {args.head_dim}), vocab {args.vocab_size}, "
+            f"{'tied' if args.tie_word_embeddings else 'untied'} lm_head, context {target.context}"]
+
+
+def calibration_runner(core: Qwen3Core, length: int) -> CausalRunner:
+    return CausalRunner(core, length)
+
+
+def linear_groups(core: Qwen3Core, layer: DecoderLayer) -> tuple[tuple[str, ...], ...]:
+    return LINEAR_GROUPS
+
+
+def reference_layers(model) -> nn.ModuleList:
+    return model.model.layers
