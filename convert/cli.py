@@ -112,6 +112,27 @@ def accept(recipe: Path, runtime: str, bundle: Path | None, tokens: int | None, 
     print_result(run_accept(recipe, bundle, runtime, tokens, prompts))
 
 
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--prompt", "-p", required=True, help="the text to continue (encoded with the bundle's tokenizer)")
+@click.option("-n", "tokens", type=click.IntRange(min=1), default=16, show_default=True, help="tokens to generate")
+@click.option("--runtime", type=click.Choice(["coreai", "torch"]), default="coreai", show_default=True,
+              help="coreai: the bundle's .aimodel on the Core AI runtime; torch: the export modules with the shipped "
+                   "weights (rebuilt from --recipe)")
+@click.option("--recipe", "-r", type=click.Path(path_type=Path), help="the bundle's recipe (for --runtime torch)")
+@click.option("--json", "as_json", is_flag=True, help="print the prompt and generated ids as JSON")
+@user_errors
+def generate(bundle: Path, prompt: str, tokens: int, runtime: str, recipe: Path | None, as_json: bool) -> None:
+    """Greedy decoding of a bundle through its host contract (prefill chunks, decode steps): the smoke test of a
+    bundle. Stops after N tokens or at the end-of-sequence id."""
+    import json
+
+    from convert.generate import generate as run_generate
+
+    result = run_generate(bundle, prompt, tokens, runtime, recipe)
+    click.echo(json.dumps(result.as_dict(), ensure_ascii=False) if as_json else result.text)
+
+
 @main.command("check-pair")
 @click.argument("drafter_bundle", type=click.Path(path_type=Path))
 @click.argument("target_bundle", type=click.Path(path_type=Path))

@@ -1,0 +1,87 @@
+"""``spec-convert generate``: greedy decoding of a bundle through its host contract, the smoke test a release
+engineer runs on a bundle.
+
+The prompt goes through the bundle's own tokenizer, then prefill chunks (the last one right-padded) and decode
+steps, driven by ``convert.host.TargetDriver`` from the manifest's functions and host contract alone, as a runtime
+would. ``--runtime coreai`` runs the shipped ``.aimodel`` on the Core AI runtime (on Linux its CPU reference, fp16
+emulated: slow); ``--runtime torch`` runs the export modules with the shipped weights, rebuilt from the recipe and
+checked against the bundle's hashes. Decoding stops after ``tokens`` ids or at the end-of-sequence id, as
+transformers' greedy ``generate`` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from convert import backends
+from convert.bundle import MANIFEST
+from convert.errors import InputError
+from convert.host import TargetDriver, module_driver
+from convert.inspect import read_manifest
+from manifests.schema import Manifest
+
+
+@dataclass
+class Generation:
+    runtime: str
+    prompt: str
+    prompt_ids: list[int]
+    generated_ids: list[int]
+    text: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def target_bundle(bundle: Path) -> tuple[Path, Manifest]:
+    """The target part of a bundle (a pair's ``target/``) and its manifest."""
+    folder = bundle / "target" if not (bundle / MANIFEST).is_file() and (bundle / "target" / MANIFEST).is_file() \
+        else bundle
+    manifest = read_manifest(folder)
+    if not isinstance(manifest, Manifest):
+        raise InputError(f"{folder}: a drafter bundle; generate runs a target (give the pair or its target/)")
+    return folder, manifest
+
+
+def widths(manifest: Manifest) -> dict[str, int]:
+    return {f.name: next(t.shape[1] for t in f.inputs if t.name == "position_ids") for f in manifest.functions}
+
+
+def greedy(driver: TargetDriver, prompt: list[int], tokens: int, eos: int | None) -> list[int]:
+    """Greedy ids after ``prompt``: at most ``tokens``, ending early with ``eos``."""
+    out = driver.prefill(prompt)
+    ids = [int(out["argmax_ids"][-1])]
+    while len(ids) < tokens and ids[-1] != eos:
+        ids.append(int(driver.run("decode", [ids[-1]], len(prompt) + len(ids) - 1)["argmax_ids"][0]))
+    return ids
+
+
+def generate(bundle: Path, prompt: str, tokens: int, runtime: str, recipe: Path | None = None) -> Generation:
+    from transformers import AutoTokenizer
+
+    folder, manifest = target_bundle(bundle)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise InputError("--prompt: the text encodes to no tokens")
+    context = manifest.architecture.context
+    if len(ids) + tokens > context:
+        raise InputError(f"--prompt is {len(ids)} tokens: with -n {tokens} that exceeds the bundle's context "
+                         f"({context})")
+    contract, eos = manifest.host_contract.model_dump(), manifest.tokenizer.eos_id
+    if runtime == "coreai":
+        package = next((p for p in manifest.packages if p.format == "coreai"), None)
+        if package is None:
+            raise InputError(f"{folder}: no .aimodel package (built without the coreai backend); use --runtime torch")
+        with backends.load("coreai").open_session(folder / package.path) as session:
+            generated = greedy(TargetDriver(session, widths(manifest), contract), ids, tokens, eos)
+    else:
+        if recipe is None:
+            raise InputError("--runtime torch rebuilds the shipped weights from the bundle's recipe: give --recipe")
+        from convert.build import make_plan, shipped_modules, weights_match
+
+        modules, _ = shipped_modules(make_plan(recipe))
+        weights_match(manifest, modules, folder, recipe)
+        generated = greedy(module_driver(modules), ids, tokens, eos)
+    return Generation(runtime, prompt, ids, generated, tokenizer.decode(generated))
