@@ -1,4 +1,5 @@
-"""The fixture target built end to end with GPTQ in both 4-bit formats: gated, bit-exact packages, < 0.3x fp16."""
+"""The fixture targets (dense and hybrid) built end to end with GPTQ in both 4-bit formats: gated, bit-exact packages,
+< 0.3x fp16."""
 
 import json
 from pathlib import Path
@@ -8,7 +9,7 @@ from click.testing import CliRunner
 
 from convert.cli import main
 
-FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "stdlib-qwen3"
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 RECIPE = """\
 name: fx
 target:
@@ -25,18 +26,30 @@ backends: {backends}
 pytestmark = pytest.mark.heavy
 
 
-@pytest.mark.parametrize("method, backends", [("lut4-gptq", "[coreai, coreml]"), ("affine4-gptq", "[coreml]")])
-def test_fixture_builds_quantized(tmp_path, method, backends):
+def _quantized_linears(config: dict) -> tuple[int, list[str]]:
+    """GPTQ'd linears (every decoder linear and the lm_head; the embedding is rounded) and those kept fp16 (a Gated
+    DeltaNet layer's in_proj_a / in_proj_b)."""
+    kinds = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
+    gdn = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
+    kept = sorted(f"layers.{i}.linear_attn.in_proj_{x}" for i in gdn for x in "ab")
+    return sum(6 if kind == "linear_attention" else 7 for kind in kinds) + 1, kept
+
+
+@pytest.mark.parametrize("fixture, method, backends", [("stdlib-qwen3", "lut4-gptq", "[coreai, coreml]"),
+                                                       ("stdlib-qwen3", "affine4-gptq", "[coreml]"),
+                                                       ("stdlib-qwen3_5", "lut4-gptq", "[coreai, coreml]")])
+def test_fixture_builds_quantized(tmp_path, fixture, method, backends):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(RECIPE.format(source=FIXTURE, method=method, backends=backends))
+    recipe.write_text(RECIPE.format(source=FIXTURES / fixture, method=method, backends=backends))
     result = CliRunner().invoke(main, ["build", str(recipe), "--output", str(tmp_path / "b")])
     assert result.exit_code == 0, result.output
     m = json.loads((tmp_path / "b" / "manifest.json").read_text())
     q = m["quantization"]
-    assert q["method"] == method and q["kept_fp16"] == [] and q["calibration"]["n"] == 8
+    gptq_count, kept = _quantized_linears(json.loads((FIXTURES / fixture / "config.json").read_text()))
+    assert q["method"] == method and q["kept_fp16"] == kept and q["calibration"]["n"] == 8
     assert 4.0 < q["bits_per_weight"] < 4.5
     gptq_layers = [layer for layer in q["layers"] if layer.get("gptq_output_error") is not None]
-    assert len(gptq_layers) == 8 * 7 + 1  # every decoder linear and the lm_head; the embedding is rounded
+    assert len(gptq_layers) == gptq_count
     total_gptq = sum(layer["gptq_output_error"] for layer in gptq_layers)
     assert total_gptq < 0.6 * sum(layer["rtn_output_error"] for layer in gptq_layers)  # calibration error
     assert m["gate"]["passed"] is True and m["gate"]["metrics"]["kl_mean"] < 0.1
