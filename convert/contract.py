@@ -57,13 +57,13 @@ def describe(recipe: Recipe, recipe_path: Path, unavailable: SourceUnavailable) 
     """The plan of a recipe whose sources are not here, from its contracts (``build --dry-run``)."""
     target = recipe.target
     pinned = as_config(target.contract)
-    pinned = pinned.get("text_config", pinned)  # Qwen3.5-style configs nest the text model's fields
+    text = pinned.get("text_config", pinned)  # Qwen3.5-style configs nest the text model's fields
     if not pinned:
         raise InputError(f"{unavailable} (and target.contract is empty: nothing to plan from)")
-    need = [k for k in ("hidden_size", "vocab_size") if k not in pinned]
+    need = [k for k in ("hidden_size", "vocab_size") if k not in text]
     if need:
         raise InputError(f"{recipe_path}: target.contract: pin {', '.join(need)} to plan without the checkpoint")
-    hidden, vocab, layers = pinned["hidden_size"], pinned["vocab_size"], pinned.get("num_hidden_layers")
+    hidden, vocab, layers = text["hidden_size"], text["vocab_size"], text.get("num_hidden_layers")
     taps = list(target.taps or [])
     if layers is not None and any(t >= layers for t in taps):
         raise InputError(f"{recipe_path}: target.taps {taps}: a layer is out of range (the contract pins "
@@ -72,18 +72,7 @@ def describe(recipe: Recipe, recipe_path: Path, unavailable: SourceUnavailable) 
              "  (a build needs the pinned checkpoints; it checks every contract field against their config.json)",
              f"  target {target.source}: hidden {hidden}, vocab {vocab}, layers {layers or 'not pinned'}, "
              f"context {target.context}"]
-    for name, width in (("prefill", target.graphs.prefill), ("decode", 1), ("verify", target.graphs.verify)):
-        outputs = [f"argmax_ids [1, {width}] int32"]
-        if taps:
-            outputs.append(f"taps [1, {width}, {len(taps) * hidden}] float16 (layers {taps})")
-        if target.hidden:
-            outputs.append(f"hidden [1, {width}, {hidden}] float16")
-        lines += [f"    {name}", f"      inputs:  input_ids [1, {width}] int32, position_ids [1, {width}] int32",
-                  f"      outputs: {', '.join(outputs)}"]
-    kv = [pinned.get(k) for k in ("num_hidden_layers", "num_key_value_heads", "head_dim")]
-    lines.append("    states: key_cache, value_cache " + (
-        f"[{kv[0]}, {kv[1]}, {target.context}, {kv[2]}] float16" if None not in kv
-        else "(shapes from config.json: the contract does not pin num_key_value_heads and head_dim)"))
+    lines += _target_lines(pinned, target, f"{recipe_path}: target.contract")
     drafter = recipe.drafter
     if drafter is None:
         return lines
@@ -97,6 +86,30 @@ def describe(recipe: Recipe, recipe_path: Path, unavailable: SourceUnavailable) 
                   f"float16, position_ids [1, {width}] int32",
                   f"      outputs: draft_ids [1, {width}] int32, hidden_out [1, {width}, {hidden}] float16"]
     return lines
+
+
+def _target_lines(pinned: dict, target, where: str) -> list[str]:
+    """The target's architecture, functions and states from a contract that pins the architecture (architectures or
+    model_type) and every field its shapes depend on (the family's ``PLAN_FIELDS``); otherwise what is missing."""
+    from convert.backends.base import function_lines
+    from convert.models import family_for
+
+    text = pinned.get("text_config", pinned)
+    if not any(k in c for c in (pinned, text) for k in ("architectures", "model_type")):
+        return ["  functions: pin architectures or model_type (and the architecture's shape fields) in "
+                "target.contract to plan them"]
+    family = family_for(pinned, where)
+    missing = [f for f in family.PLAN_FIELDS if lookup(text, f) is _MISSING and not
+               any(lookup(text, alt) is not _MISSING for alt in family.PLAN_ALTERNATIVES.get(f, ()))]
+    if missing:
+        prefix = "text_config." if "text_config" in pinned else ""
+        return [f"  functions: the contract does not pin {', '.join(prefix + f for f in missing)}; the "
+                f"{family.FAMILY} functions are planned from config.json at build time"]
+    args = family.Args.from_config(pinned, where)
+    specs = family.function_specs(args, target, torch.float16)
+    total = sum(s.nbytes for s in specs[0].states) / 2**20
+    return [*family.plan_lines(args, target), "  functions:", *function_lines(specs),
+            f"  states: {total:.1f} MiB in all"]
 
 
 def _dflash2_lines(recipe: Recipe, recipe_path: Path, hidden: int, vocab: int, taps: list[int]) -> list[str]:

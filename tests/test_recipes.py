@@ -19,11 +19,26 @@ def test_dflash2_27b_plans_from_its_contract():
     assert result.exit_code == 0, result.output
     out = result.output
     assert "planned from the recipe's contracts" in out
-    assert "taps [1, 8, 25600] float16 (layers [5, 19, 33, 47, 61])" in out  # 5 taps x hidden 5120
+    assert "outputs: argmax_ids [1, 8] int32, taps [1, 8, 25600] float16" in out  # 5 taps x hidden 5120
     assert "anchor_embedding [1, 1, 5120] float16" in out and "draft_ids [1, 7] int32" in out
     assert "ring_keys [5, 8, 2048, 128] float16" in out and "ring_laps [1, 2048] float16" in out
     assert "taps [1, 64, 25600] float16, position_ids [1, 64] int32" in out  # context_update width 64
     assert "not pinned (read from config.json at build time): intermediate_size, dflash_config.mask_token_id" in out
+
+
+@pytest.mark.parametrize("recipe", ["dflash2_27b.yaml", "qwen3_mtp_27b.yaml"])
+def test_release_targets_plan_the_hybrid_functions_and_states(recipe):
+    """The contract pins Qwen3.8-27B's text_config: 48 Gated DeltaNet + 16 attention layers, every state with its
+    bytes (KV for the attention layers only; conv, recurrent and pending rows per GDN layer)."""
+    out = dry_run(RECIPES / recipe).output
+    verify = 8 if recipe == "dflash2_27b.yaml" else 3
+    assert "(48 Gated DeltaNet L, 16 gated attention F)" in out
+    assert "inputs:  input_ids [1, 64] int32, position_ids [1, 64] int32, accept [1] int32, valid [1] int32" in out
+    assert f"inputs:  input_ids [1, {verify}] int32, position_ids [1, {verify}] int32, accept [1] int32" in out
+    assert "key_cache [16, 4, 8192, 256] float16: 256.00 MiB" in out
+    assert "conv_state [48, 3, 10240] float16: 2.81 MiB" in out
+    assert "recurrent_state [48, 48, 128, 128] float16: 72.00 MiB" in out
+    assert f"pending_qkv [48, {verify}, 10240] float16" in out and f"pending_ba [48, {verify}, 96] float16" in out
 
 
 def test_qwen3_mtp_27b_plans_from_its_contract():
