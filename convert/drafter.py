@@ -22,7 +22,6 @@ from convert.compress import QuantizedLinear, apply_quantized
 from convert.errors import GateError, InputError
 from convert.host import ModuleFunctions, module_driver
 from convert.models import dflash2, mtp
-from convert.models.qwen3 import Qwen3Args
 from convert.quantize import round_to_nearest, summary
 from convert.recipe import Drafter, DrafterQuantization, Recipe
 from convert.sources import Snapshot, check_safetensors, resolve, tensor_shapes
@@ -51,9 +50,10 @@ class DrafterPlan:
         return {s.name: s.width for s in self.specs}
 
 
-def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, target: Qwen3Args,
+def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, target,
                  dtype: torch.dtype) -> DrafterPlan:
-    """Validate the drafter's config and tensor headers against the target; reads no weights."""
+    """Validate the drafter's config and tensor headers against the target (its architecture family's args);
+    reads no weights."""
     config = recipe.drafter
     where = recipe_path
     if config.source is None and config.kind != "mtp":

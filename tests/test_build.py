@@ -205,3 +205,21 @@ def test_gate_command_on_a_bundle(built, tmp_path):
     (tmp_path / "bad.yaml").write_text(bad)
     result = CliRunner().invoke(main, ["gate", str(tmp_path / "bad.yaml")])
     assert result.exit_code == 2 and "target.gate.thresholds.top1_minimum: unknown metric" in result.output
+
+
+@pytest.mark.parametrize("runtime", ["coreai", "torch"])
+def test_generate_on_a_dense_bundle(built, tiny_checkpoint, runtime):
+    """`spec-convert generate` drives a dense bundle too: the same ids as transformers' greedy generation."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp, bundle = built
+    prompt = "def add(a, b):\n    return"
+    ids = AutoTokenizer.from_pretrained(str(tiny_checkpoint)).encode(prompt)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids) :].tolist()
+    args = ["generate", str(bundle), "--prompt", prompt, "-n", "6", "--runtime", runtime, "--json"]
+    result = CliRunner().invoke(main, args + (["--recipe", str(tmp / "a.yaml")] if runtime == "torch" else []))
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output.strip().splitlines()[-1])
+    assert out["prompt_ids"] == ids and out["generated_ids"] == want
