@@ -77,7 +77,7 @@ def check_package(name: str, path, modules, calls: list | None = None) -> dict:
 def device_safe_forms(name: str, path, modules) -> dict:
     """No function of the package holds an op the architecture replaced by a device-safe form (a hybrid target's
     native silu and softplus: docs/hybrid.md), so no converter pass fused the safe form back into it."""
-    unsafe = set(getattr(getattr(modules.core, "args", None), "unsafe_ops", ()))
+    unsafe = set(getattr(modules.core.args, "unsafe_ops", ()))
     if not unsafe:
         return {}
     for function, types in backends.load(name).operation_types(path).items():
