@@ -163,24 +163,15 @@ def _write_extras(dplan, modules, out: Path) -> list[dict]:
 
 
 def _binding(dplan, target_manifest: Manifest, target_dir: Path) -> dict:
-    interface = target_manifest.drafter_interface
+    """The target manifest's records the drafter depends on, whole (``manifests.schema.TargetBinding``)."""
     mask = getattr(dplan.args, "mask_token_id", None) if dplan.kind == "dflash2" else None
-    taps = {"layers": list(dplan.args.target_layer_ids), "convention": TAP_CONVENTION} if dplan.kind == "dflash2" \
-        else None
+    records = target_manifest.model_dump(mode="json")
     return {
         "export_id": target_manifest.export_id,
-        "lm_head_sha256": target_manifest.weights.lm_head_sha256,
-        "lm_head_file_sha256": interface.lm_head_file.sha256,
-        "embedding_sha256": target_manifest.weights.embedding_sha256,
-        "embeddings_file_sha256": interface.embeddings_file.sha256,
+        **{name: records[name] for name in identity.BOUND_RECORDS},
         "mask_token_id": mask,
         "mask_row_sha256": identity.embedding_row_sha256(target_dir / identity.EMBEDDINGS_FILE, mask)
         if mask is not None else None,
-        "tokenizer_json_sha256": target_manifest.tokenizer.tokenizer_json_sha256,
-        "probe_ids_sha256": target_manifest.tokenizer.probe_ids_sha256,
-        "hidden_size": dplan.args.hidden_size,
-        "vocab_size": dplan.args.vocab_size,
-        "taps": taps,
         "hidden_convention": drafter.MTP_HIDDEN_CONVENTION if dplan.kind == "mtp" else None,
     }
 

@@ -93,8 +93,9 @@ def _print_drafter(m: DrafterManifest) -> None:
     out.print(f"  {a.kind} ({', '.join(a.architectures)}): {a.num_layers} layers, hidden {a.hidden_size}, heads "
               f"{a.num_heads}/{a.num_kv_heads} (head_dim {a.head_dim}), {a.parameter_count:,} parameters")
     out.print("  runtime " + ", ".join(f"{k}={v}" for k, v in a.runtime.items()))
-    out.print(f"  bound to target export {t.export_id[:16]}: lm_head {t.lm_head_sha256[:16]}, embedding "
-              f"{t.embedding_sha256[:16]}, tokenizer {t.tokenizer_json_sha256[:16]}, taps "
+    out.print(f"  bound to target export {t.export_id[:16]} ({t.architecture.family}, host contract "
+              f"{t.host_contract.name} v{t.host_contract.version}): lm_head {t.weights.lm_head_sha256[:16]}, embedding "
+              f"{t.weights.embedding_sha256[:16]}, tokenizer {t.tokenizer.tokenizer_json_sha256[:16]}, taps "
               f"{t.taps.layers if t.taps else None}, mask row {t.mask_row_sha256[:16] if t.mask_row_sha256 else None}")
     acc = m.acceptance
     out.print(f"  acceptance: {acc.get('tokens_per_round', 0):.3f} tokens per round, lossless {acc.get('lossless')}")

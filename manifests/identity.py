@@ -75,52 +75,70 @@ def embedding_row_sha256(embeddings_file: Path, row: int) -> str:
         return tensor_sha256(f.get_slice("weight")[row : row + 1])
 
 
+# The target manifest's records a drafter binds whole, in the order check-pair names differences: the most telling
+# first (a mask row that differs also changes the embedding hash and the export id; it is named first).
+BOUND_RECORDS = ("architecture", "taps", "tokenizer", "host_contract", "weights", "drafter_interface")
+
+
 def pair_mismatches(drafter, target, target_dir: Path) -> list[str]:
     """Every way a drafter manifest and a target bundle disagree, most specific first; [] when they match.
 
-    The target's borrowed files (lm_head.safetensors, embeddings.safetensors, tokenizer/tokenizer.json) are
-    hashed from the bundle itself, so a file changed after the build is caught even when the manifest was not.
+    Every field of every record the drafter bound (``BOUND_RECORDS``) is compared; the target's borrowed files
+    (lm_head.safetensors, embeddings.safetensors, tokenizer/tokenizer.json) are hashed from the bundle itself, and
+    its export id is recomputed from its manifest, so a file or a manifest changed after the build is caught.
     """
     expect = drafter.target
-    interface = target.drafter_interface
-    if interface is None:
+    if target.drafter_interface is None:
         return [f"target bundle {target_dir} has no drafter interface ({LM_HEAD_FILE}, {EMBEDDINGS_FILE}): build the "
                 "target from a recipe with a drafter"]
-    # the most telling fields first: a mask row that differs also changes the embedding hash and the export id
-    found: dict[str, object] = {
-        "hidden_size": target.architecture.hidden_size,
-        "vocab_size": target.architecture.vocab_size,
-        "taps": target.taps.model_dump() if target.taps else None,
-        "tokenizer_json_sha256": target.tokenizer.tokenizer_json_sha256,
-        "probe_ids_sha256": target.tokenizer.probe_ids_sha256,
-        "mask_row_sha256": None,
-        "lm_head_sha256": target.weights.lm_head_sha256,
-        "lm_head_file_sha256": _hash_or_missing(target_dir / LM_HEAD_FILE),
-        "embedding_sha256": target.weights.embedding_sha256,
-        "embeddings_file_sha256": _hash_or_missing(target_dir / EMBEDDINGS_FILE),
-    }
+    wanted, found = expect.model_dump(mode="json"), target.model_dump(mode="json")
+    problems: list[str] = []
+    for record in BOUND_RECORDS[:4]:
+        problems += _differences(f"target.{record}", wanted[record], found[record])
+    if expect.mask_token_id is not None:
+        embeddings = target_dir / EMBEDDINGS_FILE
+        row = embedding_row_sha256(embeddings, expect.mask_token_id) if embeddings.is_file() else "missing"
+        problems += _differences("target.mask_row_sha256", expect.mask_row_sha256, row)
+    for record in BOUND_RECORDS[4:]:
+        problems += _differences(f"target.{record}", wanted[record], found[record])
+    problems += _shipped_files(target, target_dir)
+    if expect.hidden_convention is not None and not target.drafter_interface.hidden_output:
+        problems.append(f"target.drafter_interface.hidden_output: the drafter reads the target's hidden states "
+                        f"({expect.hidden_convention}); this target build does not return them")
+    problems += _differences("target.export_id", expect.export_id, target.export_id)
+    recomputed = export_id(target.identity())
+    if recomputed != target.export_id:
+        problems.append(f"target.export_id: the target manifest says {target.export_id} but its content hashes to "
+                        f"{recomputed}: the manifest was edited after the build")
+    return problems
+
+
+def _differences(where: str, wanted, found) -> list[str]:
+    """One line per leaf that differs between two JSON values, named by its dotted path."""
+    if isinstance(wanted, dict) and isinstance(found, dict):
+        return [line for key in sorted(set(wanted) | set(found))
+                for line in _differences(f"{where}.{key}", wanted.get(key), found.get(key))]
+    if wanted != found:
+        return [f"{where}: the drafter was built for {wanted!r}, the target bundle has {found!r}"]
+    return []
+
+
+def _shipped_files(target, target_dir: Path) -> list[str]:
+    """The borrowed files as they are in the bundle now, against the hashes its manifest records."""
+    problems = []
+    interface = target.drafter_interface
+    for where, record in (("lm_head_file", interface.lm_head_file), ("embeddings_file", interface.embeddings_file)):
+        actual = _hash_or_missing(target_dir / record.path)
+        if actual != record.sha256:
+            problems.append(f"target.drafter_interface.{where}.sha256: {record.path} in the bundle hashes to "
+                            f"{actual}; its manifest says {record.sha256}")
     shipped_tokenizer = target_dir / "tokenizer" / "tokenizer.json"
     if shipped_tokenizer.is_file():
         shipped = tokenizer_identity(shipped_tokenizer)
-        for key in ("tokenizer_json_sha256", "probe_ids_sha256"):
-            if shipped[key] != found[key]:
-                found[key] = f"{shipped[key]} (tokenizer/tokenizer.json; its manifest says {found[key]})"
-    for key, record in (("lm_head_file_sha256", interface.lm_head_file), ("embeddings_file_sha256",
-                                                                            interface.embeddings_file)):
-        if found[key] != record.sha256:
-            found[key] = f"{found[key]} ({record.path}; its manifest says {record.sha256})"
-    embeddings = target_dir / EMBEDDINGS_FILE
-    if expect.mask_token_id is not None:
-        found["mask_row_sha256"] = embedding_row_sha256(embeddings, expect.mask_token_id) if embeddings.is_file() \
-            else "missing"
-    if expect.hidden_convention is not None:
-        found["hidden_convention"] = expect.hidden_convention if interface.hidden_output else "no hidden output"
-    found["export_id"] = target.export_id
-    wanted = expect.model_dump(mode="json")
-    problems = []
-    for key, value in found.items():
-        if wanted.get(key) != value:
-            problems.append(f"target.{key}: the drafter was built for {wanted.get(key)}, the target bundle has {value}")
+        for key, value in shipped.items():
+            if value != getattr(target.tokenizer, key):
+                problems.append(f"target.tokenizer.{key}: tokenizer/tokenizer.json in the bundle gives {value}; its "
+                                f"manifest says {getattr(target.tokenizer, key)}")
     return problems
 
 

@@ -226,20 +226,19 @@ class Manifest(BundleManifest):
 
 
 class TargetBinding(Model):
-    """The exact target build a drafter belongs to. ``spec-convert check-pair`` compares every field."""
+    """The exact target build a drafter belongs to: the target manifest's records the drafter depends on, whole.
+    ``spec-convert check-pair`` compares every field of every record, re-hashes the target bundle's borrowed files
+    and recomputes its export id from its manifest."""
 
     export_id: str
-    lm_head_sha256: str = Field(description="weights.lm_head_sha256 of the target manifest")
-    lm_head_file_sha256: str = Field(description="sha256 of the target bundle's lm_head.safetensors")
-    embedding_sha256: str
-    embeddings_file_sha256: str = Field(description="sha256 of the target bundle's embeddings.safetensors")
+    architecture: Architecture
+    host_contract: HostContract = Field(description="how a runtime drives the target (its rollback, versioned)")
+    tokenizer: Tokenizer
+    weights: Weights = Field(description="lm_head and embedding hashes exactly as the target ships them")
+    drafter_interface: DrafterInterface = Field(description="the target files the drafter reads, hashed")
+    taps: Taps | None = None
     mask_token_id: int | None = None
     mask_row_sha256: str | None = Field(None, description="sha256 of the embedding row of mask_token_id, fp16")
-    tokenizer_json_sha256: str
-    probe_ids_sha256: str
-    hidden_size: int
-    vocab_size: int
-    taps: Taps | None = None
     hidden_convention: str | None = Field(None, description="MTP: which target hidden state the head reads")
 
 

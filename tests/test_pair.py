@@ -29,7 +29,7 @@ target:
   context: 128
   taps: {taps}
   gate:  # random weights have near-flat logits: fp16 rounding flips a few argmax ids
-    data: {{samples: 2, length: 48}}
+    data: {{samples: 2, length: {length}}}
     greedy_tokens: 8
     thresholds: {{top1_min: 0.95, greedy_match_min: 0.5}}
 backends: [{backends}]
@@ -49,9 +49,10 @@ def run(*args: str):
     return CliRunner().invoke(main, list(args))
 
 
-def build(tmp: Path, name: str, source: Path, taps=TAPS, drafter: Path | None = None, backends="coreml") -> Path:
+def build(tmp: Path, name: str, source: Path, taps=TAPS, drafter: Path | None = None, backends="coreml",
+          length: int = 48) -> Path:
     recipe = tmp / f"{name}.yaml"
-    text = TARGET.format(name=name, source=source, taps=taps, backends=backends)
+    text = TARGET.format(name=name, source=source, taps=taps, backends=backends, length=length)
     recipe.write_text(text + (DRAFTER.format(source=drafter) if drafter else ""))
     result = run("build", str(recipe), "--output", str(tmp / name))
     assert result.exit_code == 0, result.output
@@ -103,8 +104,9 @@ def test_pair_bundle(pair):
     assert drafter["kind"] == "drafter" and target["kind"] == "target"
     binding = drafter["target"]
     assert binding["export_id"] == target["export_id"]
-    assert binding["lm_head_sha256"] == target["weights"]["lm_head_sha256"]
-    assert binding["taps"]["layers"] == TAPS == target["taps"]["layers"]
+    for record in ("architecture", "taps", "tokenizer", "host_contract", "weights", "drafter_interface"):
+        assert binding[record] == target[record], record  # whole records, every field
+    assert binding["taps"]["layers"] == TAPS
     assert {p.name for p in (bundle / "drafter").iterdir()} >= {
         "dflash2_lut4.aimodel", "dflash2_lut4.mlpackage", "selector.safetensors", "LICENSE", "SOURCE.json",
         "config.json", "manifest.json"}
@@ -126,14 +128,14 @@ def test_pair_bundle(pair):
 def test_refuses_other_lm_head(pair):
     tmp, bundle = pair
     other = build(tmp, "lm-head", variant(tmp, "ckpt-lm-head", edit_tensor("lm_head.weight", 7)))
-    assert "target.lm_head_sha256" in refusal(bundle / "drafter", other).splitlines()[0]
+    assert "target.weights.lm_head_sha256" in refusal(bundle / "drafter", other).splitlines()[0]
 
 
 def test_refuses_other_tap_order(pair):
     tmp, bundle = pair
     other = build(tmp, "taps", tmp / "target", taps=[3, 2, 0])
     output = refusal(bundle / "drafter", other)
-    assert "target.taps" in output.splitlines()[0]
+    assert "target.taps.layers" in output.splitlines()[0]
     assert "lm_head" not in output  # the same tables: only the tap order (and so the export id) differs
 
 
@@ -146,8 +148,8 @@ def test_refuses_other_tokenizer(pair):
 
     other = build(tmp, "tokenizer", variant(tmp, "ckpt-tokenizer", edit))
     output = refusal(bundle / "drafter", other)
-    assert "target.tokenizer_json_sha256" in output.splitlines()[0]
-    assert "lm_head" not in output
+    assert output.splitlines()[0].startswith("mismatch: target.tokenizer.")
+    assert "target.tokenizer.tokenizer_json_sha256" in output and "lm_head" not in output
 
 
 def test_refuses_other_mask_row(pair):
@@ -165,7 +167,7 @@ def test_refuses_a_file_changed_after_the_build(pair):
     tensors = load_file(copy / "lm_head.safetensors")
     tensors["weight"][0, 0] += 1
     save_file(tensors, copy / "lm_head.safetensors")
-    assert "target.lm_head_file_sha256" in refusal(bundle / "drafter", copy).splitlines()[0]
+    assert "target.drafter_interface.lm_head_file.sha256" in refusal(bundle / "drafter", copy).splitlines()[0]
 
 
 def test_check_pair_bad_input(pair):
@@ -187,3 +189,90 @@ def test_accept_cli(pair):
     assert "runtime: coreai" in result.output and "lossless True" in result.output
     result = run("accept", str(tmp / "pair.yaml"), "--runtime", "coreai")
     assert result.exit_code == 2 and "--bundle" in result.output
+
+
+BOUND = ("architecture", "taps", "tokenizer", "host_contract", "weights", "drafter_interface")
+SWAPS = {"qwen3": "qwen3_5", "qwen3_5": "qwen3", "positional": "commit-next-call", "commit-next-call": "positional"}
+
+
+def leaves(value, path: str):
+    """(dotted path, value) of every leaf of a JSON record; a list is one leaf."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from leaves(item, f"{path}.{key}")
+    elif value is not None:
+        yield path, value
+
+
+def changed(value):
+    """Another value of the same type, valid for the manifest schema."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value + 1
+    if isinstance(value, str):
+        return SWAPS.get(value, value + "-other")
+    return value + value[-1:]  # a list: one more item of the same kind
+
+
+def light_copy(target: Path, to: Path) -> Path:
+    """What check-pair reads of a target bundle: its manifest and the files a drafter borrows."""
+    (to / "tokenizer").mkdir(parents=True)
+    for name in ("manifest.json", "lm_head.safetensors", "embeddings.safetensors", "tokenizer/tokenizer.json"):
+        shutil.copy2(target / name, to / name)
+    return to
+
+
+def every_field_is_bound(tmp: Path, bundle: Path) -> int:
+    """Each leaf of each bound record changed alone in a copy of the target manifest: check-pair refuses, naming it
+    first. Returns how many fields were tried."""
+    original = manifest(bundle / "target")
+    fields = [(path, value) for record in BOUND for path, value in leaves(original[record], record)]
+    for i, (path, value) in enumerate(fields):
+        copy = light_copy(bundle / "target", tmp / f"field-{i}")
+        edited = json.loads(json.dumps(original))
+        node = edited
+        *parents, last = path.split(".")
+        for part in parents:
+            node = node[part]
+        node[last] = changed(value)
+        (copy / "manifest.json").write_text(json.dumps(edited))
+        assert f"target.{path}" in refusal(bundle / "drafter", copy).splitlines()[0], path
+        shutil.rmtree(copy)
+    return len(fields)
+
+
+def test_every_field_of_every_bound_record_is_checked(pair, tmp_path):
+    tmp, bundle = pair
+    assert every_field_is_bound(tmp_path, bundle) > 30
+    copy = light_copy(bundle / "target", tmp_path / "edited")  # a field outside the records: the export id catches it
+    edited = manifest(copy)
+    edited["gate"]["metrics"]["kl_mean"] = 0.5
+    (copy / "manifest.json").write_text(json.dumps(edited))
+    assert "the manifest was edited after the build" in refusal(bundle / "drafter", copy).splitlines()[0]
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    """A seeded tiny hybrid (Gated DeltaNet + attention) target and a random DFlash2 drafter tapping both layer
+    kinds, built the normal way."""
+    from qwen3_5_checkpoints import write_checkpoint as write_hybrid
+
+    tmp = tmp_path_factory.mktemp("hybrid-pair")
+    write_hybrid(tmp / "target", hidden_size=64, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16)
+    draft = {"target_layer_ids": TAPS, "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
+             "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
+    write_drafter(tmp / "drafter", config=tiny_config(vocab_size=4096, dflash_config=draft))
+    return tmp, build(tmp, "hybrid", tmp / "target", drafter=tmp / "drafter", length=64)  # 4 probe blocks of 8
+
+
+def test_hybrid_pair_binds_the_host_contract_and_every_field(hybrid_pair, pair, tmp_path):
+    tmp, bundle = hybrid_pair
+    drafter = manifest(bundle / "drafter")
+    assert drafter["target"]["host_contract"]["name"] == "spec-convert/commit-next-call"
+    assert drafter["acceptance"]["lossless"] is True
+    assert run("check-pair", str(bundle / "drafter"), str(bundle / "target")).exit_code == 0
+    assert every_field_is_bound(tmp_path, bundle) > 30
+    # a drafter built for the dense target, paired with the hybrid one
+    _, dense = pair
+    assert refusal(dense / "drafter", bundle / "target").splitlines()[0].startswith("mismatch: target.architecture.")
