@@ -9,7 +9,9 @@ One round, DFlash2 (docs/drafters.md): the drafter proposes ``W - 1`` tokens aft
 token the target produced) from its context ring; the target verifies ``[anchor, drafts]`` at positions
 ``p .. p+W-1``; the longest prefix of drafts equal to the target's argmax ids is accepted, plus the target's
 next id (the bonus). The verify rows of the anchor and the accepted drafts are the drafter's new context. Rows
-past them are stale in both KV caches and are overwritten later (positional rollback, nothing copied).
+past them are stale in both KV caches and are overwritten later (positional rollback, nothing copied). On a
+hybrid target the driver's next call starts at the bonus position, which tells the target (host contract
+``commit-next-call``) how many verify rows to commit into its recurrent states; the rest are dropped.
 
 One round, MTP: the head's ``accept`` over the newly committed tokens (each paired with the target's hidden
 state of the position before it) returns the first draft, ``draft_step`` chains the rest; the target

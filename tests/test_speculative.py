@@ -4,9 +4,11 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import write_checkpoint
+from qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
 from convert import speculative
 from convert.host import ModuleFunctions, module_driver
+from convert.models import read_args
 from convert.models.qwen3 import Qwen3Args
 from convert.recipe import Graphs, Target
 from convert.sources import load_tensors, read_json
@@ -15,14 +17,22 @@ from convert.target import build_modules
 WIDTH = 5
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
+@pytest.fixture(scope="module", params=["dense", "hybrid"])
+def target(request, tmp_path_factory):
+    """The loop runs on a dense target (positional rollback) and on a hybrid one (Gated DeltaNet + attention: a
+    rejected draft's recurrent state is dropped through the commit-next-call host contract)."""
     directory = tmp_path_factory.mktemp("spec") / "t"
-    write_checkpoint(directory, hidden_size=64, num_hidden_layers=2)
-    args = Qwen3Args.from_config(read_json(directory / "config.json"))
-    spec = Target(source="path:x", graphs=Graphs(prefill=8, verify=WIDTH), context=96, taps=[0, 1], logits=True)
+    if request.param == "dense":
+        write_checkpoint(directory, hidden_size=64, num_hidden_layers=2)
+    else:
+        write_hybrid(directory, seed=1)
+    args = read_args(read_json(directory / "config.json"))
+    spec = Target(source="path:x", graphs=Graphs(prefill=8, verify=WIDTH), context=96, taps=[0, 1], logits=True,
+                  hidden=True)
     modules = build_modules(args, spec, load_tensors(directory), torch.float32)
-    return module_driver(modules)
+    driver = module_driver(modules)
+    assert driver.commits == (request.param == "hybrid")
+    return driver
 
 
 class ScriptedDrafter:
@@ -75,6 +85,32 @@ def test_first_wrong_draft_ends_the_round(target, wrong_at, accepted):
     assert {r.accepted for r in run.rounds[:-1]} == {accepted}
     stats = speculative.acceptance_stats([run], WIDTH)
     assert stats["acceptance_by_position"][: accepted + 1] == [1.0] * accepted + [0.0]
+
+
+class CyclingDrafter(ScriptedDrafter):
+    """Round r's first wrong draft is at position r mod WIDTH (WIDTH - 1 drafts: the last value means none
+    wrong), so the rounds accept 0, 1, ..., WIDTH - 1 drafts in turn."""
+
+    def __init__(self, truth: list[int], prompt_len: int):
+        super().__init__(truth, prompt_len, wrong_at=set())
+        self.round = 0
+
+    def draft(self, anchor: int, p0: int) -> list[int]:
+        self.wrong_at = {self.round % WIDTH}
+        self.round += 1
+        return super().draft(anchor, p0)
+
+
+def test_partial_accepts_of_every_length_keep_the_target_exact(target):
+    """Every accept length 0..WIDTH-1 occurs; the target's verify logits of every emitted token equal plain
+    greedy decoding's (fp32): the rejected rows left no trace in its KV cache or recurrent state."""
+    tokens = 40
+    truth, greedy_logits = target.greedy(prompt(), tokens + WIDTH)
+    run, logits = speculative.speculate("dflash2", target, CyclingDrafter(truth, len(prompt())), prompt(), tokens)
+    assert run.output == truth[:tokens]
+    assert {r.accepted for r in run.rounds} == set(range(WIDTH))
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(logits, greedy_logits[:tokens], strict=True))
+    assert worst < 1e-4
 
 
 def test_lossless_check_classifies_divergence():
