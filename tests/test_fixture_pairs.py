@@ -1,4 +1,6 @@
-"""The fixture targets (dense and hybrid) with their trained drafters, built from the shipped recipes (minutes each on 2 cores).
+"""The fixture targets (dense and hybrid) with their trained drafters, built from the shipped recipes.
+
+Minutes each on 2 cores.
 
 Each build gates the target, measures speculative decoding on held-out prompts (lossless or the build fails),
 runs the paired A/B of the 4-bit drafter against the fp16 one (a significant loss fails the build), packages
