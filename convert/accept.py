@@ -8,17 +8,21 @@ pair check; divergences from plain greedy are classified by the torch modules' l
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from convert import backends, drafter, speculative
+from convert import backends
 from convert.build import make_plan, shipped_modules
-from convert.drafter_build import format_ab, format_stats, held_out_prompts, measure, shipped_drafter
+from convert.drafter_build import format_ab, format_stats, held_out_prompts, measure, measure_held_out, shipped_drafter
 from convert.errors import GateError, InputError
 from convert.export import compute_copy
 from convert.host import TargetDriver, module_driver
 from convert.progress import console, stage
+
+CORE_AI_TOKENS = 16  # the Core AI runtime's CPU reference emulates fp16: one short prompt, a few rounds
 
 
 def run_accept(recipe_path: Path, bundle: Path | None, runtime: str, tokens: int | None, prompts: int | None) -> dict:
@@ -35,11 +39,11 @@ def run_accept(recipe_path: Path, bundle: Path | None, runtime: str, tokens: int
     target32 = compute_copy(target, torch.float32)
     modules, fp16_modules, _ = shipped_drafter(plan, target, target32)
     if runtime == "torch":
-        acceptance, ab = measure(plan, target, target32, modules, fp16_modules, held_out_prompts(plan))
+        acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules)
         return {"runtime": "torch", "acceptance": acceptance, "ab": ab}
     if bundle is None:
         raise InputError("--runtime coreai runs a built bundle's packages: give --bundle DIR")
-    return _run_coreai(plan, bundle, target, target32, modules)
+    return _run_coreai(plan, bundle, target, target32, modules, fp16_modules)
 
 
 def _package(folder: Path) -> Path:
@@ -49,7 +53,7 @@ def _package(folder: Path) -> Path:
     return found[0]
 
 
-def _run_coreai(plan, bundle: Path, target, target32, modules) -> dict:
+def _run_coreai(plan, bundle: Path, target, target32, modules, fp16_modules) -> dict:
     from convert.inspect import read_manifest
     from manifests import identity
 
@@ -60,27 +64,24 @@ def _run_coreai(plan, bundle: Path, target, target32, modules) -> dict:
         raise GateError(f"check-pair: {problems[0]}")
     if target_manifest.weights.lm_head_sha256 != identity.tensor_sha256(target.core.lm_head.weight):
         raise InputError(f"{bundle}: the bundle was not built from {plan.recipe_path} (lm_head differs)")
-    kind, spec = plan.drafter.kind, plan.drafter.config.accept
+    if target_manifest.host_contract.model_dump() != target.contract:
+        raise InputError(f"{target_dir}: the bundle's host contract differs from this version's; rebuild it")
     prompt = held_out_prompts(plan)[0][0][: plan.recipe.target.graphs.prefill]
-    count = min(spec.tokens, 16)
-    embeddings = drafter.anchor_table(target)
+    count = min(plan.drafter.config.accept.tokens, CORE_AI_TOKENS)
     coreai = backends.load("coreai")
     target_package, drafter_package = _package(target_dir), _package(drafter_dir)
     with coreai.open_session(target_package) as t_session, coreai.open_session(drafter_package) as d_session:
-        t_driver = TargetDriver(t_session, target.widths, target_manifest.host_contract.model_dump())
-        d_driver = (speculative.DFlash2Driver(d_session, modules.widths, embeddings) if kind == "dflash2"
-                    else speculative.MTPDriver(d_session, modules.widths))
-        with stage(f"speculative decoding on the Core AI runtime: {len(prompt)}-token prompt, {count} tokens"):
-            run, spec_logits = speculative.speculate(kind, t_driver, d_driver, prompt, count)
-        with stage("plain greedy decoding on the Core AI runtime"):
-            greedy_ids, _ = t_driver.greedy(prompt, count)
-    reference = module_driver(target32)
-    _, torch_logits = reference.greedy(prompt, count)
-    speculative.check_lossless(run, greedy_ids, spec_logits, torch_logits, drafter.NEAR_TIE_LOGITS)
-    stats = speculative.acceptance_stats([run], t_driver.widths["verify"])
-    drafter.raise_if_lossy(stats, [run])
-    return {"runtime": "coreai", "acceptance": {**stats, "prompt_tokens": len(prompt), "tokens": count,
-                                                "output": " ".join(map(str, run.output))}, "ab": None}
+        with stage(f"plain greedy decoding on the Core AI runtime: {len(prompt)}-token prompt, {count} tokens"):
+            greedy_ids, _ = TargetDriver(t_session, target.widths, target.contract).greedy(prompt, count)
+        _, torch_logits = module_driver(target32).greedy(prompt, count)  # classifies any divergence
+        acceptance, ab = measure(plan, target, target32, modules, fp16_modules, [prompt], count,
+                                 [(greedy_ids, torch_logits)], (t_session, d_session))
+    return {"runtime": "coreai", "acceptance": {**acceptance, "prompt_tokens": len(prompt), "tokens": count},
+            "ab": ab}
+
+
+def result_json(result: dict) -> str:
+    return json.dumps(result, indent=2, default=lambda v: v.item() if isinstance(v, np.generic) else str(v))
 
 
 def print_result(result: dict) -> None:

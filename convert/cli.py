@@ -101,15 +101,23 @@ def gate(recipe: Path, bundle: Path | None, report: Path) -> None:
 @click.option("--bundle", "-b", type=click.Path(path_type=Path), help="the built bundle (target/ and drafter/)")
 @click.option("--tokens", type=int, help="tokens generated per prompt (default: the recipe's drafter.accept.tokens)")
 @click.option("--prompts", type=int, help="held-out prompts (default: the recipe's drafter.accept.samples)")
+@click.option("--json", "as_json", is_flag=True, help="print the measurements as JSON")
 @user_errors
-def accept(recipe: Path, runtime: str, bundle: Path | None, tokens: int | None, prompts: int | None) -> None:
+def accept(recipe: Path, runtime: str, bundle: Path | None, tokens: int | None, prompts: int | None,
+           as_json: bool) -> None:
     """Greedy speculative decoding of a recipe's target with its drafter: tokens per round, acceptance per draft
     position, and the lossless check against plain greedy decoding (exit 1 when it fails).
 
-    A quantized drafter is also compared with its fp16 self on the same prompts (paired A/B)."""
-    from convert.accept import print_result, run_accept
+    Also: the bytes each call reads (weights as shipped plus states) and the speedup the acceptance predicts
+    under a bandwidth-bound cost model; prompt-lookup (n-gram) drafting on the same prompts and target as the
+    zero-cost baseline; and for a quantized drafter the paired A/B against its fp16 self."""
+    from convert.accept import print_result, result_json, run_accept
 
-    print_result(run_accept(recipe, bundle, runtime, tokens, prompts))
+    result = run_accept(recipe, bundle, runtime, tokens, prompts)
+    if as_json:
+        click.echo(result_json(result))
+    else:
+        print_result(result)
 
 
 @main.command()

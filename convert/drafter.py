@@ -20,7 +20,7 @@ from convert import contract, speculative
 from convert.backends.base import FunctionSpec
 from convert.compress import QuantizedLinear, apply_quantized
 from convert.errors import GateError, InputError
-from convert.host import ModuleFunctions, module_driver
+from convert.host import ModuleFunctions, TargetDriver, module_driver
 from convert.models import dflash2, mtp
 from convert.quantize import round_to_nearest, summary
 from convert.recipe import Drafter, DrafterQuantization, Recipe
@@ -163,25 +163,57 @@ def anchor_table(target_modules) -> np.ndarray:
     return target_modules.core.embed_tokens.weight.detach().numpy()
 
 
-def drivers(kind: str, target_modules, drafter_modules, embeddings: np.ndarray):
-    target = module_driver(target_modules)
-    functions = ModuleFunctions(drafter_modules)
+def drivers(kind: str, target_modules, drafter_modules, embeddings: np.ndarray, functions=None):
+    """The target's driver and the drafter's (``kind`` dflash2, mtp or ngram: prompt lookup, no modules), on
+    ``functions`` (target's, drafter's) when given, else on the modules themselves."""
+    target_functions, drafter_functions = functions or (
+        ModuleFunctions(target_modules), None if drafter_modules is None else ModuleFunctions(drafter_modules))
+    target = TargetDriver(target_functions, target_modules.widths, target_modules.contract)
     if kind == "dflash2":
-        return target, speculative.DFlash2Driver(functions, drafter_modules.widths, embeddings)
-    return target, speculative.MTPDriver(functions, drafter_modules.widths)
+        return target, speculative.DFlash2Driver(drafter_functions, drafter_modules.widths, embeddings)
+    if kind == "mtp":
+        return target, speculative.MTPDriver(drafter_functions, drafter_modules.widths)
+    return target, speculative.NGramDrafter()
+
+
+def greedy_references(target_modules, prompts: list[list[int]], tokens: int) -> list[tuple[list[int], list]]:
+    """Plain greedy decoding of each prompt (ids and the logits each was chosen from): the lossless reference."""
+    target = module_driver(target_modules)
+    return [target.greedy(prompt, tokens) for prompt in prompts]
 
 
 def accept(kind: str, target_modules, drafter_modules, prompts: list[list[int]], tokens: int,
-           embeddings: np.ndarray) -> tuple[dict, list[speculative.PromptRun]]:
-    """Speculative decoding over ``prompts`` and the lossless check against plain greedy of the same target."""
-    target, drafter = drivers(kind, target_modules, drafter_modules, embeddings)
+           embeddings: np.ndarray, references: list | None = None,
+           functions: tuple | None = None) -> tuple[dict, list[speculative.PromptRun]]:
+    """Speculative decoding over ``prompts`` and the lossless check against plain greedy of the same target
+    (``references``: ``greedy_references`` of these prompts, computed here when not given); on ``functions``
+    (see ``drivers``) when given."""
+    target, drafter = drivers(kind, target_modules, drafter_modules, embeddings, functions)
+    references = references or greedy_references(target_modules, prompts, tokens)
     runs = []
-    for prompt in prompts:
+    for prompt, (greedy_ids, greedy_logits) in zip(prompts, references, strict=True):
         run, spec_logits = speculative.speculate(kind, target, drafter, prompt, tokens)
-        greedy_ids, greedy_logits = target.greedy(prompt, tokens)
         speculative.check_lossless(run, greedy_ids, spec_logits, greedy_logits, NEAR_TIE_LOGITS)
         runs.append(run)
-    return speculative.acceptance_stats(runs, target.widths["verify"]), runs
+    width = target.widths["verify"]
+    stats = speculative.ngram_stats(runs, width) if kind == "ngram" else speculative.acceptance_stats(runs, width)
+    return stats, runs
+
+
+def economics(kind: str, target_modules, target32, drafter_modules, drafter32, prompt: list[int], tokens: int,
+              embeddings: np.ndarray, tokens_per_round: float) -> dict:
+    """Bytes read per call and the cost model (``convert.economics``) over one metered speculative run of
+    ``prompt`` (the fp32 compute copies run, elements priced as the shipped modules store them) and a decode
+    call of the target."""
+    from convert.economics import MeteredFunctions, cost_model
+
+    log: list = []
+    functions = (MeteredFunctions(target32, target_modules, "target", log),
+                 MeteredFunctions(drafter32, drafter_modules, "drafter", log))
+    target, drafter = drivers(kind, target32, drafter32, embeddings, functions)
+    speculative.speculate(kind, target, drafter, prompt, tokens)
+    target.greedy(prompt, 2)  # prefill, then one decode call: the unit of cost
+    return cost_model(log, tokens_per_round)
 
 
 def raise_if_lossy(stats: dict, runs: list[speculative.PromptRun]) -> None:

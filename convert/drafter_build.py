@@ -18,8 +18,10 @@ import torch
 
 from convert import drafter, gates
 from convert.bundle import MANIFEST
+from convert.economics import format_economics, ngram_speedup
 from convert.errors import GateError
 from convert.export import compute_copy
+from convert.host import ModuleFunctions
 from convert.progress import console, stage
 from convert.quantize import calibration_text
 from convert.sources import file_records, license_files, sha256_file
@@ -70,23 +72,40 @@ def shipped_drafter(plan, target: TargetModules, target32: TargetModules):
     return modules, fp16, {**record, "calibration": calibration}
 
 
-def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_modules,
-            held_out) -> tuple[dict, dict | None]:
-    """Acceptance of the shipped pair (lossless or fail) and, for a quantized drafter, the A/B verdict; the
-    modules compute in fp32 (``target32``: the shipped target upcast)."""
+def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_modules, prompts: list[list[int]],
+            tokens: int, references: list, functions: tuple | None = None) -> tuple[dict, dict | None]:
+    """Acceptance of the shipped pair against ``references`` (plain greedy of each prompt: lossless or fail), the
+    bytes each call reads and the predicted speedup, the n-gram baseline on the same target, and for a quantized
+    drafter the A/B verdict against the fp16 one. The torch modules compute in fp32 (``target32``: the shipped
+    target upcast) unless ``functions`` (the target's and the drafter's, e.g. Core AI sessions of the packages)
+    are given; the fp16 drafter of the A/B then runs as torch modules against that target (no fp16 package is
+    shipped). Bytes are a property of the graphs and are metered on the torch modules."""
     dplan, spec = plan.drafter, plan.drafter.config.accept
-    prompts, data = held_out
     embeddings = drafter.anchor_table(target)
-    with stage(f"accept: {len(prompts)} held-out prompts x {spec.tokens} tokens, speculative vs greedy"):
-        stats, runs = drafter.accept(dplan.kind, target32, compute_copy(modules, torch.float32), prompts,
-                                     spec.tokens, embeddings)
+    drafter32 = compute_copy(modules, torch.float32)
+
+    def with_drafter(drafter_functions):
+        return None if functions is None else (functions[0], drafter_functions)
+
+    with stage(f"accept: {len(prompts)} prompts x {tokens} tokens, speculative vs greedy"):
+        stats, runs = drafter.accept(dplan.kind, target32, drafter32, prompts, tokens, embeddings, references,
+                                     functions)
     drafter.raise_if_lossy(stats, runs)
-    acceptance = {"data": data, **stats}
+    with stage("economics: bytes read per call (one metered run)"):
+        economics = drafter.economics(dplan.kind, target, target32, modules, drafter32, prompts[0], tokens,
+                                      embeddings, stats["tokens_per_round"])
+    with stage("n-gram baseline: prompt lookup on the same prompts and target (no package)"):
+        ngram, ngram_runs = drafter.accept("ngram", target32, None, prompts, tokens, embeddings, references,
+                                           with_drafter(None))
+    drafter.raise_if_lossy(ngram, ngram_runs)
+    ngram["predicted_speedup"] = ngram_speedup(ngram, economics["verify_cost"])
+    acceptance = {**stats, "economics": economics, "ngram": ngram}
     if fp16_modules is None:
         return acceptance, None
+    base32 = compute_copy(fp16_modules, torch.float32)
     with stage("A/B: the fp16 drafter on the same prompts"):
-        base_stats, base_runs = drafter.accept(dplan.kind, target32, compute_copy(fp16_modules, torch.float32),
-                                               prompts, spec.tokens, embeddings)
+        base_stats, base_runs = drafter.accept(dplan.kind, target32, base32, prompts, tokens, embeddings,
+                                               references, with_drafter(ModuleFunctions(base32)))
     ab = drafter.ab_verdict(paired_ab(base_runs, runs), spec.max_p_value)
     ab["fp16_tokens_per_round"] = base_stats["tokens_per_round"]
     if ab["significant_loss"]:
@@ -98,10 +117,34 @@ def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_
     return acceptance, ab
 
 
+def measure_held_out(plan, target: TargetModules, target32: TargetModules, modules, fp16_modules):
+    """``measure`` on the recipe's held-out prompts in torch, against plain greedy of the same modules."""
+    (prompts, data), tokens = held_out_prompts(plan), plan.drafter.config.accept.tokens
+    with stage(f"plain greedy decoding: {len(prompts)} held-out prompts x {tokens} tokens"):
+        references = drafter.greedy_references(target32, prompts, tokens)
+    acceptance, ab = measure(plan, target, target32, modules, fp16_modules, prompts, tokens, references)
+    return {"data": data, **acceptance}, ab
+
+
+def _by_position(stats: dict) -> str:
+    return ", ".join("-" if a is None else f"{a:.2f}" for a in stats["acceptance_by_position"])
+
+
 def format_stats(stats: dict) -> str:
-    by_position = ", ".join("-" if a is None else f"{a:.2f}" for a in stats["acceptance_by_position"])
-    return (f"tokens per round {stats['tokens_per_round']:.3f} over {stats['rounds']} rounds; acceptance by draft "
-            f"position [{by_position}]; lossless {stats['lossless']} ({stats['near_ties']} near ties)")
+    lines = [f"tokens per round {stats['tokens_per_round']:.3f} over {stats['rounds']} rounds; acceptance by draft "
+             f"position [{_by_position(stats)}]; lossless {stats['lossless']} ({stats['near_ties']} near ties)"]
+    if "economics" in stats:
+        lines.append(format_economics(stats["economics"]))
+    if "ngram" in stats:
+        ngram = stats["ngram"]
+        per_verify = "-" if ngram["tokens_per_verify"] is None else f"{ngram['tokens_per_verify']:.3f}"
+        lines.append(
+            f"n-gram baseline (prompt lookup, orders 3..1, no package): {ngram['tokens']} tokens in "
+            f"{ngram['verify_calls']} verify + {ngram['decode_calls']} decode calls (a proposal in "
+            f"{ngram['hit_rate']:.2f} of rounds, {per_verify} tokens per verify); acceptance by draft position "
+            f"[{_by_position(ngram)}]; lossless {ngram['lossless']} -> predicted speedup "
+            f"{ngram['predicted_speedup']:.2f}x")
+    return "\n".join(lines)
 
 
 def format_ab(ab: dict) -> str:
@@ -119,13 +162,12 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
         source_files = file_records(dplan.snapshot.directory)
     target32 = compute_copy(target, torch.float32)
     modules, fp16_modules, quantization = shipped_drafter(plan, target, target32)
-    held_out = held_out_prompts(plan)
-    acceptance, ab = measure(plan, target, target32, modules, fp16_modules, held_out)
+    acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules)
     del target32  # packaging needs only the fp16 modules; the fp32 copy of the target is freed
     console.print(format_stats(acceptance))
     if ab:
         console.print(format_ab(ab))
-    prompt = held_out[0][0][:CHECK_PROMPT_TOKENS]
+    prompt = held_out_prompts(plan)[0][0][:CHECK_PROMPT_TOKENS]
     calls = drafter.recorded_calls(dplan.kind, target, modules, prompt, CHECK_GENERATED, drafter.anchor_table(target))
     packages = []
     method = dplan.config.quantization.method

@@ -119,7 +119,10 @@ class ModuleFunctions:
         self.modules.reset()
 
     def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = self.modules.call(function, **inputs)
+        return self.numpy(self.modules.call(function, **inputs))
+
+    @staticmethod
+    def numpy(out: dict) -> dict[str, np.ndarray]:
         return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in out.items()}
 
 

@@ -17,6 +17,9 @@ One round, MTP: the head's ``accept`` over the newly committed tokens (each pair
 state of the position before it) returns the first draft, ``draft_step`` chains the rest; the target
 verifies ``[bonus, drafts]``.
 
+One round, n-gram (prompt lookup, the zero-cost baseline): ``NGramDrafter`` proposes up to ``W - 1`` tokens from
+an earlier occurrence of the text's suffix; the target verifies them, or, with no proposal, decodes one token.
+
 Losslessness: the output must equal plain greedy decoding of the same target (prefill, then decode steps).
 A divergence is classified by the target's logits at that position in the speculative run (its verify logits),
 as the gates do: the two ids' logits closer than the near-tie margin is a near tie (block vs chain
@@ -105,6 +108,23 @@ class MTPDriver:
         return int(np.asarray(out["draft_ids"])[0, 0]), np.asarray(out["hidden_out"])[0, 0]
 
 
+class NGramDrafter:
+    """Prompt lookup (no model, no package): the longest suffix of the text so far, of ``max_order`` tokens down to
+    one, that occurred earlier; its most recent earlier occurrence's continuation is the proposal (empty when no
+    suffix recurs: the round is then a plain decode call)."""
+
+    def __init__(self, max_order: int = 3):
+        self.max_order = max_order
+
+    def propose(self, text: list[int], count: int) -> list[int]:
+        for order in range(min(self.max_order, len(text) - 1), 0, -1):
+            suffix = text[-order:]
+            for start in range(len(text) - order - 1, -1, -1):
+                if text[start : start + order] == suffix:
+                    return text[start + order : start + order + count]
+        return []
+
+
 def speculate(kind: str, target: TargetDriver, drafter, prompt: list[int], tokens: int) -> tuple[PromptRun, list]:
     """Greedy speculative decoding of ``tokens`` ids after ``prompt``; returns the run and per output id the
     target logits it was chosen from (None where the target does not return logits)."""
@@ -117,19 +137,21 @@ def speculate(kind: str, target: TargetDriver, drafter, prompt: list[int], token
     if kind == "dflash2":
         drafter.functions.reset()
         drafter.add_context(out["taps"], 0, "context_update")
-    else:
+    elif kind == "mtp":
         drafter.functions.reset()
         draft, hidden = drafter.accept(prompt[1:] + [bonus], out["hidden"], 1)
     p = n  # position of the bonus token (the anchor)
     while len(output) < tokens:
         if kind == "dflash2":
             proposal = drafter.draft(bonus, p)
-        else:
+        elif kind == "mtp":
             proposal = [draft]
             for j in range(1, width - 1):
                 draft_j, hidden = drafter.step(proposal[-1], hidden, p + j)
                 proposal.append(draft_j)
-        verified = target.run("verify", [bonus] + proposal, p)
+        else:
+            proposal = drafter.propose(run.prompt + output, width - 1)
+        verified = target.run("verify" if proposal else "decode", [bonus] + proposal, p)
         argmax = [int(t) for t in verified["argmax_ids"]]
         k = 0
         while k < len(proposal) and proposal[k] == argmax[k]:
@@ -140,7 +162,7 @@ def speculate(kind: str, target: TargetDriver, drafter, prompt: list[int], token
         logits.extend(verified["logits"][: k + 1] if "logits" in verified else [None] * (k + 1))
         if kind == "dflash2":
             drafter.add_context(verified["taps"][: k + 1], p, "context_append")
-        else:
+        elif kind == "mtp":
             draft, hidden = drafter.accept(new, verified["hidden"][: k + 1], p + 1)
         bonus, p = new[-1], p + k + 1
     del output[tokens:]
@@ -182,6 +204,17 @@ def acceptance_stats(runs: list[PromptRun], width: int) -> dict:
         "near_ties": sum(d["kind"] == "near_tie" for d in divergences),
         "real_flips": sum(d["kind"] == "real_flip" for d in divergences),
     }
+
+
+def ngram_stats(runs: list[PromptRun], width: int) -> dict:
+    """``acceptance_stats`` of a prompt-lookup run, with its calls split: rounds with a proposal are verify calls,
+    the rest decode calls; ``tokens``: the ids the rounds produced (the prefill's first id not among them)."""
+    stats = acceptance_stats(runs, width)
+    rounds = [r for run in runs for r in run.rounds]
+    verify = sum(bool(r.proposal) for r in rounds)
+    return {**stats, "tokens": sum(r.accepted + 1 for r in rounds), "verify_calls": verify,
+            "decode_calls": len(rounds) - verify, "hit_rate": verify / len(rounds) if rounds else 0.0,
+            "tokens_per_verify": sum(r.accepted + 1 for r in rounds if r.proposal) / verify if verify else None}
 
 
 def paired_ab(base: list[PromptRun], other: list[PromptRun]) -> dict:

@@ -277,7 +277,11 @@ class DrafterManifest(BundleManifest):
     architecture: DrafterArchitecture
     target: TargetBinding
     quantization: DrafterQuantization | None = None
-    acceptance: dict = Field(description="greedy speculative decoding with the shipped pair on held-out prompts")
+    acceptance: dict = Field(
+        description="greedy speculative decoding with the shipped pair on held-out prompts: tokens_per_round, "
+        "acceptance_by_position, the lossless counts; economics (bytes_per_call by side.function with weights and "
+        "states, verify_cost and draft_cost in target decode calls, predicted_speedup); ngram (the prompt-lookup "
+        "baseline on the same prompts and target: verify_calls, decode_calls, hit_rate, predicted_speedup)")
     ab: dict | None = Field(None, description="quantized vs fp16 drafter, paired by text offset (quantized only)")
     functions: list[Function]
     packages: list[Package]

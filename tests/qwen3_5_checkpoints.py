@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import torch
+from checkpoints import write_checkpoint as write_dense
 from checkpoints import write_tokenizer
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
@@ -62,6 +63,15 @@ def write_checkpoint(directory: Path, seed: int = 0, conditional: bool = False, 
     model.save_pretrained(directory, safe_serialization=True)
     write_tokenizer(directory)
     return model
+
+
+def write_small_target(directory: Path, kind: str) -> None:
+    """The two small targets the loop tests share: ``dense`` (Qwen3, 2 layers, hidden 64) or ``hybrid`` (this
+    file's Qwen3.5 default, seed 1)."""
+    if kind == "dense":
+        write_dense(directory, hidden_size=64, num_hidden_layers=2)
+    else:
+        write_checkpoint(directory, seed=1)
 
 
 def rewrite_config(directory: Path, edit) -> None:

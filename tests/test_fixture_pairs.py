@@ -32,5 +32,14 @@ def test_fixture_pair_builds(tmp_path, recipe, min_tokens_per_round):
     assert acceptance["tokens_per_round"] > min_tokens_per_round  # measured: dense 2.9 / 2.5, hybrid 3.2 / 2.2
     assert ab["significant_loss"] is False and ab["fp16_tokens_per_round"] > min_tokens_per_round
     assert drafter["quantization"]["method"].startswith("lut4")
+    economics, ngram = acceptance["economics"], acceptance["ngram"]
+    assert economics["predicted_speedup"] > 1.0 and ngram["lossless"] is True
     result = CliRunner().invoke(main, ["check-pair", str(tmp_path / "b" / "drafter"), str(tmp_path / "b" / "target")])
     assert result.exit_code == 0, result.output
+    if "qwen3_5" in recipe:  # the hybrid pairs also on the Core AI runtime: the packages through the host contract
+        result = CliRunner().invoke(main, ["accept", str(RECIPES / recipe), "--runtime", "coreai", "--bundle",
+                                           str(tmp_path / "b"), "--json"])
+        assert result.exit_code == 0, result.output
+        coreai = json.loads(result.stdout)["acceptance"]
+        assert coreai["lossless"] is True and coreai["tokens_per_round"] > 1.5
+        assert coreai["ngram"]["lossless"] is True and coreai["economics"]["predicted_speedup"] > 1.0

@@ -184,9 +184,22 @@ def test_accept_cli(pair):
     assert result.exit_code == 0, result.output
     assert "runtime: torch" in result.output and "lossless True" in result.output
     assert "A/B quantized vs fp16" in result.output  # the recipe's drafter is lut4
-    result = run("accept", str(tmp / "pair.yaml"), "--runtime", "coreai", "--bundle", str(bundle), "--tokens", "6")
+    assert "bytes read per call" in result.output and "predicted speedup" in result.output
+    assert "n-gram baseline" in result.output
+    result = run("accept", str(tmp / "pair.yaml"), "--runtime", "coreai", "--bundle", str(bundle), "--tokens", "6",
+                 "--json")
     assert result.exit_code == 0, result.output
-    assert "runtime: coreai" in result.output and "lossless True" in result.output
+    out = json.loads(result.stdout)
+    acceptance = out["acceptance"]
+    assert out["runtime"] == "coreai" and acceptance["lossless"] is True and acceptance["tokens"] == 6
+    economics, ngram = acceptance["economics"], acceptance["ngram"]
+    assert set(economics["bytes_per_call"]) == {"target.prefill", "target.verify", "target.decode",
+                                                "drafter.context_update", "drafter.context_append", "drafter.draft"}
+    assert economics["verify_cost"] >= 1.0 and economics["draft_cost"] > 0
+    assert economics["predicted_speedup"] == pytest.approx(
+        acceptance["tokens_per_round"] / (economics["draft_cost"] + economics["verify_cost"]))
+    assert ngram["lossless"] is True and ngram["verify_calls"] + ngram["decode_calls"] == ngram["rounds"]
+    assert out["ab"]["matched_rounds"] == acceptance["rounds"]
     result = run("accept", str(tmp / "pair.yaml"), "--runtime", "coreai")
     assert result.exit_code == 2 and "--bundle" in result.output
 

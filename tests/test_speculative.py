@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import write_checkpoint
-from qwen3_5_checkpoints import write_checkpoint as write_hybrid
+from qwen3_5_checkpoints import write_small_target
 
 from convert import speculative
 from convert.host import ModuleFunctions, module_driver
@@ -22,10 +22,7 @@ def target(request, tmp_path_factory):
     """The loop runs on a dense target (positional rollback) and on a hybrid one (Gated DeltaNet + attention: a
     rejected draft's recurrent state is dropped through the commit-next-call host contract)."""
     directory = tmp_path_factory.mktemp("spec") / "t"
-    if request.param == "dense":
-        write_checkpoint(directory, hidden_size=64, num_hidden_layers=2)
-    else:
-        write_hybrid(directory, seed=1)
+    write_small_target(directory, request.param)
     args = read_args(read_json(directory / "config.json"))
     spec = Target(source="path:x", graphs=Graphs(prefill=8, verify=WIDTH), context=96, taps=[0, 1], logits=True,
                   hidden=True)
@@ -111,6 +108,28 @@ def test_partial_accepts_of_every_length_keep_the_target_exact(target):
     assert {r.accepted for r in run.rounds} == set(range(WIDTH))
     worst = max(float(np.abs(a - b).max()) for a, b in zip(logits, greedy_logits[:tokens], strict=True))
     assert worst < 1e-4
+
+
+def test_ngram_drafter_proposes_the_continuation_of_the_latest_earlier_match():
+    drafter = speculative.NGramDrafter(max_order=3)
+    assert drafter.propose([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3], 2) == [8, 5]  # order 3, the latest occurrence
+    assert drafter.propose([4, 7, 1, 6, 7], 3) == [1, 6, 7]  # no order 3 or 2 match: order 1
+    assert drafter.propose([5, 6, 5], 4) == [6, 5]  # the continuation stops at the end of the text
+    assert drafter.propose([1, 2, 3], 4) == []
+
+
+def test_ngram_drafting_is_lossless_and_counts_its_calls(target):
+    """Prompt lookup on a prompt that recurs: verify calls where a suffix matched, decode calls where none did
+    (after pending verify rows too, on the hybrid target), and the output equals plain greedy."""
+    tokens = 30
+    repeated = prompt() + prompt()
+    truth, _ = target.greedy(repeated, tokens)
+    run, _ = speculative.speculate("ngram", target, speculative.NGramDrafter(), repeated, tokens)
+    assert run.output == truth
+    stats = speculative.ngram_stats([run], WIDTH)
+    assert stats["verify_calls"] + stats["decode_calls"] == stats["rounds"] == len(run.rounds)
+    assert stats["verify_calls"] > 0 and stats["tokens"] >= tokens - 1  # the prefill call gives the first id
+    assert all(r.accepted == 0 for r in run.rounds if not r.proposal)
 
 
 def test_lossless_check_classifies_divergence():

@@ -54,11 +54,18 @@ def function_lines(specs: list[FunctionSpec]) -> list[str]:
         lines += [f"    {spec.name}", f"      inputs:  {tensors(spec.inputs)}",
                   f"      outputs: {tensors(spec.outputs)}"]
     lines.append("    states (all functions):")
-    lines += [f"      {t.name} {list(t.shape)} {t.dtype}: {_size(t.nbytes)}" for t in specs[0].states]
+    lines += [f"      {t.name} {list(t.shape)} {t.dtype}: {size_text(t.nbytes)}" for t in specs[0].states]
     return lines
 
 
-def _size(nbytes: int) -> str:
+def size_lines(parameters: int, backends: list[str], indent: str = "  ") -> list[str]:
+    """A part's weights: its parameter count and the fp16 bytes each package stores (once, shared by its
+    functions)."""
+    return [f"{indent}parameters: {parameters:,}",
+            f"{indent}packages: {', '.join(backends)}; about {size_text(2 * parameters)} of fp16 weights each"]
+
+
+def size_text(nbytes: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.2f} {unit}"
