@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from convert import backends, contract, gates
-from convert.backends.base import FunctionSpec, function_lines
+from convert.backends.base import FunctionSpec, function_lines, size_lines
 from convert.bundle import MANIFEST, staging
 from convert.drafter import DrafterPlan, plan_drafter
 from convert.errors import GateError, InputError
@@ -64,11 +64,6 @@ class Plan:
     @property
     def parameter_count(self) -> int:
         return self.args.parameter_count
-
-    @property
-    def package_bytes(self) -> int:
-        """fp16 weights, stored once per package."""
-        return 2 * self.parameter_count
 
     @property
     def state_bytes(self) -> int:
@@ -354,8 +349,7 @@ def describe_plan(plan: Plan) -> list[str]:
         *(f"  {note}" for note in plan.layout.notes()),
         "  functions:",
         *function_lines(plan.specs),
-        f"  parameters: {plan.parameter_count:,}",
-        f"  packages: {', '.join(recipe.backends)}; about {plan.package_bytes / mib:.1f} MiB of fp16 weights each",
+        *size_lines(plan.parameter_count, recipe.backends),
         f"  states: {plan.state_bytes / mib:.1f} MiB in all",
         f"  estimated peak memory: {plan.peak_memory_bytes / mib:.0f} MiB",
     ]
@@ -369,8 +363,8 @@ def describe_drafter(plan: Plan) -> list[str]:
     quant = d.config.quantization
     lines = [f"  drafter {d.kind}: {d.snapshot.reference} ({d.layout}) -> {plan.output / 'drafter'}",
              f"    hidden {a.hidden_size}, heads {a.num_attention_heads}/{a.num_key_value_heads} (head_dim "
-             f"{a.head_dim}), vocab {a.vocab_size}, {a.parameter_count:,} parameters of its own, quantization "
-             f"{quant.method}"]
+             f"{a.head_dim}), vocab {a.vocab_size}, quantization {quant.method}",
+             *size_lines(a.parameter_count, plan.recipe.backends, "    ")]
     if d.kind == "dflash2":
         lines.append(f"    taps {list(a.target_layer_ids)} (output of layer i, 0-based), block {a.block_size}, mask id "
                      f"{a.mask_token_id} x {d.config.mask_scale}, ring {d.config.ring} rows, selector rank "

@@ -72,26 +72,43 @@ def describe(recipe: Recipe, recipe_path: Path, unavailable: SourceUnavailable) 
              "  (a build needs the pinned checkpoints; it checks every contract field against their config.json)",
              f"  target {target.source}: hidden {hidden}, vocab {vocab}, layers {layers or 'not pinned'}, "
              f"context {target.context}"]
-    lines += _target_lines(pinned, target, f"{recipe_path}: target.contract")
+    lines += _target_lines(pinned, target, recipe.backends, f"{recipe_path}: target.contract")
     drafter = recipe.drafter
     if drafter is None:
         return lines
     if drafter.kind == "dflash2":
         return lines + _dflash2_lines(recipe, recipe_path, hidden, vocab, taps)
+    return lines + _mtp_lines(recipe, recipe_path, pinned)
+
+
+def _mtp_lines(recipe: Recipe, recipe_path: Path, pinned: dict) -> list[str]:
+    """The MTP head's functions from the target's contract (the head has the target's attention geometry and
+    is declared in its config) with the drafter's contract over it."""
+    from convert.backends.base import function_lines, size_lines
+    from convert.models import mtp
+
+    drafter, target = recipe.drafter, recipe.target
     steps = target.graphs.verify - 1
-    lines.append(f"  drafter mtp {drafter.source or target.source}: {steps} draft steps, the head's shapes from "
-                 "config.json at build time")
-    for name, width in (("accept", steps + 1), ("draft_step", 1)):
-        lines += [f"    {name}", f"      inputs:  input_ids [1, {width}] int32, hidden [1, {width}, {hidden}] "
-                  f"float16, position_ids [1, {width}] int32",
-                  f"      outputs: draft_ids [1, {width}] int32, hidden_out [1, {width}, {hidden}] float16"]
-    return lines
+    config = {**pinned, **as_config(drafter.contract)}
+    if "text_config" in pinned:
+        config["text_config"] = {**pinned["text_config"], **as_config(drafter.contract).get("text_config", {})}
+    source = drafter.source or f"{target.source} (its own mtp.* tensors)"
+    try:
+        args = mtp.MTPArgs.from_config(config, f"{recipe_path}: target.contract + drafter.contract")
+    except InputError as missing:
+        return [f"  drafter mtp {source}: {steps} draft steps, the head's shapes from config.json at build time "
+                f"(the contracts do not plan it: {missing})"]
+    specs = mtp.function_specs(args, steps, target.context, torch.float16)
+    return [f"  drafter mtp {source}: {steps} draft steps, hidden {args.hidden_size}, heads "
+            f"{args.num_attention_heads}/{args.num_key_value_heads} (head_dim {args.head_dim}), quantization "
+            f"{drafter.quantization.method}", *size_lines(args.parameter_count, recipe.backends, "    "),
+            *function_lines(specs)]
 
 
-def _target_lines(pinned: dict, target, where: str) -> list[str]:
+def _target_lines(pinned: dict, target, backends: list[str], where: str) -> list[str]:
     """The target's architecture, functions and states from a contract that pins the architecture (architectures or
     model_type) and every field its shapes depend on (the family's ``PLAN_FIELDS``); otherwise what is missing."""
-    from convert.backends.base import function_lines
+    from convert.backends.base import function_lines, size_lines
     from convert.models import family_for
 
     text = pinned.get("text_config", pinned)
@@ -109,13 +126,13 @@ def _target_lines(pinned: dict, target, where: str) -> list[str]:
     specs = family.function_specs(args, target, torch.float16)
     total = sum(s.nbytes for s in specs[0].states) / 2**20
     return [*family.plan_lines(args, target), "  functions:", *function_lines(specs),
-            f"  states: {total:.1f} MiB in all"]
+            *size_lines(args.parameter_count, backends), f"  states: {total:.1f} MiB in all"]
 
 
 def _dflash2_lines(recipe: Recipe, recipe_path: Path, hidden: int, vocab: int, taps: list[int]) -> list[str]:
     """The drafter's functions from its contract. Fields that no shape depends on (intermediate_size,
     dflash_config.mask_token_id) may be left unpinned: they are read from config.json at build time."""
-    from convert.backends.base import function_lines
+    from convert.backends.base import function_lines, size_lines
     from convert.models import dflash2
 
     drafter, target = recipe.drafter, recipe.target
@@ -140,4 +157,8 @@ def _dflash2_lines(recipe: Recipe, recipe_path: Path, hidden: int, vocab: int, t
              f"{drafter.ring}, mask scale {drafter.mask_scale}, quantization {drafter.quantization.method}"]
     if unpinned:
         lines.append(f"    not pinned (read from config.json at build time): {', '.join(unpinned)}")
+    else:
+        lines.append(f"    mask id {args.mask_token_id}, {len([w for w in args.layer_windows if w])} sliding layers "
+                     f"(windows {sorted({w for w in args.layer_windows if w})})")
+        lines += size_lines(args.parameter_count, recipe.backends, "    ")
     return lines + function_lines(specs)

@@ -10,6 +10,13 @@ from convert.cli import main
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
+@pytest.fixture(autouse=True)
+def empty_offline_hub(tmp_path, monkeypatch):
+    """The release recipes pin hf:// sources: an empty cache and no network, as on CI."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
 def dry_run(recipe: Path):
     return CliRunner().invoke(main, ["build", str(recipe), "--dry-run"])
 
@@ -23,7 +30,9 @@ def test_dflash2_27b_plans_from_its_contract():
     assert "anchor_embedding [1, 1, 5120] float16" in out and "draft_ids [1, 7] int32" in out
     assert "ring_keys [5, 8, 2048, 128] float16" in out and "ring_laps [1, 2048] float16" in out
     assert "taps [1, 64, 25600] float16, position_ids [1, 64] int32" in out  # context_update width 64
-    assert "not pinned (read from config.json at build time): intermediate_size, dflash_config.mask_token_id" in out
+    assert "mask id 248070, 5 sliding layers (windows [2048])" in out
+    assert "parameters: 1,924,404,480" in out  # the published 3.85 GB of bf16
+    assert "parameters: 26,895,998,464" in out and "about 50.10 GiB of fp16 weights each" in out  # the target
 
 
 @pytest.mark.parametrize("recipe", ["dflash2_27b.yaml", "qwen3_mtp_27b.yaml"])
@@ -44,6 +53,9 @@ def test_release_targets_plan_the_hybrid_functions_and_states(recipe):
 def test_qwen3_mtp_27b_plans_from_its_contract():
     result = dry_run(RECIPES / "qwen3_mtp_27b.yaml")
     assert result.exit_code == 0, result.output
+    assert "drafter mtp hf://Qwen/Qwen3.8-27B@1d4bf0f (its own mtp.* tensors)" in result.output
+    assert "parameters: 424,699,392" in result.output  # fc, one gated attention layer, MLP: the target's geometry
+    assert "key_cache [1, 4, 8192, 256] float16: 16.00 MiB" in result.output
     assert "hidden [1, 3, 5120] float16" in result.output
     assert "accept" in result.output and "draft_ids [1, 3] int32, hidden_out [1, 3, 5120] float16" in result.output
 
@@ -51,7 +63,7 @@ def test_qwen3_mtp_27b_plans_from_its_contract():
 @pytest.mark.parametrize("recipe", ["dflash2_27b.yaml", "qwen3_mtp_27b.yaml"])
 def test_release_recipes_need_their_checkpoints_to_build(recipe):
     result = CliRunner().invoke(main, ["build", str(RECIPES / recipe)])
-    assert result.exit_code == 2 and "does not exist" in result.output
+    assert result.exit_code == 2 and "hf://Qwen/Qwen3.8-27B@1d4bf0f is not in the Hugging Face cache" in result.output
 
 
 @pytest.mark.parametrize("recipe", ["tiny_qwen3_dflash2.yaml", "tiny_qwen3_mtp.yaml"])
