@@ -19,6 +19,7 @@ import torch
 from convert import contract, speculative
 from convert.backends.base import FunctionSpec
 from convert.compress import QuantizedLinear, apply_quantized
+from convert.economics import MeteredFunctions, cost_model
 from convert.errors import GateError, InputError
 from convert.host import ModuleFunctions, TargetDriver, module_driver
 from convert.models import dflash2, mtp
@@ -205,8 +206,6 @@ def economics(kind: str, target_modules, target32, drafter_modules, drafter32, p
     """Bytes read per call and the cost model (``convert.economics``) over one metered speculative run of
     ``prompt`` (the fp32 compute copies run, elements priced as the shipped modules store them) and a decode
     call of the target."""
-    from convert.economics import MeteredFunctions, cost_model
-
     log: list = []
     functions = (MeteredFunctions(target32, target_modules, "target", log),
                  MeteredFunctions(drafter32, drafter_modules, "drafter", log))
