@@ -4,7 +4,9 @@ Minutes each on 2 cores.
 
 Each build gates the target, measures speculative decoding on held-out prompts (lossless or the build fails),
 runs the paired A/B of the 4-bit drafter against the fp16 one (a significant loss fails the build), packages
-both parts in both formats, replays a recorded run on the Core AI runtime and checks the pair.
+both parts in both formats, replays a recorded run on the Core AI runtime and checks the pair. The hybrid pairs
+then run `accept --runtime coreai` on the built bundle: the packages through the host contract, with the
+economics, the n-gram baseline and the A/B.
 """
 
 import json
