@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-heavy lint clean
+.PHONY: install demo test test-heavy bench lint clean
 
 $(BIN)/spec-convert: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,11 @@ $(BIN)/spec-convert: pyproject.toml
 
 install: $(BIN)/spec-convert
 
+# The benchmarks' extra: coremltools' k-means (bench/quant_lut.py's comparison rows) needs scikit-learn.
+$(VENV)/.bench: pyproject.toml $(BIN)/spec-convert
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	touch $@
+
 demo: install
 	$(BIN)/spec-convert demo
 
@@ -21,6 +26,14 @@ test: install
 
 test-heavy: install
 	$(BIN)/python -m pytest -q -m heavy
+
+bench: $(VENV)/.bench  # every benchmark the README names, with its defaults (CPU)
+	$(BIN)/python bench/coreai_runtime.py
+	$(BIN)/python -m bench.gates
+	$(BIN)/python -m bench.hybrid_state
+	$(BIN)/python bench/quant_lut.py
+	$(BIN)/python bench/quant_gptq.py
+	$(BIN)/python bench/quant_affine.py
 
 lint: install
 	$(BIN)/ruff check .
