@@ -28,12 +28,12 @@ test-heavy: install
 	$(BIN)/python -m pytest -q -m heavy
 
 bench: $(VENV)/.bench  # every benchmark the README names, with its defaults (CPU)
-	$(BIN)/python bench/coreai_runtime.py
+	$(BIN)/python -m bench.coreai_runtime
 	$(BIN)/python -m bench.gates
 	$(BIN)/python -m bench.hybrid_state
-	$(BIN)/python bench/quant_lut.py
-	$(BIN)/python bench/quant_gptq.py
-	$(BIN)/python bench/quant_affine.py
+	$(BIN)/python -m bench.quant_lut
+	$(BIN)/python -m bench.quant_gptq
+	$(BIN)/python -m bench.quant_affine
 
 lint: install
 	$(BIN)/ruff check .

@@ -2,7 +2,7 @@
 
 Packages the fixture target with logits returned (the shipped default does not return them), then runs the
 package check sequence (prefill, greedy decode steps, a verify block after a rollback) on held-out text and
-prints the agreement and the time per call. Run: `.venv/bin/python bench/coreai_runtime.py`.
+prints the agreement and the time per call. Run from the repo root: `.venv/bin/python -m bench.coreai_runtime`.
 """
 
 from __future__ import annotations
