@@ -13,7 +13,7 @@ $(BIN)/spec-convert: pyproject.toml
 
 install: $(BIN)/spec-convert
 
-# The benchmarks' extra: coremltools' k-means (bench/quant_lut.py's comparison rows) needs scikit-learn.
+# The benchmarks' extra: scikit-learn for coremltools' k-means and coreai-opt (bench/quant_lut.py's comparisons).
 $(VENV)/.bench: pyproject.toml $(BIN)/spec-convert
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	touch $@
