@@ -39,7 +39,7 @@ def run_accept(recipe_path: Path, bundle: Path | None, runtime: str, tokens: int
     target32 = compute_copy(target, torch.float32)
     modules, fp16_modules, _ = shipped_drafter(plan, target, target32)
     if runtime == "torch":
-        acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules)
+        acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules, held_out_prompts(plan))
         return {"runtime": "torch", "acceptance": acceptance, "ab": ab}
     if bundle is None:
         raise InputError("--runtime coreai runs a built bundle's packages: give --bundle DIR")

@@ -184,13 +184,11 @@ def greedy_references(target_modules, prompts: list[list[int]], tokens: int) -> 
 
 
 def accept(kind: str, target_modules, drafter_modules, prompts: list[list[int]], tokens: int,
-           embeddings: np.ndarray, references: list | None = None,
+           embeddings: np.ndarray, references: list,
            functions: tuple | None = None) -> tuple[dict, list[speculative.PromptRun]]:
-    """Speculative decoding over ``prompts`` and the lossless check against plain greedy of the same target
-    (``references``: ``greedy_references`` of these prompts, computed here when not given); on ``functions``
-    (see ``drivers``) when given."""
+    """Speculative decoding over ``prompts`` and the lossless check against ``references`` (plain greedy of
+    the same target: ``greedy_references`` of these prompts); on ``functions`` (see ``drivers``) when given."""
     target, drafter = drivers(kind, target_modules, drafter_modules, embeddings, functions)
-    references = references or greedy_references(target_modules, prompts, tokens)
     runs = []
     for prompt, (greedy_ids, greedy_logits) in zip(prompts, references, strict=True):
         run, spec_logits = speculative.speculate(kind, target, drafter, prompt, tokens)

@@ -117,9 +117,10 @@ def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_
     return acceptance, ab
 
 
-def measure_held_out(plan, target: TargetModules, target32: TargetModules, modules, fp16_modules):
-    """``measure`` on the recipe's held-out prompts in torch, against plain greedy of the same modules."""
-    (prompts, data), tokens = held_out_prompts(plan), plan.drafter.config.accept.tokens
+def measure_held_out(plan, target: TargetModules, target32: TargetModules, modules, fp16_modules, held_out):
+    """``measure`` on the recipe's held-out prompts (``held_out_prompts``) in torch, against plain greedy of the
+    same modules."""
+    (prompts, data), tokens = held_out, plan.drafter.config.accept.tokens
     with stage(f"plain greedy decoding: {len(prompts)} held-out prompts x {tokens} tokens"):
         references = drafter.greedy_references(target32, prompts, tokens)
     acceptance, ab = measure(plan, target, target32, modules, fp16_modules, prompts, tokens, references)
@@ -162,12 +163,13 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
         source_files = file_records(dplan.snapshot.directory)
     target32 = compute_copy(target, torch.float32)
     modules, fp16_modules, quantization = shipped_drafter(plan, target, target32)
-    acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules)
+    held_out = held_out_prompts(plan)
+    acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules, held_out)
     del target32  # packaging needs only the fp16 modules; the fp32 copy of the target is freed
     console.print(format_stats(acceptance))
     if ab:
         console.print(format_ab(ab))
-    prompt = held_out_prompts(plan)[0][0][:CHECK_PROMPT_TOKENS]
+    prompt = held_out[0][0][:CHECK_PROMPT_TOKENS]
     calls = drafter.recorded_calls(dplan.kind, target, modules, prompt, CHECK_GENERATED, drafter.anchor_table(target))
     packages = []
     method = dplan.config.quantization.method
