@@ -3,7 +3,7 @@
 The fixture target (``--fixture stdlib-qwen3``, the dense one, by default; ``stdlib-qwen3_5`` the hybrid one; taps
 at layers 3 and 7, the default graph widths) with its fp16 weights as shipped, or
 quantized exactly as ``build`` ships it (``--method affine4 | lut4 | affine4-gptq | lut4-gptq``: the build's
-quantize stage, ``convert.quantize.quantize_core``, with the recipe defaults: every decoder linear, the lm_head
+quantize stage, ``convert.quantize.quantize_checkpoint``, with the recipe defaults: every decoder linear, the lm_head
 and the embedding table at the format's default group size; GPTQ calibrated on the fixture corpus's train split
 with the recipe's default calibration, 32 x 256 tokens, unless ``--calibration-samples`` / ``--calibration-length``
 say otherwise), gated against the transformers model in fp32
@@ -23,8 +23,9 @@ from rich.console import Console
 from tokenizers import Tokenizer
 
 from convert import gates
-from convert.models import read_args
-from convert.quantize import quantize_core
+from convert.compress import apply_quantized
+from convert.models import Layout, read_args
+from convert.quantize import quantize_checkpoint
 from convert.recipe import Calibration, Graphs, Quantization, Target
 from convert.sources import load_tensors, read_json
 from convert.target import build_modules
@@ -57,7 +58,8 @@ def main() -> None:
         quantization = Quantization(method=options.method,
                                     calibration=Calibration(samples=options.calibration_samples,
                                                             length=options.calibration_length))
-        quantize_core(modules.core, quantization, fixture, fixture)
+        result = quantize_checkpoint(fixture, args, target, Layout(), quantization, fixture)
+        apply_quantized(modules.core, result.weights)
     reference = gates.load_reference(fixture)
     tokenizer = Tokenizer.from_file(str(fixture / "tokenizer.json"))
     data = gates.EvalData.fixture(tokenizer, n=options.n, length=options.length)

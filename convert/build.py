@@ -17,13 +17,15 @@ import torch
 from convert import backends, contract, gates
 from convert.backends.base import FunctionSpec, function_lines, size_lines
 from convert.bundle import MANIFEST, staging
+from convert.cache import BuildCache
+from convert.compress import apply_quantized
 from convert.drafter import DrafterPlan, plan_drafter
 from convert.errors import GateError, InputError
 from convert.gates import GateReport
 from convert.models import Layout, family_for, family_of
 from convert.packaging import package_formats
 from convert.progress import console, stage
-from convert.quantize import QuantizeResult, quantize_core, summary
+from convert.quantize import QuantizeResult, estimate_lines, quantize_checkpoint, summary
 from convert.recipe import Recipe, check_against_model, load_recipe
 from convert.sources import (
     Snapshot,
@@ -96,18 +98,25 @@ def make_plan(recipe_path: Path, output: str | None = None) -> Plan:
                 checkpoint_bytes, drafter)
 
 
-def shipped_modules(plan: Plan) -> tuple[TargetModules, dict | None]:
-    """The export modules with the weights exactly as they ship (fp16, quantized where the recipe says),
-    and the manifest's quantization record."""
+def shipped_modules(plan: Plan, cache: BuildCache | None = None,
+                    file_hashes: dict[str, str] | None = None) -> tuple[TargetModules, dict | None]:
+    """The export modules with the weights exactly as they ship (fp16, quantized where the recipe says), and the
+    manifest's quantization record. Quantization streams from the checkpoint and is cached per unit
+    (``convert/quantize.py``) before the modules are loaded; ``file_hashes``: sha256 by source file name, when
+    known."""
     quant = plan.recipe.target.quantization
+    result = None
+    if quant.format:
+        result = quantize_checkpoint(plan.snapshot.directory, plan.args, plan.recipe.target, plan.layout, quant,
+                                     plan.recipe_path.resolve().parent, cache=cache or BuildCache(),
+                                     file_hashes=file_hashes)
     with stage("load weights (safetensors, memory-mapped)"):
         tensors = load_tensors(plan.snapshot.directory)
         modules = build_modules(plan.args, plan.recipe.target, tensors, SHIP_DTYPE, plan.layout)
         del tensors
-    if not quant.format:
+    if result is None:
         return modules, None
-    with stage(f"quantize {quant.method} (groups of {quant.resolved_group_size})"):
-        result = quantize_core(modules.core, quant, plan.snapshot.directory, plan.recipe_path.resolve().parent)
+    apply_quantized(modules.core, result.weights)
     return modules, _quantization_record(quant, result, modules)
 
 
@@ -152,7 +161,7 @@ def weights_match(manifest: Manifest, modules: TargetModules, bundle: Path, reci
                              "recipe the bundle was built from")
 
 
-def build(plan: Plan) -> Manifest:
+def build(plan: Plan, cache: BuildCache | None = None) -> Manifest:
     """Build, gate, check and publish the bundle; returns the target's manifest. Raises InputError / GateError.
 
     With a drafter the bundle holds ``target/`` and ``drafter/``, and the pair check runs before publishing.
@@ -161,7 +170,7 @@ def build(plan: Plan) -> Manifest:
     with staging(plan.output) as tmp:
         target_dir = tmp / plan.target_dir.relative_to(plan.output)
         target_dir.mkdir(exist_ok=True)
-        manifest, modules = _build_target(plan, target_dir, failed_report)
+        manifest, modules = _build_target(plan, target_dir, failed_report, cache or BuildCache())
         if plan.drafter:
             from convert.drafter_build import build_drafter
 
@@ -173,11 +182,11 @@ def build(plan: Plan) -> Manifest:
     return manifest
 
 
-def _build_target(plan: Plan, out: Path, failed_report: Path) -> tuple[Manifest, TargetModules]:
+def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache) -> tuple[Manifest, TargetModules]:
     recipe, snap = plan.recipe, plan.snapshot
     with stage("hash source files"):
         source_files = file_records(snap.directory)
-    modules, quantization = shipped_modules(plan)
+    modules, quantization = shipped_modules(plan, cache, {r.path: r.sha256 for r in source_files})
     report = gate(plan, modules, failed_report)
     packages = []
     for done in package_formats(recipe.backends, modules, out, recipe.name):
@@ -351,6 +360,7 @@ def describe_plan(plan: Plan) -> list[str]:
         *function_lines(plan.specs),
         *size_lines(plan.parameter_count, recipe.backends),
         f"  states: {plan.state_bytes / mib:.1f} MiB in all",
+        *estimate_lines(args, recipe.target),
         f"  estimated peak memory: {plan.peak_memory_bytes / mib:.0f} MiB",
     ]
     if plan.drafter:

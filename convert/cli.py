@@ -52,11 +52,15 @@ def main() -> None:
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--output", "-o", help="bundle directory (overrides the recipe's `output`)")
 @click.option("--dry-run", is_flag=True, help="print the plan without loading weights")
+@click.option("--cache-dir", type=click.Path(path_type=Path),
+              help="build cache (default $SPEC_CONVERT_CACHE, else ~/.cache/spec-convert)")
+@click.option("--no-cache", is_flag=True, help="compute every stage again; read and write no cache")
 @user_errors
-def build(recipe: Path, output: str | None, dry_run: bool) -> None:
-    """Build the bundle a recipe describes."""
+def build(recipe: Path, output: str | None, dry_run: bool, cache_dir: Path | None, no_cache: bool) -> None:
+    """Build the bundle a recipe describes. Expensive stages are cached: an interrupted build resumes."""
     from convert.build import build as run_build
     from convert.build import describe_plan, make_plan
+    from convert.cache import BuildCache
     from convert.errors import SourceUnavailable
 
     try:
@@ -72,7 +76,7 @@ def build(recipe: Path, output: str | None, dry_run: bool) -> None:
     click.echo("\n".join(describe_plan(plan)))
     if dry_run:
         return
-    manifest = run_build(plan)
+    manifest = run_build(plan, BuildCache(cache_dir, enabled=not no_cache))
     click.echo(f"bundle: {plan.output} (export id {manifest.export_id[:16]})")
 
 

@@ -53,7 +53,6 @@ from typing import Literal, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, computed_field
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from convert import backends, checks
@@ -62,7 +61,7 @@ from convert.errors import GateError, InputError
 from convert.export import compute_copy
 from convert.host import COMMIT, module_driver
 from convert.models import family_of
-from convert.progress import console
+from convert.progress import bar as progress_bar
 from convert.target import TargetModules
 from quant.calibrate import fixture_corpus_text, sample_calibration
 
@@ -291,7 +290,7 @@ def run_gates(
     candidate = compute_copy(modules, compute_dtype)
     generator = torch.Generator().manual_seed(data.identity.seed)
     stats = _Stats(taps)
-    with _progress(progress) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task("numeric gate", total=data.identity.n)
         for index, window in enumerate(data.tokens.tolist()):
             ref = _reference_window(reference, window, taps, greedy_tokens, modules)
@@ -558,8 +557,3 @@ class _Stats:
                               passed=True))
         metrics.append(Metric(name="block_chain_positions", value=self.probed, threshold=None, bound=None, passed=True))
         return metrics
-
-
-def _progress(enabled: bool) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True, disable=not enabled)

@@ -1,33 +1,59 @@
-"""The quantize stage: the recipe's method applied to the target's export core, weights exactly as they ship.
+"""The quantize stage: the recipe's method applied to the target's weights exactly as they ship, streamed from the
+checkpoint one unit (a decoder layer, the lm_head, the embedding table) at a time and cached per unit.
 
-Round-to-nearest methods quantize every weight on its own. GPTQ methods run the layer-sequential
-calibration of ``quant/calibrate.py`` on an fp32 copy of the core (each decoder linear quantized under the
-Hessian of its real inputs, the quantized layer's outputs feeding the next), then the lm_head under the
-Hessian of the final-norm outputs. The embedding table has no input Hessian (its "input" is a one-hot row)
-and is always rounded to nearest. The resulting ``QuantizedWeight``s replace the fp16 core's modules
-(``convert/compress.py``), so the gates, the checks and both packages see the same codes and tables.
+Round-to-nearest methods quantize every weight on its own. GPTQ methods run the layer-sequential calibration of
+``quant/calibrate.py`` (each decoder linear quantized under the Hessian of its real inputs, the quantized layer's
+outputs feeding the next), then the lm_head under the Hessian of the final-norm outputs. The embedding table has no
+input Hessian (its "input" is a one-hot row) and is always rounded to nearest.
+
+Streaming (``convert/stream.py``): the core is a skeleton whose parameters take no memory; each unit is filled from
+the checkpoint in the computing copy's precision (fp16 values in fp32) on the GPU when there is one, quantized, and
+freed; only the calibration activations [n, length, hidden] stay between units. Peak memory is one unit's weights
+plus the activations, whatever the model's size. Large tables are rounded in row chunks (both formats' groups are
+row-local, so the codes do not change).
+
+Cache (``convert/cache.py``): each unit's result is stored under a key of its tensors' source files (sha256), the
+recipe's quantization, the calibration identity, the device kind, the toolchain and the quantizer's code; GPTQ keys
+chain layer to layer. A resumed build reuses every stored unit, recomputes the calibration activations up to the
+first missing one with a forward pass (the same arithmetic, so the same values), and quantizes from there: after a
+kill it redoes at most the unit that was in flight.
+
+The resulting ``QuantizedWeight``s replace the fp16 core's modules (``convert/compress.py``), so the gates, the
+checks and both packages see the same codes and tables.
 """
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from convert.compress import apply_quantized
+from convert import cache as build_cache
 from convert.errors import InputError
-from convert.models import family_of
+from convert.models import Layout, family_of
+from convert.progress import console, steps
 from convert.recipe import Quantization
+from convert.sources import CheckpointReader, sha256_file
+from convert.stream import Streamer, checkpoint_key, skeleton
 from quant.affine import quantize_affine
-from quant.calibrate import CalibrationSet, quantize_sequential, sample_calibration
+from quant.calibrate import CalibrationSet, quantize_layer, sample_calibration
 from quant.gptq import HessianAccumulator, gptq_quantize
 from quant.lut import quantize_lut
 from quant.types import QuantizedWeight
 
 ALIASES = {"embeddings": "embed_tokens", "lm_head": "lm_head"}
+SHIP_DTYPE = torch.float16
+WORK_DTYPE = torch.float32
+CHUNK_ELEMENTS = 1 << 26  # a table larger than this is read and rounded in row chunks (256 MB of fp32 each)
+CACHE_STAGE = "quantize"
+# the code a quantize cache entry depends on: any change to it invalidates every entry
+CODE = ("convert.quantize", "convert.stream", "convert.compress", "quant.affine", "quant.lut", "quant.gptq",
+        "quant.calibrate", "quant.types")
 
 
 @dataclass
@@ -35,29 +61,158 @@ class QuantizeResult:
     weights: dict[str, QuantizedWeight]  # by export-core module name
     calibration: CalibrationSet | None
     corpus: str | None
+    units: dict[str, str] = field(default_factory=dict)  # unit -> "cached" | "computed"
 
 
-def quantize_core(core: nn.Module, quant: Quantization, source: Path, recipe_dir: Path) -> QuantizeResult:
-    """Quantize ``core`` (the fp16 shipping core) in place as ``quant`` says; returns what was done.
+@dataclass(frozen=True)
+class Unit:
+    """What the stage quantizes and caches as one: ``prefix`` (``layers.3``, ``lm_head``, ``embed_tokens``), its
+    2-D weight modules by core name, and whether GPTQ calibrates it (then its key chains to the previous unit's)."""
 
-    The architecture's small weights (``KEEP_FP16``: a Gated DeltaNet's in_proj_a / in_proj_b) stay fp16 always."""
+    prefix: str
+    modules: tuple[str, ...]
+    gptq: bool
+
+
+# The measured cost model (bench/scale.py on one H200, docs/benchmarks.md "Scale to 27B"): seconds per unit at the
+# Qwen3.8-27B geometry with 128 x 2048 calibration tokens, as (total, of which GPTQ solves) where the split was
+# measured. The estimate scales a unit's GPTQ solves by its weights and the rest (the calibration passes, reading and
+# casting) by weights x calibration tokens; without a measured split, the total by weights only. No CPU measurement
+# at this width yet.
+MEASURED_DEVICE = "one H200"
+MEASURED_TOKENS = 128 * 2048
+MEASURED_WEIGHTS = {"linear_attention": 383_221_760, "full_attention": 372_244_480, "lm_head": 1_271_398_400,
+                    "embed_tokens": 1_271_398_400}
+MEASURED_SECONDS = {
+    "lut4-gptq": {"linear_attention": (42.4, 6.2), "full_attention": (35.7, 8.5), "lm_head": (4.9, 3.3),
+                  "embed_tokens": (3.2, 0.0)},
+    "affine4-gptq": {"linear_attention": (42.8, None), "full_attention": (36.6, None), "lm_head": (4.2, None),
+                     "embed_tokens": (2.6, None)},
+}
+
+
+def estimate_lines(args, target) -> list[str]:
+    """The plan's line on the quantize stage's time, from the measured cost model (GPTQ methods)."""
+    quant = target.quantization
+    measured = MEASURED_SECONDS.get(quant.method)
+    if measured is None:
+        return []
+    tokens = quant.calibration.samples * quant.calibration.length / MEASURED_TOKENS
+    seconds, split = 0.0, True
+    for kind, weights in unit_weights(args, target):
+        total, solve = measured[kind]
+        scale = weights / MEASURED_WEIGHTS[kind]
+        split &= solve is not None
+        seconds += scale * total if solve is None else scale * (solve + (total - solve) * tokens)
+    scaled = "weights and calibration tokens" if split else "weights (measured at 128 x 2048 tokens only)"
+    return [f"  estimated quantize time ({quant.method}, {quant.calibration.samples} x {quant.calibration.length} "
+            f"calibration tokens): {seconds / 60:.0f} min on {MEASURED_DEVICE} (bench/scale.py's per-unit cost at the "
+            f"27B geometry, scaled by {scaled}); CPU: not measured at this width"]
+
+
+def unit_weights(args, target) -> list[tuple[str, int]]:
+    """(kind, 2-D weights) of every unit the stage quantizes: the layers by kind (``linear_attention`` /
+    ``full_attention``), the lm_head and the embedding unless tied (from a parameterless core: nothing is read)."""
+    from convert.stream import parameters_on_meta
+
+    with parameters_on_meta():
+        core = family_of(args).build_core(args, target)
+    kinds = getattr(args, "layer_types", None) or ("full_attention",) * args.num_hidden_layers
+
+    def weights(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters() if p.dim() == 2)
+
+    units = [(kind, weights(layer)) for kind, layer in zip(kinds, core.layers, strict=True)]
+    if not args.tie_word_embeddings:
+        units += [("lm_head", weights(core.lm_head)), ("embed_tokens", weights(core.embed_tokens))]
+    return units
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def quantize_checkpoint(directory: Path, args, target, layout: Layout, quant: Quantization, recipe_dir: Path, *,
+                        cache: build_cache.BuildCache | None = None, file_hashes: dict[str, str] | None = None,
+                        device: torch.device | str | None = None,
+                        observe: Callable[[str, float], None] | None = None) -> QuantizeResult:
+    """Quantize the checkpoint at ``directory`` (stored under ``layout``) as ``target.quantization`` (``quant``) says,
+    unit by unit; returns the shipped weights by export-core module name. ``file_hashes``: sha256 by weight-file name
+    when the caller has them (the build hashes every source file anyway); ``observe(unit, seconds)`` is called after
+    each unit (``bench/scale.py`` reads the peak memory there). The architecture's small weights
+    (``KEEP_FP16``: a Gated DeltaNet's in_proj_a / in_proj_b) stay fp16 always."""
+    device = torch.device(device) if device is not None else default_device()
+    cache = cache or build_cache.BuildCache(enabled=False)
+    core = skeleton(args, target, SHIP_DTYPE, WORK_DTYPE, device)
+    reader = CheckpointReader(directory)
+    streamer = Streamer(core, reader, layout, SHIP_DTYPE, WORK_DTYPE, device)
+    keep = kept_modules(core, quant)
+    calibration = _calibration_set(quant, directory, recipe_dir) if quant.uses_gptq else None
+    units = plan_units(core, keep, quant.uses_gptq)
+    keys = _unit_keys(units, core, reader, layout, quant, calibration, device, directory, file_hashes)
+    entries = {u.prefix: cache.get(CACHE_STAGE, keys[u.prefix]) for u in units}
+    # GPTQ needs the calibration activations at every unit it computes: forward through the stored units before it
+    last_missing = max((i for i, u in enumerate(units) if u.gptq and entries[u.prefix] is None), default=-1)
+    weights: dict[str, QuantizedWeight] = {}
+    done: dict[str, str] = {}
+    x = runner = None
+    with steps(f"quantize {quant.method} (groups of {quant.resolved_group_size}) on {device.type}",
+               len(units), "units") as advance:
+        if last_missing >= 0:
+            x, runner = _calibration_inputs(core, streamer, calibration.tokens.to(device))
+        for i, unit in enumerate(units):
+            start = time.perf_counter()
+            entry = entries[unit.prefix]
+            forward = unit.gptq and unit.prefix.startswith("layers.") and i < last_missing
+            if entry is not None:
+                result = read_entry(entry)
+                if forward:
+                    x = _forward_stored(core, streamer, unit, result, x, runner)
+            else:
+                result = _compute(core, streamer, unit, quant, x, runner, forward, keep)
+                if forward:
+                    x = result.pop("__outputs__")
+                cache.put(CACHE_STAGE, keys[unit.prefix], lambda d, r=result: write_entry(d, r))
+            weights.update(result)
+            done[unit.prefix] = "cached" if entry is not None else "computed"
+            if observe is not None:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                observe(unit.prefix, time.perf_counter() - start)
+            advance()
+    if cache.enabled:
+        reused = sum(v == "cached" for v in done.values())
+        console.print(f"  quantize cache {cache.root}: {reused} of {len(units)} units reused, "
+                      f"{len(units) - reused} computed and stored")
+    return QuantizeResult(weights, calibration, quant.calibration.corpus if calibration else None, done)
+
+
+def kept_modules(core: nn.Module, quant: Quantization) -> set[str]:
+    """The 2-D weights that ship fp16: the recipe's ``keep_fp16``, the family's small ones, a tied table."""
     keep = _kept(core, quant.keep_fp16)
     small = family_of(core.args).KEEP_FP16
     keep |= {name for name, _ in core.named_modules() if small and name.endswith(small)}
     if core.args.tie_word_embeddings:
         keep |= {"embed_tokens", "lm_head"}  # one shared table: quantizing it would untie and duplicate it
-    group = quant.resolved_group_size
-    calibration = None
-    weights: dict[str, QuantizedWeight] = {}
-    if quant.uses_gptq:
-        calibration = _calibration_set(quant, source, recipe_dir)
-        weights.update(_gptq(core, quant, calibration, keep))
-    for name, module in core.named_modules():
-        if name in keep or name in weights or not hasattr(module, "weight") or module.weight.dim() != 2:
-            continue
-        weights[name] = round_to_nearest(quant.format, module.weight.detach(), group)
-    apply_quantized(core, weights)
-    return QuantizeResult(weights, calibration, quant.calibration.corpus if calibration else None)
+    return keep
+
+
+def plan_units(core: nn.Module, keep: set[str], gptq: bool) -> list[Unit]:
+    """The decoder layers in order, then the lm_head, then the embedding table (each with what it quantizes)."""
+    def matrices(prefix: str) -> tuple[str, ...]:
+        module = core.get_submodule(prefix)
+        names = [prefix] if prefix in ("lm_head", "embed_tokens") else \
+            [f"{prefix}.{n}" for n, _ in module.named_modules() if n]
+        return tuple(n for n in names if n not in keep and _is_matrix(core.get_submodule(n)))
+
+    units = [Unit(f"layers.{i}", matrices(f"layers.{i}"), gptq) for i in range(len(core.layers))]
+    units += [Unit(p, matrices(p), gptq and p == "lm_head") for p in ("lm_head", "embed_tokens") if p not in keep]
+    return units
+
+
+def _is_matrix(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return weight is not None and weight.dim() == 2
 
 
 def _kept(core: nn.Module, names: list[str]) -> set[str]:
@@ -93,36 +248,175 @@ def summary(weights: dict[str, QuantizedWeight], parameters) -> tuple[float, lis
     return bits / sum(p.numel() for p in params), layers
 
 
-def _gptq(core: nn.Module, quant: Quantization, calibration: CalibrationSet, keep: set[str]):
-    """GPTQ every decoder linear (layer-sequential, on an fp32 copy) and the lm_head."""
-    method, group = quant.format, quant.resolved_group_size
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    work = copy.deepcopy(core).float().to(device)
+def _unit_keys(units: list[Unit], core: nn.Module, reader: CheckpointReader, layout: Layout, quant: Quantization,
+               calibration: CalibrationSet | None, device: torch.device, directory: Path,
+               file_hashes: dict[str, str] | None) -> dict[str, str]:
+    """Each unit's cache key: its tensors' source files, everything the quantization reads; GPTQ units chained."""
+    hashes = dict(file_hashes or {})
+    for path in set(reader.files.values()):
+        if path.name not in hashes:
+            hashes[path.name] = sha256_file(path)
+    base = {
+        "stage": CACHE_STAGE, "code": build_cache.code_fingerprint(CODE + (family_of(core.args).__name__,)),
+        "toolchain": build_cache.versions(("spec-convert", "torch", "safetensors")), "device": device.type,
+        "layout": layout.prefix,
+        "config": json.loads((directory / "config.json").read_text()),
+        "quantization": quant.model_dump(mode="json"), "calibration": calibration.identity() if calibration else None,
+        "ship_dtype": str(SHIP_DTYPE), "work_dtype": str(WORK_DTYPE), "chunk_elements": CHUNK_ELEMENTS,
+    }
+    keys, previous = {}, None
+    for unit in units:
+        names = [n for n, _ in core.get_submodule(unit.prefix).named_parameters()]
+        stored = sorted({layout.stored(checkpoint_key(core, f"{unit.prefix}.{n}")) for n in names})
+        tensors = [(k, reader.files[k].name, hashes[reader.files[k].name]) for k in stored if k in reader.files]
+        keys[unit.prefix] = build_cache.key({**base, "unit": unit.prefix, "modules": unit.modules,
+                                             "tensors": tensors, "previous": previous if unit.gptq else None})
+        if unit.gptq:
+            previous = keys[unit.prefix]
+    return keys
 
-    def quantize_linear(name: str, weight: torch.Tensor, hessian: torch.Tensor) -> QuantizedWeight | None:
-        if name.removeprefix("model.") in keep:
-            return None
-        return _to_cpu(gptq_quantize(weight, hessian, method, group, lut_refits=quant.lut_refits, name=name))
 
-    result = quantize_sequential(work, calibration.tokens.to(device), quantize_linear)
-    weights = {name.removeprefix("model."): qw for name, qw in result.quantized.items()}
-    if "lm_head" not in keep:
-        accumulator = HessianAccumulator(core.args.hidden_size, device=device)
+def _calibration_inputs(core: nn.Module, streamer: Streamer, tokens: torch.Tensor):
+    """The embedded calibration samples [n, length, hidden] and the family's layer runner (which reads the
+    embedding's dtype and device when it is made)."""
+    streamer.fill("embed_tokens")
+    try:
         with torch.no_grad():
-            for sample in result.hidden:
-                accumulator.add(work.norm(sample))
-        weights["lm_head"] = _to_cpu(
-            gptq_quantize(work.lm_head.weight, accumulator.hessian(), method, group, lut_refits=quant.lut_refits,
-                          name="lm_head")
-        )
+            x = core.embed_tokens(tokens.long())
+        runner = family_of(core.args).calibration_runner(core, tokens.shape[1])
+    finally:
+        streamer.free("embed_tokens")
+    return x, runner
+
+
+def _gptq_names(core: nn.Module, unit: Unit) -> set[str]:
+    layer = core.get_submodule(unit.prefix)
+    groups = family_of(core.args).linear_groups(core, layer)
+    return {f"{unit.prefix}.{n}" for group in groups for n in group}
+
+
+@torch.no_grad()
+def _forward_stored(core, streamer: Streamer, unit: Unit, stored: dict[str, QuantizedWeight], x, runner):
+    """A stored layer's outputs over the calibration activations: its GPTQ'd linears dequantized, as when it was
+    computed (other weights as in the checkpoint)."""
+    layer = streamer.fill(unit.prefix)
+    try:
+        for name in _gptq_names(core, unit) & set(stored):
+            linear = core.get_submodule(name)
+            linear.weight.copy_(stored[name].dequantize().to(linear.weight.device, linear.weight.dtype))
+        return runner(layer, x)
+    finally:
+        streamer.free(unit.prefix)
+
+
+@torch.no_grad()
+def _compute(core, streamer: Streamer, unit: Unit, quant: Quantization, x, runner, forward: bool,
+             keep: set[str]) -> dict:
+    """Quantize one unit: a GPTQ layer under its calibration Hessians (with ``forward``, its outputs under
+    ``__outputs__``), the GPTQ'd lm_head under the Hessian of the final-norm outputs, anything else to nearest."""
+    method, group = quant.format, quant.resolved_group_size
+    result: dict = {}
+    if unit.gptq and unit.prefix == "lm_head":
+        streamer.fill("norm")
+        accumulator = HessianAccumulator(core.args.hidden_size, device=x.device)
+        for sample in x:
+            accumulator.add(core.norm(sample))
+        streamer.free("norm")
+        head = streamer.fill("lm_head")
+        result["lm_head"] = _to_cpu(gptq_quantize(head.weight, accumulator.hessian(), method, group,
+                                                  lut_refits=quant.lut_refits, name="lm_head"))
+        streamer.free("lm_head")
+        return result
+    if unit.gptq:
+        layer = streamer.fill(unit.prefix)
+        index = int(unit.prefix.split(".")[1])
+
+        def quantize_linear(name: str, weight: torch.Tensor, hessian: torch.Tensor) -> QuantizedWeight | None:
+            if name.removeprefix("model.") in keep:
+                return None
+            return _to_cpu(gptq_quantize(weight, hessian, method, group, lut_refits=quant.lut_refits, name=name))
+
+        groups = family_of(core.args).linear_groups(core, layer)
+        done = quantize_layer(layer, index, groups, x, runner, quantize_linear)
+        result.update({name.removeprefix("model."): qw for name, qw in done.items()})
+        if forward:
+            result["__outputs__"] = runner(layer, x)
+        streamer.free(unit.prefix)
+    for name in unit.modules:
+        if name not in result:
+            result[name] = _round_streamed(streamer, name, method, group)
+    return result
+
+
+def _round_streamed(streamer: Streamer, name: str, method: str, group: int) -> QuantizedWeight:
+    """Round-to-nearest of module ``name``'s weight, read and rounded in row chunks of about ``CHUNK_ELEMENTS``
+    (a multiple of the lut4 row group, so every group stays whole and the codes are the whole table's)."""
+    meta = streamer.core.get_submodule(name).weight
+    rows, columns = meta.shape
+    step = rows if rows * columns <= CHUNK_ELEMENTS else max(group, CHUNK_ELEMENTS // columns // group * group)
+    if step >= rows:
+        streamer.fill(name)
+        try:
+            return _to_cpu(round_to_nearest(method, streamer.core.get_submodule(name).weight, group))
+        finally:
+            streamer.free(name)
+    parts = [_to_cpu(round_to_nearest(method, streamer.rows(f"{name}.weight", i, min(i + step, rows)), group))
+             for i in range(0, rows, step)]
+    return concat_rows(parts)
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """One weight from row chunks quantized alone (their ``weight_mse`` averaged by rows)."""
+    first = parts[0]
+    fields = {f: torch.cat([getattr(p, f) for p in parts]) for f in ("scale", "zero_point", "lut")
+              if getattr(first, f) is not None}
+    qw = QuantizedWeight(first.method, torch.cat([p.codes for p in parts]), first.group_size, **fields)
+    rows = sum(p.codes.shape[0] for p in parts)
+    qw.stats["weight_mse"] = sum(p.stats["weight_mse"] * p.codes.shape[0] for p in parts) / rows
+    return qw
+
+
+WEIGHT_FILE = "weights.safetensors"
+
+
+def write_entry(directory: Path, weights: dict[str, QuantizedWeight]) -> dict:
+    """A unit's weights as one safetensors file (4-bit codes packed two per byte, low nibble first) and the
+    metadata (method, group size, shape, stats) that ``read_entry`` needs."""
+    from safetensors.torch import save_file
+
+    tensors, meta = {}, {}
+    for name, qw in sorted(weights.items()):
+        codes = qw.codes
+        packed = codes.shape[1] % 2 == 0
+        tensors[f"{name}/codes"] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous() if packed else codes
+        for f in ("scale", "zero_point", "lut"):
+            if getattr(qw, f) is not None:
+                tensors[f"{name}/{f}"] = getattr(qw, f).contiguous()
+        meta[name] = {"method": qw.method, "group_size": qw.group_size, "shape": list(codes.shape),
+                      "packed": packed, "stats": qw.stats}
+    save_file(tensors, str(directory / WEIGHT_FILE))
+    return {"weights": meta}
+
+
+def read_entry(entry: build_cache.Entry) -> dict[str, QuantizedWeight]:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(entry.path(WEIGHT_FILE)))
+    weights = {}
+    for name, m in entry.meta["weights"].items():
+        codes = tensors[f"{name}/codes"]
+        if m["packed"]:
+            codes = torch.stack([codes & 15, codes >> 4], dim=2).reshape(m["shape"])
+        fields = {f: tensors[f"{name}/{f}"] for f in ("scale", "zero_point", "lut") if f"{name}/{f}" in tensors}
+        weights[name] = QuantizedWeight(m["method"], codes, m["group_size"], stats=m["stats"], **fields)
     return weights
 
 
 def _to_cpu(qw: QuantizedWeight) -> QuantizedWeight:
-    for field in ("codes", "scale", "zero_point", "lut"):
-        value = getattr(qw, field)
+    for name in ("codes", "scale", "zero_point", "lut"):
+        value = getattr(qw, name)
         if value is not None:
-            setattr(qw, field, value.cpu())
+            setattr(qw, name, value.cpu())
     return qw
 
 

@@ -201,6 +201,29 @@ def tensor_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+class CheckpointReader:
+    """One tensor at a time from a (sharded) safetensors checkpoint: each read maps its shard, copies the tensor out
+    and unmaps it again, so what a streamed stage holds is what it keeps, never the checkpoint's pages."""
+
+    def __init__(self, directory: Path):
+        self.files = {name: path for path in weight_files(directory) for name in check_safetensors(path)}
+
+    def get(self, key: str) -> torch.Tensor:
+        self.check_key(key)
+        with safe_open(str(self.files[key]), framework="pt") as f:
+            return f.get_tensor(key)
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of tensor ``key``, reading only those."""
+        self.check_key(key)
+        with safe_open(str(self.files[key]), framework="pt") as f:
+            return f.get_slice(key)[start:stop]
+
+    def check_key(self, key: str) -> None:
+        if key not in self.files:
+            raise InputError(f"checkpoint: tensor {key!r} is missing; the checkpoint does not match its config")
+
+
 def load_tensors(directory: Path) -> dict[str, torch.Tensor]:
     """Read every tensor through safetensors' memory map (no pickle, no copy of the whole file)."""
     tensors: dict[str, torch.Tensor] = {}

@@ -97,23 +97,34 @@ class SequentialResult:
 
 
 @torch.no_grad()
+def quantize_layer(layer: torch.nn.Module, index: int, groups: tuple[tuple[str, ...], ...], x: torch.Tensor,
+                   runner: Callable, quantize_linear: QuantizeLinear) -> dict[str, QuantizedWeight]:
+    """Quantize decoder layer ``index``'s linears in place, group by group over its inputs ``x``: each group's
+    Hessians are captured with the earlier groups already quantized (their dequantized weights put back)."""
+    quantized = {}
+    for names in groups:
+        accumulators, _ = capture_hessians(layer, names, x, runner)
+        for name, acc in accumulators.items():
+            full_name = f"model.layers.{index}.{name}"
+            linear = layer.get_submodule(name)
+            qw = quantize_linear(full_name, linear.weight, acc.hessian())
+            if qw is not None:
+                linear.weight.copy_(qw.dequantize().to(linear.weight.dtype))
+                quantized[full_name] = qw
+    return quantized
+
+
+@torch.no_grad()
 def quantize_sequential(core: torch.nn.Module, tokens: torch.Tensor,
                         quantize_linear: QuantizeLinear) -> SequentialResult:
     """Quantize every decoder-layer linear of an export ``core`` in place, layer by layer, on calibration ``tokens``
-    [n, L]; the core's architecture family says how a layer runs over a sample and which linears it quantizes."""
+    [n, L]; the core's architecture family says how a layer runs over a sample and which linears it quantizes.
+    (The whole core in memory: the build streams the same loop from the checkpoint, ``convert/quantize.py``.)"""
     family = family_of(core.args)
     runner = family.calibration_runner(core, tokens.shape[1])
     x = core.embed_tokens(tokens.to(core.embed_tokens.weight.device).long())
     quantized = {}
     for i, layer in enumerate(core.layers):
-        for names in family.linear_groups(core, layer):
-            accumulators, _ = capture_hessians(layer, names, x, runner)
-            for name, acc in accumulators.items():
-                full_name = f"model.layers.{i}.{name}"
-                linear = layer.get_submodule(name)
-                qw = quantize_linear(full_name, linear.weight, acc.hessian())
-                if qw is not None:
-                    linear.weight.copy_(qw.dequantize().to(linear.weight.dtype))
-                    quantized[full_name] = qw
+        quantized.update(quantize_layer(layer, i, family.linear_groups(core, layer), x, runner, quantize_linear))
         x = runner(layer, x)
     return SequentialResult(quantized=quantized, hidden=x)

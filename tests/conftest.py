@@ -25,3 +25,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def build_cache_in_tmp(tmp_path_factory):
+    """Builds under test cache their stages in a directory of this session, never in the user's cache."""
+    import os
+
+    previous = os.environ.get("SPEC_CONVERT_CACHE")
+    os.environ["SPEC_CONVERT_CACHE"] = str(tmp_path_factory.mktemp("build-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("SPEC_CONVERT_CACHE", None)
+    else:
+        os.environ["SPEC_CONVERT_CACHE"] = previous

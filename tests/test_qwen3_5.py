@@ -12,7 +12,7 @@ from qwen3_5_checkpoints import L as LINEAR
 from qwen3_5_checkpoints import rewrite_config, write_checkpoint
 
 from convert.host import HostContractError, module_driver
-from convert.models import qwen3_5, read_args
+from convert.models import Layout, qwen3_5, read_args
 from convert.recipe import Graphs, Target
 from convert.sources import load_tensors, read_json
 
@@ -313,14 +313,17 @@ def test_calibration_runs_the_gdn_layers_and_keeps_the_small_linears(tmp_path):
 
 
 def test_quantized_hybrid_keeps_the_gates_in_fp16(tmp_path):
-    from convert.compress import QuantizedLinear
-    from convert.quantize import quantize_core
+    from convert.compress import QuantizedLinear, apply_quantized
+    from convert.quantize import quantize_checkpoint
     from convert.recipe import Quantization
 
     write_checkpoint(tmp_path / "ckpt", hidden_size=64, intermediate_size=128, linear_key_head_dim=16,
                      linear_value_head_dim=16, head_dim=16)
-    _, modules = modules_for(tmp_path / "ckpt")
-    result = quantize_core(modules.core, Quantization(method="affine4", group_size=32), tmp_path / "ckpt", tmp_path)
+    args, modules = modules_for(tmp_path / "ckpt")
+    quant = Quantization(method="affine4", group_size=32)
+    target = Target(source="path:x", graphs=Graphs(prefill=PREFILL, verify=VERIFY), context=CONTEXT)
+    result = quantize_checkpoint(tmp_path / "ckpt", args, target, Layout(), quant, tmp_path)
+    apply_quantized(modules.core, result.weights)
     linears = {name: m for name, m in modules.core.named_modules() if isinstance(m, torch.nn.Linear | QuantizedLinear)}
     kept = sorted(name for name, m in linears.items() if not isinstance(m, QuantizedLinear))
     assert kept == [f"layers.{i}.linear_attn.in_proj_{x}" for i in (0, 1, 2) for x in ("a", "b")]

@@ -1,0 +1,199 @@
+"""Benchmark: the streamed quantize stage at the real Qwen3.8-27B geometry, per unit, extrapolated to the whole model.
+
+A synthetic checkpoint in the published geometry (hidden 5120, intermediate 17408, vocab 248320, attention 24/4 heads
+of 256 with gated queries, Gated DeltaNet 16 key / 48 value heads of 128, conv kernel 4; untied lm_head), seeded
+random bf16 weights written on the fly as sharded safetensors, with a subset of its 64 layers (by default one Gated
+DeltaNet and one attention layer: the stage's cost is per layer, and every layer of a kind has the same shapes). The
+build's own stage (``convert.quantize.quantize_checkpoint``, the cache off) runs on it per method with the release
+recipe's calibration (128 x 2048 tokens; the bench's tokenizer is a small byte-level BPE, which changes the ids,
+not the cost); per unit it records the seconds, the peak GPU memory allocated and the process's peak resident host
+memory. The whole model's time is 48 x the GDN layer + 16 x the attention layer + the lm_head + the embedding, plus
+the calibration's embedding lookup.
+
+    PYTHONPATH=. python3 -m bench.scale [--methods affine4-gptq,lut4-gptq] [--layers linear_attention,full_attention]
+                                        [--samples 128] [--length 2048] [--device cuda] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+GEOMETRY = dict(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_attention_heads=24,
+                num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+                max_position_embeddings=262144, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})
+WHOLE = {"linear_attention": 48, "full_attention": 16}
+SHARD_BYTES = 4 << 30
+
+
+def write_checkpoint(directory: Path, layer_types: list[str], device: str, seed: int = 0) -> dict:
+    """config.json, a tokenizer and seeded bf16 weights (std 0.02, norms near 1) in shards of about 4 GiB."""
+    from safetensors.torch import save_file
+
+    from convert.models import qwen3_5
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", **GEOMETRY,
+              "num_hidden_layers": len(layer_types), "layer_types": layer_types, "full_attention_interval": 4,
+              "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    _write_tokenizer(directory)
+    shapes = qwen3_5.expected_shapes(qwen3_5.Args.from_config(config))
+    shards, size = [[]], 0
+    for key, shape in shapes.items():
+        if size >= SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += 2 * torch.Size(shape).numel()
+    generator = torch.Generator(device).manual_seed(seed)
+    index = {}
+    for number, keys in enumerate(shards):
+        name = f"model-{number + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for key in keys:
+            noise = torch.randn(shapes[key], generator=generator, device=device)
+            value = 1.0 + 0.1 * noise if len(shapes[key]) == 1 else 0.02 * noise
+            tensors[key] = value.to(torch.bfloat16).cpu()
+        save_file(tensors, str(directory / name))
+        index.update({key: name for key in keys})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    return config
+
+
+def _write_tokenizer(directory: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_corpus()], trainer=trainer)
+    tok.save(str(directory / "tokenizer.json"))
+
+
+def _corpus() -> str:
+    """Text to calibrate on: the source of a few standard-library modules (any text has the same cost)."""
+    import inspect
+    import json as json_module
+    import tempfile as tempfile_module
+    import textwrap
+
+    return "".join(inspect.getsource(m) for m in (argparse, json_module.decoder, tempfile_module, textwrap)) * 8
+
+
+def host_peak() -> int:
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1]) * 1024
+
+
+def reset_host_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def run(directory: Path, config: dict, method: str, samples: int, length: int, device: str) -> dict:
+    from convert.cache import BuildCache
+    from convert.models import Layout, qwen3_5
+    from convert.quantize import quantize_checkpoint
+    from convert.recipe import Calibration, Graphs, Quantization, Target
+
+    args = qwen3_5.Args.from_config(config)
+    target = Target(source="path:x", graphs=Graphs(), context=max(length, 512))
+    quant = Quantization(method=method, calibration=Calibration(corpus="path:corpus.txt", samples=samples,
+                                                                length=length))
+    units, sweeps = {}, []
+    import convert.quantize as stage
+
+    def timed_gptq(*a, **k):  # the GPTQ solve of one matrix (fit, sweep, refits), apart from the calibration passes
+        begin = time.perf_counter()
+        qw = gptq(*a, **k)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        sweeps.append(time.perf_counter() - begin)
+        return qw
+
+    gptq, stage.gptq_quantize = stage.gptq_quantize, timed_gptq
+
+    def observe(unit: str, seconds: float) -> None:
+        gpu = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+        solve = sum(sweeps)
+        sweeps.clear()
+        units[unit] = {"seconds": round(seconds, 2), "gptq_solve_seconds": round(solve, 2),
+                       "gpu_peak_gib": round(gpu / 2**30, 2), "host_peak_gib": round(host_peak() / 2**30, 2)}
+        print(f"  {method} {unit}: {seconds:.1f} s (GPTQ solves {solve:.1f} s), GPU peak {gpu / 2**30:.1f} GiB, "
+              f"host peak {host_peak() / 2**30:.1f} GiB", flush=True)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        reset_host_peak()
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    reset_host_peak()
+    start = time.perf_counter()
+    result = quantize_checkpoint(directory, args, target, Layout(), quant, directory.parent,
+                                 cache=BuildCache(enabled=False), device=device, observe=observe)
+    total = time.perf_counter() - start
+    stage.gptq_quantize = gptq
+    kinds = {}
+    for i, kind in enumerate(args.layer_types):
+        kinds.setdefault(kind, []).append(units[f"layers.{i}"]["seconds"])
+    per_kind = {kind: sum(v) / len(v) for kind, v in kinds.items()}
+    layer_sum = sum(units[f"layers.{i}"]["seconds"] for i in range(args.num_hidden_layers))
+    overhead = total - layer_sum - units["lm_head"]["seconds"] - units["embed_tokens"]["seconds"]
+    whole = sum(WHOLE[k] * per_kind[k] for k in WHOLE if k in per_kind) + units["lm_head"]["seconds"] + \
+        units["embed_tokens"]["seconds"] + overhead
+    ratios = [qw.stats.get("error_ratio") for qw in result.weights.values() if qw.stats.get("error_ratio")]
+    return {"method": method, "units": units, "seconds_total": round(total, 1),
+            "seconds_per_layer": {k: round(v, 2) for k, v in per_kind.items()},
+            "seconds_outside_units": round(overhead, 2),
+            "whole_model_seconds": round(whole, 1) if set(WHOLE) <= set(per_kind) else None,
+            "gptq_over_rtn_output_error_mean": round(sum(ratios) / len(ratios), 4) if ratios else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", default="affine4-gptq,lut4-gptq")
+    parser.add_argument("--layers", default="linear_attention,full_attention")
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--workdir", type=Path, help="where the synthetic checkpoint goes (default: a temp dir)")
+    parser.add_argument("--json", type=Path)
+    options = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(dir=options.workdir) as tmp:
+        directory = Path(tmp) / "qwen3.8-27b-geometry"
+        start = time.perf_counter()
+        config = write_checkpoint(directory, options.layers.split(","), options.device)
+        (directory.parent / "corpus.txt").write_text(_corpus())
+        size = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+        print(f"synthetic checkpoint: {options.layers}, {size / 2**30:.2f} GiB bf16, written in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+        report = {"machine": _machine(options.device), "layers": options.layers.split(","),
+                  "checkpoint_gib": round(size / 2**30, 2), "samples": options.samples, "length": options.length,
+                  "runs": [run(directory, config, m, options.samples, options.length, options.device)
+                           for m in options.methods.split(",")]}
+    for r in report["runs"]:
+        print(f"{r['method']}: per layer {r['seconds_per_layer']} s, lm_head {r['units']['lm_head']['seconds']} s, "
+              f"embedding {r['units']['embed_tokens']['seconds']} s -> whole 64-layer model "
+              f"{r['whole_model_seconds']} s")
+    if options.json:
+        options.json.write_text(json.dumps(report, indent=1))
+
+
+def _machine(device: str) -> str:
+    name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
+    return f"{name}, torch {torch.__version__}, python {platform.python_version()}"
+
+
+if __name__ == "__main__":
+    main()
