@@ -194,6 +194,7 @@ SHAPE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=32, num_
              num_key_value_heads=3, head_dim=64, vocab_size=1024)
 
 
+@pytest.mark.heavy  # 40 s on 2 cores: make test-heavy
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak-RSS reset")
 def test_streamed_quantization_peak_memory_is_bounded_by_one_layer(tmp_path):
     """GPTQ of a 32-layer model: the stage's peak resident memory above the warm process stays under what it returns
