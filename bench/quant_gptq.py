@@ -93,13 +93,15 @@ def fresh_core(args, tensors, length: int, device: torch.device):
 
 @torch.no_grad()
 def held_out_hessians(core, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Input Hessians of every linear of the unquantized model over held-out tokens (one pass per layer)."""
+    """Input Hessians of every linear of the unquantized model over held-out tokens (a capture pass and a forward per
+    layer)."""
     runner = CausalRunner(core, tokens.shape[1])
     x = core.embed_tokens(tokens.to(core.embed_tokens.weight.device))
     names = tuple(name for group in LINEAR_GROUPS for name in group)
     hessians = {}
     for i, layer in enumerate(core.layers):
-        accumulators, x = capture_hessians(layer, names, x, runner)
+        accumulators = capture_hessians(layer, names, x, runner)
+        x = runner(layer, x)
         hessians.update({f"model.layers.{i}.{name}": acc.hessian() for name, acc in accumulators.items()})
     return hessians
 

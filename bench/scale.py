@@ -12,6 +12,7 @@ the calibration's embedding lookup.
 
     PYTHONPATH=. python3 -m bench.scale [--methods affine4-gptq,lut4-gptq] [--layers linear_attention,full_attention]
                                         [--samples 128] [--length 2048] [--device cuda] [--json out.json]
+                                        [--compare-tf32]
 """
 
 from __future__ import annotations
@@ -156,7 +157,25 @@ def run(directory: Path, config: dict, method: str, samples: int, length: int, d
             "seconds_per_layer": {k: round(v, 2) for k, v in per_kind.items()},
             "seconds_outside_units": round(overhead, 2),
             "whole_model_seconds": round(whole, 1) if set(WHOLE) <= set(per_kind) else None,
-            "gptq_over_rtn_output_error_mean": round(sum(ratios) / len(ratios), 4) if ratios else None}
+            "gptq_over_rtn_output_error_mean": round(sum(ratios) / len(ratios), 4) if ratios else None,
+            "passes": "tf32" if device == "cuda" and stage.CUDA_TF32_PASSES else "fp32"}, result.weights
+
+
+def compare(directory: Path, tf32: dict, fp32: dict) -> dict:
+    """Per GPTQ'd matrix: the fraction of codes the two runs share, and ||Q_tf32 - Q_fp32|| / ||W - Q_fp32||."""
+    from convert.sources import CheckpointReader
+
+    reader = CheckpointReader(directory)
+    rows = {}
+    for name, qw in fp32.items():
+        if qw.stats.get("gptq_output_error") is None:
+            continue
+        key = name + ".weight" if name == "lm_head" else f"model.{name}.weight"
+        original = reader.get(key).to(torch.float16).float()
+        a, b = tf32[name].dequantize().float(), qw.dequantize().float()
+        rows[name] = {"codes_equal": round(float((tf32[name].codes == qw.codes).float().mean()), 5),
+                      "change_over_quantization_error": round(float((a - b).norm() / (original - b).norm()), 5)}
+    return rows
 
 
 def main() -> None:
@@ -168,6 +187,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workdir", type=Path, help="where the synthetic checkpoint goes (default: a temp dir)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--compare-tf32", action="store_true",
+                        help="run the first method again with TF32 calibration passes and compare the weights")
     options = parser.parse_args()
 
     with tempfile.TemporaryDirectory(dir=options.workdir) as tmp:
@@ -180,8 +201,24 @@ def main() -> None:
               f"{time.perf_counter() - start:.1f} s", flush=True)
         report = {"machine": _machine(options.device), "layers": options.layers.split(","),
                   "checkpoint_gib": round(size / 2**30, 2), "samples": options.samples, "length": options.length,
-                  "runs": [run(directory, config, m, options.samples, options.length, options.device)
-                           for m in options.methods.split(",")]}
+                  "runs": []}
+        weights = {}
+        for method in options.methods.split(","):
+            record, weights[method] = run(directory, config, method, options.samples, options.length,
+                                          options.device)
+            report["runs"].append(record)
+        if options.compare_tf32:
+            import convert.quantize as stage
+
+            method = options.methods.split(",")[0]
+            stage.CUDA_TF32_PASSES = True
+            record, tf32 = run(directory, config, method, options.samples, options.length, options.device)
+            stage.CUDA_TF32_PASSES = False
+            report["runs"].append(record)
+            report["tf32_vs_fp32"] = compare(directory, tf32, weights[method])
+            for name, row in report["tf32_vs_fp32"].items():
+                print(f"  TF32 vs fp32 passes, {name}: codes equal {row['codes_equal']:.4f}, weight change "
+                      f"{row['change_over_quantization_error']:.4f} x the quantization error")
     for r in report["runs"]:
         print(f"{r['method']}: per layer {r['seconds_per_layer']} s, lm_head {r['units']['lm_head']['seconds']} s, "
               f"embedding {r['units']['embed_tokens']['seconds']} s -> whole 64-layer model "

@@ -5,6 +5,7 @@ Each stage is a plain function; ``spec-convert build`` calls ``make_plan`` then 
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 from dataclasses import dataclass
@@ -189,7 +190,7 @@ def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache)
     modules, quantization = shipped_modules(plan, cache, {r.path: r.sha256 for r in source_files})
     report = gate(plan, modules, failed_report)
     packages = []
-    for done in package_formats(recipe.backends, modules, out, recipe.name):
+    for done in package_formats(recipe.backends, modules, out, recipe.name, cache=cache):
         if done.format == "coreai":  # the run check is the artifact gate: the .aimodel computes what was gated
             report.artifact = gates.artifact_from_check(done.path.name, done.check, done.check_seconds)
         packages.append(package_entry(done.format, done.path, out, done.check, done.compiled))
@@ -301,7 +302,7 @@ def _manifest(plan: Plan, source_files, modules: TargetModules, packages, extra_
     data = {
         "name": plan.recipe.name,
         "export_id": "",
-        "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "built_at": built_at(),
         "toolchain": toolchain_versions(),
         "source": {
             "reference": snap.reference,
@@ -342,6 +343,13 @@ def _manifest(plan: Plan, source_files, modules: TargetModules, packages, extra_
     manifest = Manifest.model_validate(data)
     manifest.export_id = identity.export_id(manifest.identity())
     return manifest
+
+
+def built_at() -> str:
+    """Now in UTC, or ``SOURCE_DATE_EPOCH`` when it is set (reproducible builds: the same inputs, the same bytes)."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    moment = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch else datetime.now(timezone.utc)
+    return moment.isoformat(timespec="seconds")
 
 
 def _desc(t) -> dict:

@@ -122,7 +122,7 @@ class BuildCache:
         try:
             meta = write(tmp)
             files = {p.relative_to(tmp).as_posix(): _file_record(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-            (tmp / ENTRY).write_text(json.dumps({"files": files, "meta": meta}, indent=1, sort_keys=True))
+            (tmp / ENTRY).write_text(json.dumps({"files": files, "meta": meta}, indent=1))  # meta in its order
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
         except BaseException:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -250,13 +249,13 @@ def _architecture(dplan, modules) -> dict:
 
 def _manifest(plan, source_files, modules, target_manifest, target_dir, packages, extra_files, quantization,
               acceptance, ab) -> DrafterManifest:
-    from convert.build import _desc, toolchain_versions
+    from convert.build import _desc, built_at, toolchain_versions
 
     dplan = plan.drafter
     data = {
         "name": f"{plan.recipe.name}-{dplan.kind}",
         "export_id": "",
-        "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "built_at": built_at(),
         "toolchain": toolchain_versions(),
         "source": {"reference": dplan.snapshot.reference, "repo": dplan.snapshot.repo,
                    "revision": dplan.snapshot.revision, "files": [vars(r) for r in source_files]},

@@ -7,19 +7,30 @@ thread). Core AI stays here because its check runs the package on the Core AI ru
 locks do not survive a fork: a worker forked from a process that had used the runtime hung loading it. The workers
 inherit the export modules from the fork (copy-on-write) instead of receiving a pickled copy, and return only the
 check results and compile records; an error in a worker is raised here. The bundle is the same either way.
+
+A target's packages are cached (``convert/cache.py``, stage ``package``) under a key of the modules' content (every
+parameter and buffer), the function specs, the format, the toolchain and the packaging code: a resumed build
+restores a finished format's package, its check results and its compiled outputs instead of converting again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import os
+import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from convert import backends, checks, progress
+from convert import cache as build_cache
 from convert.backends.base import CompileRecord
+from convert.models import family_of
 from convert.progress import stage
 
 
@@ -36,23 +47,93 @@ _WORK: dict = {}  # what the forked workers read: set before the pool starts, ne
 
 
 IN_PROCESS = ("coreai",)  # formats whose check runs a native runtime: never in a forked worker
+CACHE_STAGE = "package"
+CODE = ("convert.packaging", "convert.checks", "convert.compress", "convert.export", "convert.backends.base")
+TOOLCHAIN = ("spec-convert", "torch", "coreai-core", "coreai-torch", "coremltools", "numpy")
 
 
-def package_formats(formats: list[str], modules, out: Path, stem: str, calls: list | None = None) -> list[Packaged]:
+def package_formats(formats: list[str], modules, out: Path, stem: str, calls: list | None = None,
+                    cache: build_cache.BuildCache | None = None) -> list[Packaged]:
     """``stem`` + each format's suffix under ``out``, packaged, checked (``checks.check_package``; a drafter passes
-    its recorded ``calls``) and compiled into ``out/compiled``, in the order of ``formats``."""
+    its recorded ``calls``) and compiled into ``out/compiled``, in the order of ``formats``. With a ``cache`` (targets
+    only: a drafter's check replays calls recorded in this build), finished formats are restored from it."""
+    cache = cache if cache is not None and calls is None else build_cache.BuildCache(enabled=False)
+    keys = {name: package_key(name, modules, stem) for name in formats} if cache.enabled else {}
+    restored = {}
+    for name in formats:
+        entry = cache.get(CACHE_STAGE, keys[name]) if cache.enabled else None
+        if entry is not None:
+            with progress.stage(f"package {name}: {stem}{backends.SUFFIXES[name]} restored from the cache"):
+                restored[name] = _restore(entry, out)
+    def store(packaged: Packaged) -> None:  # as soon as a format is done: a later kill keeps it
+        if cache.enabled:
+            cache.put(CACHE_STAGE, keys[packaged.format], lambda d: _store(d, packaged, out))
+
+    missing = [name for name in formats if name not in restored]
+    built = {p.format: p for p in _package_all(missing, modules, out, stem, calls, store)} if missing else {}
+    return [restored.get(name) or built[name] for name in formats]
+
+
+def package_key(name: str, modules, stem: str) -> str:
+    """The cache key of format ``name``'s package of ``modules``: their content, specs, toolchain and code."""
+    digest = hashlib.sha256()
+    core = modules.core
+    tensors = {**dict(core.named_parameters(remove_duplicate=False)), **dict(core.named_buffers())}
+    for tensor_name, tensor in sorted(tensors.items()):
+        digest.update(f"{tensor_name}:{tensor.dtype}:{list(tensor.shape)}".encode())
+        digest.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    specs = [repr(spec) for _, spec in modules.functions.values()]
+    code = CODE + (f"convert.backends.{name}", family_of(core.args).__name__)
+    return build_cache.key({"stage": CACHE_STAGE, "format": name, "stem": stem, "weights": digest.hexdigest(),
+                            "specs": specs, "contract": modules.contract, "toolchain": build_cache.versions(TOOLCHAIN),
+                            "code": build_cache.code_fingerprint(code)})
+
+
+def _store(directory: Path, packaged: Packaged, out: Path) -> dict:
+    shutil.copytree(packaged.path, directory / "package" / packaged.path.name)
+    for record in packaged.compiled:
+        for output in record.outputs:
+            source = out / "compiled" / output
+            target = directory / "compiled" / output
+            target.parent.mkdir(parents=True, exist_ok=True)
+            (shutil.copytree if source.is_dir() else shutil.copy2)(source, target)
+    return {"format": packaged.format, "name": packaged.path.name, "check": packaged.check,
+            "check_seconds": packaged.check_seconds, "compiled": [vars(c) for c in packaged.compiled]}
+
+
+def _restore(entry: build_cache.Entry, out: Path) -> Packaged:
+    meta = entry.meta
+    path = out / meta["name"]
+    shutil.copytree(entry.path("package") / meta["name"], path)
+    if entry.path("compiled").is_dir():
+        shutil.copytree(entry.path("compiled"), out / "compiled", dirs_exist_ok=True)
+    compiled = [CompileRecord(**c) for c in meta["compiled"]]
+    return Packaged(meta["format"], path, meta["check"], compiled, meta["check_seconds"])
+
+
+def _package_all(formats: list[str], modules, out: Path, stem: str, calls: list | None,
+                 finished: Callable[[Packaged], None]) -> list[Packaged]:
+    """Package every format (side by side where it can); ``finished`` sees each one as it completes."""
     jobs = [(name, out / f"{stem}{backends.SUFFIXES[name]}") for name in formats]
     forked = [(name, path) for name, path in jobs if name not in IN_PROCESS]
     parallel = len(jobs) > 1 and forked and (os.cpu_count() or 1) > 1 and \
         "fork" in multiprocessing.get_all_start_methods()
+
+    def record(packaged: Packaged) -> Packaged:
+        finished(packaged)
+        return packaged
+
     if not parallel:
-        return [_package(name, path, modules, out, calls) for name, path in jobs]
+        return [record(_package(name, path, modules, out, calls)) for name, path in jobs]
     _WORK.update(modules=modules, out=out, calls=calls)
     live, progress.live = progress.live, False  # several processes print: plain stage lines, no spinners
     try:
         with ProcessPoolExecutor(len(forked), mp_context=multiprocessing.get_context("fork")) as pool:
             futures = {name: pool.submit(_worker, name, path) for name, path in forked}
-            done = {name: _package(name, path, modules, out, calls) for name, path in jobs if name not in futures}
+            for future in futures.values():  # stored the moment a worker is done, while this process packages on
+                future.add_done_callback(lambda f: f.exception() is None and finished(f.result()))
+            done = {name: record(_package(name, path, modules, out, calls)) for name, path in jobs
+                    if name not in futures}
             done.update({name: future.result() for name, future in futures.items()})
     finally:
         _WORK.clear()

@@ -51,6 +51,13 @@ SHIP_DTYPE = torch.float16
 WORK_DTYPE = torch.float32
 CHUNK_ELEMENTS = 1 << 26  # a table larger than this is read and rounded in row chunks (256 MB of fp32 each)
 CACHE_STAGE = "quantize"
+# TF32 matmuls in the calibration passes on CUDA (layer forwards and Hessian products, not the GPTQ solves: inputs
+# rounded to 10-bit significands, as in the fp16 the device computes in, fp32 sums). Off: on one H200 they made an
+# attention layer's passes 3.4x faster (a Gated DeltaNet layer's chunked recurrence is not matmul-bound: 0.9-1.6x)
+# but moved the quantized weights by about as much as quantization itself (6-29% of the codes differ;
+# bench/scale.py --compare-tf32, docs/benchmarks.md "Scale to 27B"), and whether that costs accuracy is not measured
+# yet. The build computes the passes in fp32; the bench switches this on to measure it.
+CUDA_TF32_PASSES = False
 # the code a quantize cache entry depends on: any change to it invalidates every entry
 CODE = ("convert.quantize", "convert.stream", "convert.compress", "quant.affine", "quant.lut", "quant.gptq",
         "quant.calibrate", "quant.types")
@@ -84,10 +91,10 @@ MEASURED_TOKENS = 128 * 2048
 MEASURED_WEIGHTS = {"linear_attention": 383_221_760, "full_attention": 372_244_480, "lm_head": 1_271_398_400,
                     "embed_tokens": 1_271_398_400}
 MEASURED_SECONDS = {
-    "lut4-gptq": {"linear_attention": (42.4, 6.2), "full_attention": (35.7, 8.5), "lm_head": (4.9, 3.3),
-                  "embed_tokens": (3.2, 0.0)},
-    "affine4-gptq": {"linear_attention": (42.8, None), "full_attention": (36.6, None), "lm_head": (4.2, None),
-                     "embed_tokens": (2.6, None)},
+    "lut4-gptq": {"linear_attention": (33.5, 5.8), "full_attention": (24.8, 7.4), "lm_head": (4.5, 3.0),
+                  "embed_tokens": (3.7, 0.0)},
+    "affine4-gptq": {"linear_attention": (34.1, 6.9), "full_attention": (26.6, 9.0), "lm_head": (3.5, 1.9),
+                     "embed_tokens": (1.9, 0.0)},
 }
 
 
@@ -160,6 +167,7 @@ def quantize_checkpoint(directory: Path, args, target, layout: Layout, quant: Qu
                len(units), "units") as advance:
         if last_missing >= 0:
             x, runner = _calibration_inputs(core, streamer, calibration.tokens.to(device))
+            runner = _pass_precision(runner, device)
         for i, unit in enumerate(units):
             start = time.perf_counter()
             entry = entries[unit.prefix]
@@ -263,6 +271,7 @@ def _unit_keys(units: list[Unit], core: nn.Module, reader: CheckpointReader, lay
         "config": json.loads((directory / "config.json").read_text()),
         "quantization": quant.model_dump(mode="json"), "calibration": calibration.identity() if calibration else None,
         "ship_dtype": str(SHIP_DTYPE), "work_dtype": str(WORK_DTYPE), "chunk_elements": CHUNK_ELEMENTS,
+        "passes": "tf32" if device.type == "cuda" and CUDA_TF32_PASSES else "fp32",
     }
     keys, previous = {}, None
     for unit in units:
@@ -287,6 +296,22 @@ def _calibration_inputs(core: nn.Module, streamer: Streamer, tokens: torch.Tenso
     finally:
         streamer.free("embed_tokens")
     return x, runner
+
+
+def _pass_precision(runner, device: torch.device):
+    """``runner`` with TF32 matmuls on CUDA (``CUDA_TF32_PASSES``); unchanged elsewhere."""
+    if device.type != "cuda" or not CUDA_TF32_PASSES:
+        return runner
+
+    def passes(layer, x):
+        previous = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            return runner(layer, x)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = previous
+
+    return passes
 
 
 def _gptq_names(core: nn.Module, unit: Unit) -> set[str]:

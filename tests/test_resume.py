@@ -1,0 +1,106 @@
+"""A build SIGKILLed in the middle of quantization, and again in the middle of packaging, resumes from the build cache
+and publishes the same bundle as a build that was never interrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from checkpoints import TOKENIZER_TEXT, write_checkpoint
+
+pytestmark = pytest.mark.heavy
+
+RECIPE = """\
+name: resume
+target:
+  source: path:ckpt
+  graphs: {prefill: 16, decode: 1, verify: 4}
+  context: 64
+  quantization:
+    method: lut4-gptq
+    calibration: {corpus: "path:corpus.txt", samples: 4, length: 32}
+  gate:
+    data: {corpus: "path:corpus.txt", samples: 2, length: 32}
+    greedy_tokens: 4
+    thresholds: {mean_kl_max: 1.0, p99_kl_max: 5.0, max_kl_max: 20.0, top1_min: 0.0, cosine_min: 0.0,
+                 greedy_match_min: 0.0, block_chain_real_flips_max: 1000}
+backends: [coreai, coreml]
+"""
+ROOT = Path(__file__).resolve().parent.parent
+UNSTABLE = ".odix"  # coreai-core's ODIX lowering orders a table differently run to run (README, Reproducibility)
+
+
+def start(tmp: Path, output: str, cache: Path) -> subprocess.Popen:
+    env = {**os.environ, "SPEC_CONVERT_CACHE": str(cache), "SOURCE_DATE_EPOCH": "1700000000"}
+    log = open(tmp / f"{output}.log", "a")
+    return subprocess.Popen([sys.executable, "-m", "convert", "build", str(tmp / "r.yaml"), "--output",
+                             str(tmp / output)], cwd=ROOT, env=env, stdout=log, stderr=log)
+
+
+def kill_when(process: subprocess.Popen, ready, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if ready():
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the build ended (exit {process.poll()}) before it could be killed where the test wanted")
+
+
+def entries(cache: Path, stage: str) -> int:
+    return len(list((cache / stage).glob("*/*/entry.json")))
+
+
+def comparable(bundle: Path) -> dict[str, bytes]:
+    files = {}
+    for path in sorted(p for p in bundle.rglob("*") if p.is_file()):
+        rel = path.relative_to(bundle).as_posix()
+        data = path.read_bytes()
+        if rel.endswith(UNSTABLE):
+            data = b"present"
+        elif rel == "gate_report.json":  # measured durations; every value besides them must match
+            data = json.dumps(_without_seconds(json.loads(data)), sort_keys=True).encode()
+        files[rel] = data
+    return files
+
+
+def _without_seconds(value):
+    if isinstance(value, dict):
+        return {k: _without_seconds(v) for k, v in value.items() if "seconds" not in k}
+    if isinstance(value, list):
+        return [_without_seconds(v) for v in value]
+    return value
+
+
+def test_a_build_killed_twice_resumes_to_the_same_bundle(tmp_path):
+    write_checkpoint(tmp_path / "ckpt", hidden_size=64, num_hidden_layers=6)
+    (tmp_path / "corpus.txt").write_text("".join(TOKENIZER_TEXT) * 40)
+    (tmp_path / "r.yaml").write_text(RECIPE)
+    cache, fresh = tmp_path / "cache", tmp_path / "fresh-cache"
+
+    reference = start(tmp_path, "reference", fresh)
+    assert reference.wait() == 0, (tmp_path / "reference.log").read_text()[-3000:]
+
+    first = start(tmp_path, "resumed", cache)  # 6 layers, the lm_head and the embedding: 8 units
+    kill_when(first, lambda: entries(cache, "quantize") >= 2)
+    stored = entries(cache, "quantize")
+    assert 2 <= stored < 8 and not (tmp_path / "resumed").exists()
+
+    second = start(tmp_path, "resumed", cache)
+    kill_when(second, lambda: entries(cache, "package") >= 1)
+    assert not (tmp_path / "resumed").exists()
+    log = " ".join((tmp_path / "resumed.log").read_text().split())  # the console wraps long lines
+    assert f"{stored} of 8 units reused, {8 - stored} computed" in log
+
+    third = start(tmp_path, "resumed", cache)
+    assert third.wait() == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+    log = " ".join((tmp_path / "resumed.log").read_text().split())
+    assert "8 of 8 units reused, 0 computed" in log and "restored from the cache" in log
+    assert comparable(tmp_path / "resumed") == comparable(tmp_path / "reference")
