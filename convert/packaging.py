@@ -65,6 +65,7 @@ def package_formats(formats: list[str], modules, out: Path, stem: str, calls: li
         if entry is not None:
             with progress.stage(f"package {name}: {stem}{backends.SUFFIXES[name]} restored from the cache"):
                 restored[name] = _restore(entry, out)
+
     def store(packaged: Packaged) -> None:  # as soon as a format is done: a later kill keeps it
         if cache.enabled:
             cache.put(CACHE_STAGE, keys[packaged.format], lambda d: _store(d, packaged, out))

@@ -82,10 +82,9 @@ class Unit:
 
 
 # The measured cost model (bench/scale.py on one H200, docs/benchmarks.md "Scale to 27B"): seconds per unit at the
-# Qwen3.8-27B geometry with 128 x 2048 calibration tokens, as (total, of which GPTQ solves) where the split was
-# measured. The estimate scales a unit's GPTQ solves by its weights and the rest (the calibration passes, reading and
-# casting) by weights x calibration tokens; without a measured split, the total by weights only. No CPU measurement
-# at this width yet.
+# Qwen3.8-27B geometry with 128 x 2048 calibration tokens, as (total, of which GPTQ solves). The estimate scales a
+# unit's GPTQ solves by its weights and the rest (the calibration passes, reading and casting) by weights x
+# calibration tokens; a dense model's layers are priced as attention layers. No CPU measurement at this width yet.
 MEASURED_DEVICE = "one H200"
 MEASURED_TOKENS = 128 * 2048
 MEASURED_WEIGHTS = {"linear_attention": 383_221_760, "full_attention": 372_244_480, "lm_head": 1_271_398_400,
@@ -105,16 +104,13 @@ def estimate_lines(args, target) -> list[str]:
     if measured is None:
         return []
     tokens = quant.calibration.samples * quant.calibration.length / MEASURED_TOKENS
-    seconds, split = 0.0, True
+    seconds = 0.0
     for kind, weights in unit_weights(args, target):
         total, solve = measured[kind]
-        scale = weights / MEASURED_WEIGHTS[kind]
-        split &= solve is not None
-        seconds += scale * total if solve is None else scale * (solve + (total - solve) * tokens)
-    scaled = "weights and calibration tokens" if split else "weights (measured at 128 x 2048 tokens only)"
+        seconds += weights / MEASURED_WEIGHTS[kind] * (solve + (total - solve) * tokens)
     return [f"  estimated quantize time ({quant.method}, {quant.calibration.samples} x {quant.calibration.length} "
             f"calibration tokens): {seconds / 60:.0f} min on {MEASURED_DEVICE} (bench/scale.py's per-unit cost at the "
-            f"27B geometry, scaled by {scaled}); CPU: not measured at this width"]
+            "27B geometry, scaled by weights and calibration tokens); CPU: not measured at this width"]
 
 
 def unit_weights(args, target) -> list[tuple[str, int]]:

@@ -31,10 +31,10 @@ target:
 pytestmark = pytest.mark.slow
 
 
-def build(tmp: Path, source: Path, out: str, extra: str = "") -> tuple[int, str]:
+def build(tmp: Path, source: Path, out: str, extra: str = "", *options: str) -> tuple[int, str]:
     recipe = tmp / f"{out}.yaml"
     recipe.write_text(RECIPE.format(source=source) + extra)
-    result = CliRunner().invoke(main, ["build", str(recipe), "--output", str(tmp / out)])
+    result = CliRunner().invoke(main, ["build", str(recipe), "--output", str(tmp / out), *options])
     return result.exit_code, result.output
 
 
@@ -144,8 +144,8 @@ def test_failed_build_keeps_the_good_bundle(built, tiny_checkpoint, monkeypatch)
     def broken(*args, **kwargs):
         raise PackageError("tiny.mlpackage: function decode: weight x is not stored bit for bit")
 
-    monkeypatch.setattr(checks, "check_package", broken)
-    code, output = build(tmp, tiny_checkpoint, "d", "backends: [coreml]\n")
+    monkeypatch.setattr(checks, "check_package", broken)  # not in the cache key: package again, without it
+    code, output = build(tmp, tiny_checkpoint, "d", "backends: [coreml]\n", "--no-cache")
     assert code == 1 and "not stored bit for bit" in output
     assert (tmp / "d" / "manifest.json").read_bytes() == before
     assert not [p for p in tmp.iterdir() if p.name.startswith(".d.")]
