@@ -9,7 +9,8 @@ whole history.
 
 An entry is a directory ``<stage>/<key[:2]>/<key>/`` with the payload files and ``entry.json`` (the sha256 and
 size of every payload file plus the stage's metadata), written last, through a temporary directory renamed into
-place: a build killed while writing leaves at most a hidden temporary directory, never an entry. Reading checks
+place: a build killed while writing leaves at most a hidden temporary directory (removed when that entry is next
+written), never an entry. Reading checks
 every payload file against ``entry.json``; a mismatch is reported, the entry removed, and the stage recomputed.
 """
 
@@ -116,9 +117,11 @@ class BuildCache:
         if not self.enabled:
             return None
         final = self._directory(stage, entry_key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        for stale in final.parent.glob(f".{entry_key}.tmp-*"):  # left by a build killed while writing this entry
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = final.parent / f".{entry_key}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp.mkdir()
         try:
             meta = write(tmp)
             files = {p.relative_to(tmp).as_posix(): _file_record(p) for p in sorted(tmp.rglob("*")) if p.is_file()}

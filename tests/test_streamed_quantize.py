@@ -171,6 +171,7 @@ def test_a_killed_run_resumes_redoing_at_most_the_unit_in_flight(tmp_path):
     assert sum(how == "cached" for how in resumed.units.values()) == len(stored)
     assert cache.misses == {"quantize": 5 - len(stored)}
     assert_same(resumed.weights, streamed(directory, quantization("lut4-gptq")).weights)
+    assert not list(cache_dir.glob("quantize/*/.*.tmp-*"))  # what the kill left half-written is gone
 
 
 MEMORY = """
