@@ -10,8 +10,8 @@ whole history.
 An entry is a directory ``<stage>/<key[:2]>/<key>/`` with the payload files and ``entry.json`` (the sha256 and
 size of every payload file plus the stage's metadata), written last, through a temporary directory renamed into
 place: a build killed while writing leaves at most a hidden temporary directory (removed when that entry is next
-written), never an entry. Reading checks
-every payload file against ``entry.json``; a mismatch is reported, the entry removed, and the stage recomputed.
+written), never an entry. Reading checks every payload file against ``entry.json``; a mismatch is reported, the
+entry removed, and the stage recomputed.
 """
 
 from __future__ import annotations
