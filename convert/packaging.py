@@ -129,7 +129,8 @@ def _package_all(formats: list[str], modules, out: Path, stem: str, calls: list 
     _WORK.update(modules=modules, out=out, calls=calls)
     live, progress.live = progress.live, False  # several processes print: plain stage lines, no spinners
     try:
-        with ProcessPoolExecutor(len(forked), mp_context=multiprocessing.get_context("fork")) as pool:
+        with ProcessPoolExecutor(len(forked), mp_context=multiprocessing.get_context("fork"),
+                                 initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
             futures = {name: pool.submit(_worker, name, path) for name, path in forked}
             for future in futures.values():  # stored the moment a worker is done, while this process packages on
                 future.add_done_callback(lambda f: f.exception() is None and finished(f.result()))
@@ -140,6 +141,20 @@ def _package_all(formats: list[str], modules, out: Path, stem: str, calls: list 
         _WORK.clear()
         progress.live = live
     return [done[name] for name, _ in jobs]
+
+
+def _die_with_parent(parent: int) -> None:
+    """A worker ends with its build: on Linux the kernel kills it (SIGKILL) when the build process dies, so a build
+    that is killed leaves no orphan packaging on (measured: orphans of SIGKILLed builds hung for 40 minutes)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the worker ends when it next talks to the gone parent
+        return
+    if os.getppid() != parent:  # the build died before the request took effect
+        os._exit(1)
 
 
 def _worker(name: str, path: Path) -> Packaged:

@@ -44,14 +44,38 @@ def start(tmp: Path, output: str, cache: Path) -> subprocess.Popen:
 
 
 def kill_when(process: subprocess.Popen, ready, timeout: float = 600) -> None:
+    """SIGKILL the build once ``ready()``; its forked packaging worker must die with it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and process.poll() is None:
         if ready():
+            children = _children(process.pid)
             process.send_signal(signal.SIGKILL)
             process.wait()
+            end = time.monotonic() + 10
+            while any(_alive(pid) for pid in children) and time.monotonic() < end:
+                time.sleep(0.1)
+            assert not [pid for pid in children if _alive(pid)], "a worker outlived its build"
             return
         time.sleep(0.01)
     raise AssertionError(f"the build ended (exit {process.poll()}) before it could be killed where the test wanted")
+
+
+def _children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    found = []
+    for task in tasks.iterdir() if tasks.is_dir() else ():
+        children = task / "children"
+        if children.is_file():
+            found += [int(c) for c in children.read_text().split()]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a killed child waiting to be reaped by init is a zombie, not alive)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def entries(cache: Path, stage: str) -> int:
