@@ -85,11 +85,10 @@ def _write_tokenizer(directory: Path) -> None:
 def _corpus() -> str:
     """Text to calibrate on: the source of a few standard-library modules (any text has the same cost)."""
     import inspect
-    import json as json_module
-    import tempfile as tempfile_module
+    import json.decoder
     import textwrap
 
-    return "".join(inspect.getsource(m) for m in (argparse, json_module.decoder, tempfile_module, textwrap)) * 8
+    return "".join(inspect.getsource(m) for m in (argparse, json.decoder, tempfile, textwrap)) * 8
 
 
 def host_peak() -> int:

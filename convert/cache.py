@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from convert.progress import console
+from convert.sources import sha256_file
 
 ENTRY = "entry.json"
 ENV = "SPEC_CONVERT_CACHE"
@@ -142,8 +143,6 @@ class BuildCache:
 
 
 def _file_record(path: Path) -> dict:
-    from convert.sources import sha256_file
-
     return {"sha256": sha256_file(path), "size": path.stat().st_size}
 
 

@@ -58,7 +58,8 @@ def package_formats(formats: list[str], modules, out: Path, stem: str, calls: li
     its recorded ``calls``) and compiled into ``out/compiled``, in the order of ``formats``. With a ``cache`` (targets
     only: a drafter's check replays calls recorded in this build), finished formats are restored from it."""
     cache = cache if cache is not None and calls is None else build_cache.BuildCache(enabled=False)
-    keys = {name: package_key(name, modules, stem) for name in formats} if cache.enabled else {}
+    weights = weights_digest(modules) if cache.enabled else ""  # once: it reads every tensor of the modules
+    keys = {name: package_key(name, modules, stem, weights) for name in formats} if cache.enabled else {}
     restored = {}
     for name in formats:
         entry = cache.get(CACHE_STAGE, keys[name]) if cache.enabled else None
@@ -75,17 +76,23 @@ def package_formats(formats: list[str], modules, out: Path, stem: str, calls: li
     return [restored.get(name) or built[name] for name in formats]
 
 
-def package_key(name: str, modules, stem: str) -> str:
-    """The cache key of format ``name``'s package of ``modules``: their content, specs, toolchain and code."""
+def weights_digest(modules) -> str:
+    """sha256 of every parameter and buffer of the modules' core: names, dtypes, shapes and bytes."""
     digest = hashlib.sha256()
     core = modules.core
     tensors = {**dict(core.named_parameters(remove_duplicate=False)), **dict(core.named_buffers())}
     for tensor_name, tensor in sorted(tensors.items()):
         digest.update(f"{tensor_name}:{tensor.dtype}:{list(tensor.shape)}".encode())
         digest.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def package_key(name: str, modules, stem: str, weights: str) -> str:
+    """The cache key of format ``name``'s package of ``modules`` (``weights``: their ``weights_digest``): their
+    content, specs, toolchain and code."""
     specs = [repr(spec) for _, spec in modules.functions.values()]
-    code = CODE + (f"convert.backends.{name}", family_of(core.args).__name__)
-    return build_cache.key({"stage": CACHE_STAGE, "format": name, "stem": stem, "weights": digest.hexdigest(),
+    code = CODE + (f"convert.backends.{name}", family_of(modules.core.args).__name__)
+    return build_cache.key({"stage": CACHE_STAGE, "format": name, "stem": stem, "weights": weights,
                             "specs": specs, "contract": modules.contract, "toolchain": build_cache.versions(TOOLCHAIN),
                             "code": build_cache.code_fingerprint(code)})
 

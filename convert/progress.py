@@ -21,6 +21,10 @@ def stage(title: str) -> Iterator[None]:
             yield
     else:
         yield
+    _done(title, start)
+
+
+def _done(title: str, start: float) -> None:
     console.print(f"[green]\u2713[/green] {title} [dim]({time.perf_counter() - start:.1f} s)[/dim]")
 
 
@@ -39,4 +43,4 @@ def steps(title: str, total: int, what: str = "steps") -> Iterator:
     with bar() as progress:
         task = progress.add_task(title, total=total)
         yield lambda: progress.advance(task)
-    console.print(f"[green]\u2713[/green] {title}: {total} {what} [dim]({time.perf_counter() - start:.1f} s)[/dim]")
+    _done(f"{title}: {total} {what}", start)

@@ -44,7 +44,7 @@ from quant.affine import quantize_affine
 from quant.calibrate import CalibrationSet, quantize_layer, sample_calibration
 from quant.gptq import HessianAccumulator, gptq_quantize
 from quant.lut import quantize_lut
-from quant.types import QuantizedWeight
+from quant.types import GROUP_TENSORS, QuantizedWeight
 
 ALIASES = {"embeddings": "embed_tokens", "lm_head": "lm_head"}
 SHIP_DTYPE = torch.float16
@@ -389,8 +389,7 @@ def _round_streamed(streamer: Streamer, name: str, method: str, group: int) -> Q
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """One weight from row chunks quantized alone (their ``weight_mse`` averaged by rows)."""
     first = parts[0]
-    fields = {f: torch.cat([getattr(p, f) for p in parts]) for f in ("scale", "zero_point", "lut")
-              if getattr(first, f) is not None}
+    fields = {f: torch.cat([getattr(p, f) for p in parts]) for f in GROUP_TENSORS if getattr(first, f) is not None}
     qw = QuantizedWeight(first.method, torch.cat([p.codes for p in parts]), first.group_size, **fields)
     rows = sum(p.codes.shape[0] for p in parts)
     qw.stats["weight_mse"] = sum(p.stats["weight_mse"] * p.codes.shape[0] for p in parts) / rows
@@ -410,7 +409,7 @@ def write_entry(directory: Path, weights: dict[str, QuantizedWeight]) -> dict:
         codes = qw.codes
         packed = codes.shape[1] % 2 == 0
         tensors[f"{name}/codes"] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous() if packed else codes
-        for f in ("scale", "zero_point", "lut"):
+        for f in GROUP_TENSORS:
             if getattr(qw, f) is not None:
                 tensors[f"{name}/{f}"] = getattr(qw, f).contiguous()
         meta[name] = {"method": qw.method, "group_size": qw.group_size, "shape": list(codes.shape),
@@ -428,13 +427,13 @@ def read_entry(entry: build_cache.Entry) -> dict[str, QuantizedWeight]:
         codes = tensors[f"{name}/codes"]
         if m["packed"]:
             codes = torch.stack([codes & 15, codes >> 4], dim=2).reshape(m["shape"])
-        fields = {f: tensors[f"{name}/{f}"] for f in ("scale", "zero_point", "lut") if f"{name}/{f}" in tensors}
+        fields = {f: tensors[f"{name}/{f}"] for f in GROUP_TENSORS if f"{name}/{f}" in tensors}
         weights[name] = QuantizedWeight(m["method"], codes, m["group_size"], stats=m["stats"], **fields)
     return weights
 
 
 def _to_cpu(qw: QuantizedWeight) -> QuantizedWeight:
-    for name in ("codes", "scale", "zero_point", "lut"):
+    for name in ("codes", *GROUP_TENSORS):
         value = getattr(qw, name)
         if value is not None:
             setattr(qw, name, value.cpu())

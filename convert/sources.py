@@ -209,17 +209,17 @@ class CheckpointReader:
         self.files = {name: path for path in weight_files(directory) for name in check_safetensors(path)}
 
     def get(self, key: str) -> torch.Tensor:
-        self.check_key(key)
+        self._check_key(key)
         with safe_open(str(self.files[key]), framework="pt") as f:
             return f.get_tensor(key)
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of tensor ``key``, reading only those."""
-        self.check_key(key)
+        self._check_key(key)
         with safe_open(str(self.files[key]), framework="pt") as f:
             return f.get_slice(key)[start:stop]
 
-    def check_key(self, key: str) -> None:
+    def _check_key(self, key: str) -> None:
         if key not in self.files:
             raise InputError(f"checkpoint: tensor {key!r} is missing; the checkpoint does not match its config")
 

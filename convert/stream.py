@@ -84,8 +84,9 @@ class Streamer:
         for name, param in module.named_parameters():
             owner, _, leaf = name.rpartition(".")
             target = module.get_submodule(owner) if owner else module
-            value = torch.empty(param.shape, dtype=self.work_dtype, device=self.device)
-            value.copy_(self.tensor(f"{prefix}.{name}"))
+            value = self.tensor(f"{prefix}.{name}")  # a fresh tensor (cast from the stored one)
+            if value.shape != param.shape:
+                raise ValueError(f"{prefix}.{name}: checkpoint shape {list(value.shape)}, core {list(param.shape)}")
             target._parameters[leaf] = nn.Parameter(value, requires_grad=False)
         return module
 

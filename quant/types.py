@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 Method = Literal["affine4", "lut4"]
+GROUP_TENSORS = ("scale", "zero_point", "lut")  # a QuantizedWeight's tensors beside its codes (None where unused)
 
 
 @dataclass
