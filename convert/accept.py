@@ -20,6 +20,7 @@ from convert.drafter_build import format_ab, format_stats, held_out_prompts, mea
 from convert.errors import GateError, InputError
 from convert.export import compute_copy
 from convert.host import TargetDriver, module_driver
+from convert.parts import coreai_target
 from convert.progress import console, stage
 
 CORE_AI_TOKENS = 16  # the Core AI runtime's CPU reference emulates fp16: one short prompt, a few rounds
@@ -69,8 +70,8 @@ def _run_coreai(plan, bundle: Path, target, target32, modules, fp16_modules) -> 
     prompt = held_out_prompts(plan)[0][0][: plan.recipe.target.graphs.prefill]
     count = min(plan.drafter.config.accept.tokens, CORE_AI_TOKENS)
     coreai = backends.load("coreai")
-    target_package, drafter_package = _package(target_dir), _package(drafter_dir)
-    with coreai.open_session(target_package) as t_session, coreai.open_session(drafter_package) as d_session:
+    with coreai_target(target_dir, target_manifest) as t_session, \
+            coreai.open_session(_package(drafter_dir)) as d_session:
         with stage(f"plain greedy decoding on the Core AI runtime: {len(prompt)}-token prompt, {count} tokens"):
             greedy_ids, _ = TargetDriver(t_session, target.widths, target.contract).greedy(prompt, count)
         _, torch_logits = module_driver(target32).greedy(prompt, count)  # classifies any divergence

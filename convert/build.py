@@ -25,6 +25,17 @@ from convert.errors import GateError, InputError
 from convert.gates import GateReport
 from convert.models import Layout, family_for, family_of
 from convert.packaging import package_formats
+from convert.parts import (
+    MB,
+    Part,
+    coreai_target,
+    manifest_parts,
+    module_chain,
+    part_modules,
+    plan_parts,
+    recorded_calls,
+)
+from convert.parts import plan_lines as parts_lines
 from convert.progress import console, stage
 from convert.quantize import QuantizeResult, estimate_lines, quantize_checkpoint, summary
 from convert.recipe import Recipe, check_against_model, load_recipe
@@ -42,6 +53,10 @@ from manifests import identity
 from manifests.schema import Manifest
 
 SHIP_DTYPE = torch.float16
+# Above this many parameters a parted target's artifact check replays a few rows on each part on its own: the Linux
+# Core AI runtime emulates fp16 (about 24 s for one 64-token call at 11.8M parameters, docs/benchmarks.md), so the
+# chained run of every part would take hours at 27B.
+CHAINED_RUN_PARAMETERS = 50_000_000
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 COPIED_CONFIG_FILES = ("config.json", "generation_config.json")
 TOOLCHAIN_PACKAGES = ("torch", "coreai-core", "coreai-torch", "coremltools", "transformers", "safetensors", "numpy")
@@ -57,6 +72,7 @@ class Plan:
     layout: Layout
     specs: list[FunctionSpec]
     checkpoint_bytes: int
+    parts: list[Part]
     drafter: DrafterPlan | None = None
 
     @property
@@ -96,7 +112,7 @@ def make_plan(recipe_path: Path, output: str | None = None) -> Plan:
     out = Path(output or recipe.output or Path("bundles") / recipe.name)
     drafter = plan_drafter(recipe, recipe_path, snapshot, args, SHIP_DTYPE) if recipe.drafter else None
     return Plan(recipe, recipe_path, out, snapshot, args, layout, function_specs(args, recipe.target, SHIP_DTYPE),
-                checkpoint_bytes, drafter)
+                checkpoint_bytes, plan_parts(args, recipe.target), drafter)
 
 
 def shipped_modules(plan: Plan, cache: BuildCache | None = None,
@@ -143,10 +159,17 @@ def gate_bundle(recipe_path: Path, bundle: Path | None, report_path: Path) -> Ga
     if bundle is not None:
         manifest = read_manifest(bundle)
         weights_match(manifest, modules, bundle, recipe_path)
-        package = next((p for p in manifest.packages if p.format == "coreai"), None)
-        if package is not None:
-            with stage(f"artifact gate: {package.path} on the Core AI runtime"):
-                report.artifact = gates.artifact_gate(bundle / package.path, modules)
+        names = [p.path for p in manifest.packages if p.format == "coreai"]
+        if names and manifest.parts:
+            parts = manifest_parts(manifest)
+            reference = module_chain(parts, part_modules(modules, plan.recipe.target, parts), plan.recipe.target.taps)
+            with stage(f"artifact gate: {len(names)} parts chained on the Core AI runtime"), \
+                    coreai_target(bundle, manifest) as runtime:
+                report.artifact = gates.lockstep_result(runtime, reference, modules, ", ".join(names),
+                                                        gates.PARTS_CHAINED)
+        elif names:
+            with stage(f"artifact gate: {names[0]} on the Core AI runtime"):
+                report.artifact = gates.artifact_gate(bundle / names[0], modules)
     console.print(report.table())
     report.write_json(report_path)
     report.raise_if_failed()
@@ -168,14 +191,15 @@ def build(plan: Plan, cache: BuildCache | None = None) -> Manifest:
     With a drafter the bundle holds ``target/`` and ``drafter/``, and the pair check runs before publishing.
     """
     failed_report = plan.output.resolve().parent / f"{plan.output.name}.{gates.REPORT_FILE}"
+    cache = cache or BuildCache()
     with staging(plan.output) as tmp:
         target_dir = tmp / plan.target_dir.relative_to(plan.output)
         target_dir.mkdir(exist_ok=True)
-        manifest, modules = _build_target(plan, target_dir, failed_report, cache or BuildCache())
+        manifest, modules = _build_target(plan, target_dir, failed_report, cache)
         if plan.drafter:
             from convert.drafter_build import build_drafter
 
-            drafter_manifest = build_drafter(plan, modules, manifest, target_dir, tmp / "drafter")
+            drafter_manifest = build_drafter(plan, modules, manifest, target_dir, tmp / "drafter", cache)
             with stage("check-pair: the drafter's binding against the target bundle"):
                 problems = identity.pair_mismatches(drafter_manifest, manifest, target_dir)
             if problems:
@@ -189,18 +213,63 @@ def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache)
         source_files = file_records(snap.directory)
     modules, quantization = shipped_modules(plan, cache, {r.path: r.sha256 for r in source_files})
     report = gate(plan, modules, failed_report)
-    packages = []
-    for done in package_formats(recipe.backends, modules, out, recipe.name, cache=cache):
-        if done.format == "coreai":  # the run check is the artifact gate: the .aimodel computes what was gated
-            report.artifact = gates.artifact_from_check(done.path.name, done.check, done.check_seconds)
-        packages.append(package_entry(done.format, done.path, out, done.check, done.compiled))
+    packages, parts = _package_target(plan, modules, out, cache, report)
     report.write_json(out / gates.REPORT_FILE)
     extra_files = copy_extras(snap.directory, out)
     feeds_drafter = plan.drafter is not None or bool(recipe.target.taps) or recipe.target.hidden
     interface = _write_drafter_interface(plan, modules, out) if feeds_drafter else None
-    manifest = _manifest(plan, source_files, modules, packages, extra_files, quantization, report, interface)
+    manifest = _manifest(plan, source_files, modules, packages, parts, extra_files, quantization, report, interface)
     (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
     return manifest, modules
+
+
+def _package_target(plan: Plan, modules: TargetModules, out: Path, cache: BuildCache,
+                    report: GateReport) -> tuple[list[dict], list[dict] | None]:
+    """Package, check and compile the target: one package per format, or each part's (``convert/parts.py``) with
+    its check replaying the calls the chained torch parts made, and no package over ``target.max_part_mb``. The
+    Core AI check is the artifact gate: the .aimodel computes what was gated (a parted one: the parts chained on the
+    runtime in lockstep with the torch parts, or, above ``CHAINED_RUN_PARAMETERS``, each part replayed on its own).
+    Returns the package entries and the manifest's parts (None for one part)."""
+    recipe, target = plan.recipe, plan.recipe.target
+    if len(plan.parts) == 1:
+        packages = []
+        for done in package_formats(recipe.backends, modules, out, recipe.name, cache=cache):
+            if done.format == "coreai":
+                report.artifact = gates.artifact_from_check(done.path.name, done.check, done.check_seconds)
+            packages.append(package_entry(done.format, done.path, out, done.check, done.compiled))
+        return packages, None
+    pieces = part_modules(modules, target, plan.parts)
+    short = plan.parameter_count > CHAINED_RUN_PARAMETERS
+    with stage(f"record the calls each part's check replays ({len(plan.parts)} parts chained in torch)"):
+        calls = recorded_calls(plan.parts, pieces, target.taps, modules.contract, plan.args.vocab_size, short)
+    packages, records, checked = [], [], []
+    for part, piece, part_calls in zip(plan.parts, pieces, calls, strict=True):
+        entries = []
+        for done in package_formats(recipe.backends, piece, out, f"{recipe.name}.{part.name}", part_calls, cache,
+                                    every_function=True):
+            entries.append(package_entry(done.format, done.path, out, done.check, done.compiled, part.name))
+            _check_part_size(entries[-1], target.max_part_mb)
+            if done.format == "coreai":
+                checked.append(done)
+        packages += entries
+        records.append({**part.record(target.taps), "functions": [_function_record(spec) for _, spec in
+                                                                    piece.functions.values()],
+                        "packages": [e["path"] for e in entries]})
+    if checked:
+        what = f"{len(checked)} parts chained on the Core AI runtime" if not short else \
+            f"{len(checked)} parts, each replayed on its own (the chained run is above {CHAINED_RUN_PARAMETERS:,} " \
+            "parameters)"
+        with stage(f"artifact gate: {what}"):
+            report.artifact = gates.artifact_of_parts(checked, plan.parts, pieces, target.taps, modules, not short)
+    return packages, records
+
+
+def _check_part_size(entry: dict, max_part_mb: float) -> None:
+    """No package of a part over the limit (its files, as written)."""
+    size = sum(f["size"] for f in entry["files"])
+    if size > max_part_mb * MB:
+        raise GateError(f"{entry['path']}: {size / MB:.1f} MB, over target.max_part_mb {max_part_mb:g}; the plan "
+                        "under-estimated it (lower max_part_mb)")
 
 
 def _write_drafter_interface(plan: Plan, modules: TargetModules, out: Path) -> dict:
@@ -219,7 +288,7 @@ def _write_drafter_interface(plan: Plan, modules: TargetModules, out: Path) -> d
     return {**files, "hidden_output": plan.recipe.target.hidden}
 
 
-def package_entry(name: str, path: Path, bundle: Path, check: dict, compiled) -> dict:
+def package_entry(name: str, path: Path, bundle: Path, check: dict, compiled, part: str | None = None) -> dict:
     backend = backends.load(name)
     files = [
         {"path": f"{path.name}/{r.path}", "sha256": r.sha256, "size": r.size} for r in file_records(path)
@@ -227,6 +296,7 @@ def package_entry(name: str, path: Path, bundle: Path, check: dict, compiled) ->
     return {
         "format": name,
         "path": path.relative_to(bundle).as_posix(),
+        "part": part,
         "files": files,
         "stable_hash": backend.stable_hash(path),
         "stable_hash_scope": backend.STABLE_HASH_SCOPE,
@@ -295,7 +365,7 @@ def _quantization_record(quant, result: QuantizeResult, modules: TargetModules) 
     }
 
 
-def _manifest(plan: Plan, source_files, modules: TargetModules, packages, extra_files, quantization,
+def _manifest(plan: Plan, source_files, modules: TargetModules, packages, parts, extra_files, quantization,
               report: GateReport, drafter_interface: dict | None) -> Manifest:
     args, snap, core = plan.args, plan.snapshot, modules.core
     tok_records = [r for r in source_files if r.path in TOKENIZER_FILES]
@@ -327,15 +397,8 @@ def _manifest(plan: Plan, source_files, modules: TargetModules, packages, extra_
         },
         "quantization": quantization,
         "gate": report.manifest_entry(),
-        "functions": [
-            {
-                "name": spec.name,
-                "inputs": [_desc(t) for t in spec.inputs],
-                "outputs": [_desc(t) for t in spec.outputs],
-                "states": [_desc(t) for t in spec.states],
-            }
-            for spec in plan.specs
-        ],
+        "functions": [_function_record(spec) for spec in plan.specs],
+        "parts": parts,
         "packages": packages,
         "extra_files": extra_files,
         "drafter_interface": drafter_interface,
@@ -350,6 +413,11 @@ def built_at() -> str:
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     moment = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch else datetime.now(timezone.utc)
     return moment.isoformat(timespec="seconds")
+
+
+def _function_record(spec: FunctionSpec) -> dict:
+    return {"name": spec.name, "inputs": [_desc(t) for t in spec.inputs], "outputs": [_desc(t) for t in spec.outputs],
+            "states": [_desc(t) for t in spec.states]}
 
 
 def _desc(t) -> dict:
@@ -367,6 +435,7 @@ def describe_plan(plan: Plan) -> list[str]:
         "  functions:",
         *function_lines(plan.specs),
         *size_lines(plan.parameter_count, recipe.backends),
+        *parts_lines(args, recipe.target, plan.parts),
         f"  states: {plan.state_bytes / mib:.1f} MiB in all",
         *estimate_lines(args, recipe.target),
         f"  estimated peak memory: {plan.peak_memory_bytes / mib:.0f} MiB",

@@ -27,7 +27,7 @@ import torch
 
 from convert import backends, compress
 from convert.backends.base import FunctionSpec, PackageError
-from convert.host import COMMIT, TargetDriver, module_driver
+from convert.host import COMMIT, ModuleFunctions, TargetDriver
 from convert.target import TargetModules
 from quant.types import QuantizedWeight
 
@@ -53,15 +53,17 @@ def check_specs(found: dict[str, FunctionSpec], expected: list[FunctionSpec], wh
                 raise PackageError(f"{where}: function {spec.name} {kind} are {have}, the plan says {want}")
 
 
-def check_package(name: str, path, modules, calls: list | None = None) -> dict:
+def check_package(name: str, path, modules, calls: list | None = None, every_function: bool | None = None) -> dict:
     """Specs read back, constants read back (quantized ones bit for bit) and, for Core AI, a run on the runtime.
 
-    A target (``calls`` None) runs a greedy sequence in lockstep with its modules (``run_coreai``) and stores every
-    weight in every function. A drafter replays ``calls`` recorded from a speculative run (``replay_coreai``); its
-    functions use different weights, so each weight must be stored in some function.
+    A whole target (``calls`` None) runs a greedy sequence in lockstep with its modules (``run_coreai``) and stores
+    every weight in every function. A target's part replays ``calls`` recorded from the chained torch parts
+    (``replay_coreai``), every weight in every function. A drafter replays ``calls`` recorded from a speculative run;
+    its functions use different weights, so each weight must be stored in some function (``every_function`` False,
+    the default with ``calls``).
     """
     specs = [spec for _, spec in modules.functions.values()]
-    every_function = calls is None
+    every_function = calls is None if every_function is None else every_function
     weights = compress.quantized_weights(modules.core)
     quantized = quantized_constants(name, path, weights, every_function) if weights else {}
     forms = device_safe_forms(name, path, modules)
@@ -145,17 +147,17 @@ def probe_tokens(vocab: int, count: int) -> list[int]:
 
 
 def run_coreai(session, modules: TargetModules, prompt: list[int] | None = None) -> dict:
-    """Greedy on the runtime in lockstep with the torch modules, both through the target's host contract; returns
-    counts and worst deltas (outputs, and the states at the end).
+    """Greedy on the runtime in lockstep with the torch modules (``lockstep``)."""
+    return lockstep(session, ModuleFunctions(modules), modules.widths, modules.contract, modules.core.args.vocab_size,
+                    prompt)
 
-    A prefill, ``DECODE_STEPS`` decodes, then a rollback: on a positional contract a verify two tokens back; on a
-    commit-next-call one a verify of a draft that is wrong past its first half, a partial accept of that half and the
-    next verify and decode from the kept rows (the commit path on the device's arithmetic).
-    """
-    widths = modules.widths
-    vocab = modules.core.args.vocab_size
-    prompt = prompt or probe_tokens(vocab, widths["prefill"] // 2 + 3)
-    runtime, reference = TargetDriver(session, widths, modules.contract), module_driver(modules)
+
+def lockstep(runtime, reference, widths: dict[str, int], contract: dict, vocab: int,
+             prompt: list[int] | None = None) -> dict:
+    """The check's calls (``check_calls``) on ``runtime`` in lockstep with ``reference`` (both ``Functions`` with
+    ``states()``: a Core AI session and the torch modules, or the chains of a target's parts), through the target's
+    host contract; returns counts and worst deltas (outputs, and the states at the end)."""
+    runtime, reference = TargetDriver(runtime, widths, contract), TargetDriver(reference, widths, contract)
     runtime.reset()
     reference.reset()
     stats = {"runtime_calls": 0, "argmax_compared": 0, "argmax_near_ties": 0, "max_output_delta": 0.0}
@@ -167,13 +169,32 @@ def run_coreai(session, modules: TargetModules, prompt: list[int] | None = None)
         _compare(function, p0, got, ref, stats)
         return [int(t) for t in got["argmax_ids"]]
 
+    stats["greedy_ids"] = " ".join(map(str, check_calls(call, widths, contract, vocab, prompt)))
+    stats["max_state_delta"] = _compare_states(runtime.functions.states(), reference.functions.states())
+    return stats
+
+
+def check_calls(call, widths: dict[str, int], contract: dict, vocab: int, prompt: list[int] | None = None,
+                short: bool = False) -> list[int]:
+    """The calls a check makes, each through ``call(function, tokens, p0) -> argmax ids``; returns the ids generated.
+
+    A prefill, ``DECODE_STEPS`` decodes, then a rollback: on a positional contract a verify two tokens back; on a
+    commit-next-call one a verify of a draft that is wrong past its first half, a partial accept of that half and the
+    next verify and decode from the kept rows (the commit path on the device's arithmetic). ``short``: only a decode,
+    a kept decode and a verify from an empty session (10 rows at verify 8, for parts too big for the longer run).
+    """
+    if short:
+        first = call("decode", probe_tokens(vocab, 1), 0)
+        second = call("decode", first, 1)
+        return first + second + call("verify", second + probe_tokens(vocab, widths["verify"] - 1), 2)
+    prompt = prompt or probe_tokens(vocab, widths["prefill"] // 2 + 3)
     generated = [call("prefill", prompt, 0)[-1]]
     p = len(prompt)
     for _ in range(DECODE_STEPS):
         generated.append(call("decode", [generated[-1]], p)[0])
         p += 1
     k = widths["verify"]
-    if modules.contract["rollback"] != COMMIT:
+    if contract["rollback"] != COMMIT:
         rewind = p - 2  # reject the last two tokens: positional rollback, nothing copied
         block = (generated[-3:-2] + prompt)[:k]
         call("verify", block, rewind)
@@ -183,16 +204,14 @@ def run_coreai(session, modules: TargetModules, prompt: list[int] | None = None)
         ids = call("verify", block, p)
         ids = call("verify", [ids[kept - 1]] + prompt[k : 2 * k - 1], p + kept)
         call("decode", [ids[0]], p + kept + 1)
-    stats["greedy_ids"] = " ".join(map(str, generated))
-    stats["max_state_delta"] = _compare_states(session.states(), modules.states())
-    return stats
+    return generated
 
 
-def _compare_states(got: dict[str, np.ndarray], ref: dict[str, torch.Tensor]) -> float:
+def _compare_states(got: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> float:
     """The worst state difference, relative to each state's largest magnitude; above the fp16 bound is an error."""
     worst = 0.0
-    for name, value in ref.items():
-        want = value.float().numpy()
+    for name, want in ref.items():
+        want = np.asarray(want, dtype=np.float32)
         scale = max(1.0, float(np.abs(want).max()))
         delta = float(np.abs(np.asarray(got[name], dtype=np.float32) - want).max() / scale)
         if delta > FP16_STATE_BOUND:

@@ -125,11 +125,12 @@ def _target_lines(pinned: dict, target, backends: list[str], where: str) -> list
     args = family.Args.from_config(pinned, where)
     specs = family.function_specs(args, target, torch.float16)
     total = sum(s.nbytes for s in specs[0].states) / 2**20
+    from convert.parts import plan_lines, plan_parts
     from convert.quantize import estimate_lines
 
     return [*family.plan_lines(args, target), "  functions:", *function_lines(specs),
-            *size_lines(args.parameter_count, backends), f"  states: {total:.1f} MiB in all",
-            *estimate_lines(args, target)]
+            *size_lines(args.parameter_count, backends), *plan_lines(args, target, plan_parts(args, target)),
+            f"  states: {total:.1f} MiB in all", *estimate_lines(args, target)]
 
 
 def _dflash2_lines(recipe: Recipe, recipe_path: Path, hidden: int, vocab: int, taps: list[int]) -> list[str]:

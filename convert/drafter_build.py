@@ -155,7 +155,9 @@ def format_ab(ab: dict) -> str:
             f"{ab['accepted_other']}")
 
 
-def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target_dir: Path, out: Path):
+def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target_dir: Path, out: Path, cache=None):
+    """The drafter's bundle in ``out``: its modules quantized as the recipe says, acceptance measured, packages (from
+    the build ``cache`` when given: their keys hold the calls their check replays) and manifest."""
     dplan = plan.drafter
     out.mkdir()
     with stage("hash drafter source files"):
@@ -176,7 +178,7 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
     from convert.build import package_entry
     from convert.packaging import package_formats
 
-    for done in package_formats(plan.recipe.backends, modules, out, stem, calls):
+    for done in package_formats(plan.recipe.backends, modules, out, stem, calls, cache):
         packages.append(package_entry(done.format, done.path, out, done.check, done.compiled))
     extra_files = _write_extras(dplan, modules, out)
     manifest = _manifest(plan, source_files, modules, target_manifest, target_dir, packages, extra_files,

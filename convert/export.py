@@ -36,6 +36,16 @@ class FunctionModule(nn.Module):
         return self.core(*inputs, *(getattr(self, s.name) for s in self.spec.states))
 
 
+class NamedFunction(FunctionModule):
+    """A target function: its inputs and states passed to the core by name (each part takes a different set), with
+    its static width as a Python int (no tensor shape is read in the graph)."""
+
+    def produce(self, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        named = {t.name: value for t, value in zip(self.spec.inputs, inputs, strict=True)}
+        states = {s.name: getattr(self, s.name) for s in self.spec.states}
+        return self.core(**named, **states, width=self.spec.width)
+
+
 @dataclass
 class ExportModules:
     """One part's export modules: a shared ``core`` and its ``functions`` (FunctionModule, spec) by name, every

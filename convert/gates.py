@@ -59,13 +59,21 @@ from convert import backends, checks
 from convert.backends.base import PackageError
 from convert.errors import GateError, InputError
 from convert.export import compute_copy
-from convert.host import COMMIT, module_driver
+from convert.host import COMMIT, ModuleFunctions, module_driver
 from convert.models import family_of
 from convert.progress import bar as progress_bar
 from convert.target import TargetModules
 from quant.calibrate import fixture_corpus_text, sample_calibration
 
 REPORT_FILE = "gate_report.json"
+# What an artifact gate ran (ArtifactResult.scope)
+WHOLE_RUN = "the .aimodel in lockstep with the torch modules: prefill, decodes, a verify after a rollback"
+PARTS_CHAINED = ("every part's .aimodel chained on the runtime (its own rows passed from part to part) in lockstep "
+                 "with the chained torch parts, the same calls as a whole target's; and each part replayed on its own")
+PARTS_REPLAYED = ("each part's .aimodel replayed on its own against the torch part over a decode, a kept decode and a "
+                  "verify (10 rows at verify 8), fed the torch chain's rows; the prefill function and the runtime's "
+                  "own rows carried across parts are not run at this size (every function's quantized constants are "
+                  "still read back bit-exact)")
 METHODS = ("none", "affine4", "lut4", "affine4-gptq", "lut4-gptq")
 
 
@@ -171,10 +179,12 @@ class NotRun(BaseModel):
 
 
 class ArtifactResult(BaseModel):
-    """The shipped ``.aimodel`` on the Core AI runtime in lockstep with the modules (``checks.run_coreai``)."""
+    """The shipped ``.aimodel`` on the Core AI runtime in lockstep with the modules (``checks.run_coreai``), or a
+    parted target's packages (``artifact_of_parts``); ``scope`` says which run it was."""
 
     package: str
     passed: bool
+    scope: str = WHOLE_RUN
     error: str | None = None
     runtime_calls: int = 0
     argmax_compared: int = 0
@@ -330,22 +340,51 @@ def artifact_gate(package_path: Path, modules: TargetModules, prompt: list[int] 
     """
     if package_path.suffix != ".aimodel":
         raise InputError(f"{package_path}: the artifact gate runs a Core AI .aimodel")
-    start = time.perf_counter()
     with backends.load("coreai").open_session(package_path) as session:
-        try:
-            stats = checks.run_coreai(session, modules, prompt)
-        except PackageError as error:
-            return ArtifactResult(package=package_path.name, passed=False, error=str(error),
-                                  seconds=time.perf_counter() - start)
-    return ArtifactResult(
-        package=package_path.name,
-        passed=True,
-        runtime_calls=stats["runtime_calls"],
-        argmax_compared=stats["argmax_compared"],
-        argmax_near_ties=stats["argmax_near_ties"],
-        max_output_delta=stats["max_output_delta"],
-        seconds=time.perf_counter() - start,
-    )
+        return lockstep_result(session, ModuleFunctions(modules), modules, package_path.name, WHOLE_RUN, prompt)
+
+
+def lockstep_result(runtime, reference, modules: TargetModules, package: str, scope: str,
+                    prompt: list[int] | None = None) -> ArtifactResult:
+    """``checks.lockstep`` of ``runtime`` against ``reference`` as the artifact gate's result (a failure recorded)."""
+    start = time.perf_counter()
+    try:
+        stats = checks.lockstep(runtime, reference, modules.widths, modules.contract, modules.core.args.vocab_size,
+                                prompt)
+    except PackageError as error:
+        return ArtifactResult(package=package, passed=False, scope=scope, error=str(error),
+                              seconds=time.perf_counter() - start)
+    keys = ("runtime_calls", "argmax_compared", "argmax_near_ties", "max_output_delta")
+    return ArtifactResult(package=package, passed=True, scope=scope, seconds=time.perf_counter() - start,
+                          **{k: stats[k] for k in keys})
+
+
+def artifact_of_parts(checked: list, parts: list, pieces: list, taps, modules: TargetModules,
+                      chained: bool) -> ArtifactResult:
+    """A parted target's artifact gate, after each part's package check replayed the calls the chained torch parts
+    made (``checked``: their Core AI ``Packaged``). ``chained``: then also every part's .aimodel chained on the runtime
+    in lockstep with the chained torch parts (``checks.lockstep``); otherwise the replays are the gate, and they do
+    not show that the runtime's own rows carried from part to part stay within the bound over a longer run."""
+    from contextlib import ExitStack
+
+    from convert.parts import Chain, module_chain
+
+    names = ", ".join(done.path.name for done in checked)
+    seconds = sum(done.check_seconds for done in checked)
+    if not chained:
+        heads = [done.check for done, part in zip(checked, parts, strict=True) if part.head is not None]
+        return ArtifactResult(package=names, passed=True, scope=PARTS_REPLAYED, seconds=seconds,
+                              runtime_calls=sum(d.check["runtime_calls"] for d in checked),
+                              argmax_compared=sum(h["ids_compared"] for h in heads),
+                              argmax_near_ties=sum(h["id_near_ties"] for h in heads),
+                              max_output_delta=max(d.check["max_output_delta"] for d in checked))
+    with ExitStack() as stack:
+        sessions = [stack.enter_context(backends.load("coreai").open_session(done.path)) for done in checked]
+        runtime = Chain([(part, session.specs(), session) for part, session in zip(parts, sessions, strict=True)],
+                        taps)
+        result = lockstep_result(runtime, module_chain(parts, pieces, taps), modules, names, PARTS_CHAINED)
+    result.seconds += seconds
+    return result
 
 
 def artifact_from_check(package: str, check: dict, seconds: float) -> ArtifactResult:

@@ -3,10 +3,10 @@ engineer runs on a bundle.
 
 The prompt goes through the bundle's own tokenizer, then prefill chunks (the last one right-padded) and decode
 steps, driven by ``convert.host.TargetDriver`` from the manifest's functions and host contract alone, as a runtime
-would. ``--runtime coreai`` runs the shipped ``.aimodel`` on the Core AI runtime (on Linux its CPU reference, fp16
-emulated: slow); ``--runtime torch`` runs the export modules with the shipped weights, rebuilt from the recipe and
-checked against the bundle's hashes. Decoding stops after ``tokens`` ids or at the end-of-sequence id, as
-transformers' greedy ``generate`` does.
+would. ``--runtime coreai`` runs the shipped ``.aimodel`` (a parted target's parts, chained) on the Core AI runtime
+(on Linux its CPU reference, fp16 emulated: slow); ``--runtime torch`` runs the export modules with the shipped
+weights, rebuilt from the recipe and checked against the bundle's hashes. Decoding stops after ``tokens`` ids or
+at the end-of-sequence id, as transformers' greedy ``generate`` does.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from convert import backends
 from convert.bundle import MANIFEST
 from convert.errors import InputError
 from convert.host import TargetDriver, module_driver
 from convert.inspect import read_manifest
+from convert.parts import coreai_target
 from manifests.schema import Manifest
 
 
@@ -71,11 +71,8 @@ def generate(bundle: Path, prompt: str, tokens: int, runtime: str, recipe: Path 
                          f"({context})")
     contract, eos = manifest.host_contract.model_dump(), manifest.tokenizer.eos_id
     if runtime == "coreai":
-        package = next((p for p in manifest.packages if p.format == "coreai"), None)
-        if package is None:
-            raise InputError(f"{folder}: no .aimodel package (built without the coreai backend); use --runtime torch")
-        with backends.load("coreai").open_session(folder / package.path) as session:
-            generated = greedy(TargetDriver(session, widths(manifest), contract), ids, tokens, eos)
+        with coreai_target(folder, manifest) as functions:
+            generated = greedy(TargetDriver(functions, widths(manifest), contract), ids, tokens, eos)
     else:
         if recipe is None:
             raise InputError("--runtime torch rebuilds the shipped weights from the bundle's recipe: give --recipe")

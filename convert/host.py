@@ -121,6 +121,9 @@ class ModuleFunctions:
     def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.numpy(self.modules.call(function, **inputs))
 
+    def states(self) -> dict[str, np.ndarray]:
+        return self.numpy(self.modules.states())
+
     @staticmethod
     def numpy(out: dict) -> dict[str, np.ndarray]:
         return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in out.items()}

@@ -75,6 +75,12 @@ def print_manifest(m: Manifest | DrafterManifest) -> None:
             fmt(f"{t.name} {t.shape} {t.dtype}" for t in f.states),
         )
     out.print(table)
+    for part in m.parts or []:
+        held = [f"{what} {rows[0]}..{rows[1] - 1}" for what, rows in (
+            ("embedding rows", part.embedding_rows), ("layers", part.layers if part.layers[1] > part.layers[0] else
+                                                      None), ("lm_head rows", part.head_rows)) if rows]
+        taps = f", taps {part.taps}" if part.taps else ""
+        out.print(f"  part {part.name}: {', '.join(held)}{taps}")
     packages = Table("package", "size", "stable hash", "check", "compile")
     for p in m.packages:
         size = sum(f.size for f in p.files)

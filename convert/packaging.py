@@ -8,9 +8,10 @@ locks do not survive a fork: a worker forked from a process that had used the ru
 inherit the export modules from the fork (copy-on-write) instead of receiving a pickled copy, and return only the
 check results and compile records; an error in a worker is raised here. The bundle is the same either way.
 
-A target's packages are cached (``convert/cache.py``, stage ``package``) under a key of the modules' content (every
-parameter and buffer), the function specs, the format, the toolchain and the packaging code: a resumed build
-restores a finished format's package, its check results and its compiled outputs instead of converting again.
+Packages are cached (``convert/cache.py``, stage ``package``) under a key of the modules' content (every parameter
+and buffer), the function specs, the calls their check replays (a drafter's, a target part's), the format, the
+toolchain and the packaging code: a resumed build restores a finished format's package, its check results and its
+compiled outputs instead of converting again.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from convert import backends, checks, progress
 from convert import cache as build_cache
 from convert.backends.base import CompileRecord
-from convert.models import family_of
 from convert.progress import stage
 
 
@@ -48,18 +49,21 @@ _WORK: dict = {}  # what the forked workers read: set before the pool starts, ne
 
 IN_PROCESS = ("coreai",)  # formats whose check runs a native runtime: never in a forked worker
 CACHE_STAGE = "package"
-CODE = ("convert.packaging", "convert.checks", "convert.compress", "convert.export", "convert.backends.base")
+CODE = ("convert.packaging", "convert.checks", "convert.compress", "convert.export", "convert.parts",
+        "convert.backends.base")
 TOOLCHAIN = ("spec-convert", "torch", "coreai-core", "coreai-torch", "coremltools", "numpy")
 
 
 def package_formats(formats: list[str], modules, out: Path, stem: str, calls: list | None = None,
-                    cache: build_cache.BuildCache | None = None) -> list[Packaged]:
-    """``stem`` + each format's suffix under ``out``, packaged, checked (``checks.check_package``; a drafter passes
-    its recorded ``calls``) and compiled into ``out/compiled``, in the order of ``formats``. With a ``cache`` (targets
-    only: a drafter's check replays calls recorded in this build), finished formats are restored from it."""
-    cache = cache if cache is not None and calls is None else build_cache.BuildCache(enabled=False)
+                    cache: build_cache.BuildCache | None = None, every_function: bool | None = None) -> list[Packaged]:
+    """``stem`` + each format's suffix under ``out``, packaged, checked (``checks.check_package``: a drafter or a
+    target's part passes the ``calls`` recorded for its check to replay) and compiled into ``out/compiled``, in the
+    order of ``formats``. With a ``cache``, finished formats are restored from it (the key holds the calls)."""
+    cache = cache if cache is not None else build_cache.BuildCache(enabled=False)
     weights = weights_digest(modules) if cache.enabled else ""  # once: it reads every tensor of the modules
-    keys = {name: package_key(name, modules, stem, weights) for name in formats} if cache.enabled else {}
+    recorded = calls_digest(calls) if cache.enabled else ""
+    keys = {name: package_key(name, modules, stem, weights, recorded, every_function) for name in formats} \
+        if cache.enabled else {}
     restored = {}
     for name in formats:
         entry = cache.get(CACHE_STAGE, keys[name]) if cache.enabled else None
@@ -72,8 +76,21 @@ def package_formats(formats: list[str], modules, out: Path, stem: str, calls: li
             cache.put(CACHE_STAGE, keys[packaged.format], lambda d: _store(d, packaged, out))
 
     missing = [name for name in formats if name not in restored]
-    built = {p.format: p for p in _package_all(missing, modules, out, stem, calls, store)} if missing else {}
+    built = {p.format: p for p in _package_all(missing, modules, out, stem, calls, every_function, store)} \
+        if missing else {}
     return [restored.get(name) or built[name] for name in formats]
+
+
+def calls_digest(calls: list | None) -> str:
+    """sha256 of recorded calls (function names, inputs and expected outputs: names, dtypes, shapes, bytes)."""
+    digest = hashlib.sha256()
+    for function, *arrays in calls or []:
+        digest.update(function.encode())
+        for named in arrays:
+            for name, value in sorted(named.items()):
+                value = np.ascontiguousarray(value)
+                digest.update(f"{name}:{value.dtype}:{list(value.shape)}".encode() + value.tobytes())
+    return digest.hexdigest()
 
 
 def weights_digest(modules) -> str:
@@ -87,13 +104,15 @@ def weights_digest(modules) -> str:
     return digest.hexdigest()
 
 
-def package_key(name: str, modules, stem: str, weights: str) -> str:
-    """The cache key of format ``name``'s package of ``modules`` (``weights``: their ``weights_digest``): their
-    content, specs, toolchain and code."""
+def package_key(name: str, modules, stem: str, weights: str, calls: str = "",
+                every_function: bool | None = None) -> str:
+    """The cache key of format ``name``'s package of ``modules`` (``weights``: their ``weights_digest``; ``calls``:
+    the ``calls_digest`` of what its check replays): their content, specs, toolchain and code."""
     specs = [repr(spec) for _, spec in modules.functions.values()]
-    code = CODE + (f"convert.backends.{name}", family_of(modules.core.args).__name__)
+    code = CODE + (f"convert.backends.{name}", type(modules.core).__module__)  # the architecture file of the core
     return build_cache.key({"stage": CACHE_STAGE, "format": name, "stem": stem, "weights": weights,
-                            "specs": specs, "contract": modules.contract, "toolchain": build_cache.versions(TOOLCHAIN),
+                            "specs": specs, "contract": getattr(modules, "contract", None), "calls": calls,
+                            "every_function": every_function, "toolchain": build_cache.versions(TOOLCHAIN),
                             "code": build_cache.code_fingerprint(code)})
 
 
@@ -119,7 +138,7 @@ def _restore(entry: build_cache.Entry, out: Path) -> Packaged:
     return Packaged(meta["format"], path, meta["check"], compiled, meta["check_seconds"])
 
 
-def _package_all(formats: list[str], modules, out: Path, stem: str, calls: list | None,
+def _package_all(formats: list[str], modules, out: Path, stem: str, calls: list | None, every_function: bool | None,
                  finished: Callable[[Packaged], None]) -> list[Packaged]:
     """Package every format (side by side where it can); ``finished`` sees each one as it completes."""
     jobs = [(name, out / f"{stem}{backends.SUFFIXES[name]}") for name in formats]
@@ -132,8 +151,8 @@ def _package_all(formats: list[str], modules, out: Path, stem: str, calls: list 
         return packaged
 
     if not parallel:
-        return [record(_package(name, path, modules, out, calls)) for name, path in jobs]
-    _WORK.update(modules=modules, out=out, calls=calls)
+        return [record(_package(name, path, modules, out, calls, every_function)) for name, path in jobs]
+    _WORK.update(modules=modules, out=out, calls=calls, every_function=every_function)
     live, progress.live = progress.live, False  # several processes print: plain stage lines, no spinners
     try:
         with ProcessPoolExecutor(len(forked), mp_context=multiprocessing.get_context("fork"),
@@ -141,7 +160,7 @@ def _package_all(formats: list[str], modules, out: Path, stem: str, calls: list 
             futures = {name: pool.submit(_worker, name, path) for name, path in forked}
             for future in futures.values():  # stored the moment a worker is done, while this process packages on
                 future.add_done_callback(lambda f: f.exception() is None and finished(f.result()))
-            done = {name: record(_package(name, path, modules, out, calls)) for name, path in jobs
+            done = {name: record(_package(name, path, modules, out, calls, every_function)) for name, path in jobs
                     if name not in futures}
             done.update({name: future.result() for name, future in futures.items()})
     finally:
@@ -168,18 +187,18 @@ def _worker(name: str, path: Path) -> Packaged:
     import torch
 
     torch.set_num_threads(1)  # one core per format; and no OpenMP team inherited across the fork
-    return _package(name, path, _WORK["modules"], _WORK["out"], _WORK["calls"])
+    return _package(name, path, _WORK["modules"], _WORK["out"], _WORK["calls"], _WORK["every_function"])
 
 
-def _package(name: str, path: Path, modules, out: Path, calls: list | None) -> Packaged:
+def _package(name: str, path: Path, modules, out: Path, calls: list | None, every_function: bool | None) -> Packaged:
     backend = backends.load(name)
     with stage(f"package {name}: {path.name} ({', '.join(modules.functions)})"):
         backend.package(modules.functions, path)
-    what = "read back" if name != "coreai" else \
-        "read back and run on the Core AI runtime" if calls is None else "read back and replay a speculative run"
+    what = "read back" if name != "coreai" else "read back and run on the Core AI runtime" if calls is None else \
+        "read back and replay the recorded calls on the Core AI runtime"
     start = time.perf_counter()
     with stage(f"check {name}: {what}"):
-        check = checks.check_package(name, path, modules, calls)
+        check = checks.check_package(name, path, modules, calls, every_function)
     seconds = time.perf_counter() - start
     with stage(f"compile {name}"):
         compiled = backend.compile(path, out / "compiled")

@@ -108,6 +108,10 @@ class Target(Strict):
         False, description="also return the final-norm hidden states [1,S,hidden] (an MTP head's input)"
     )
     quantization: Quantization = Quantization()
+    max_part_mb: float = Field(
+        2000, gt=0, description="no package over this many MB (10^6 bytes): a bigger target ships as parts "
+        "(embedding, layer chunks, head; convert/parts.py). forge keeps parts under 2 GB; about 1 GB is Core ML's "
+        "practice on iOS")
     gate: Gate = Gate()
     contract: dict[str, Any] = Field(
         default_factory=dict, description="config.json values the checkpoint must have (dotted keys for nested ones)"

@@ -26,12 +26,13 @@ class TargetModules(ExportModules):
     core: nn.Module
     contract: dict  # the family's host contract (manifests.schema.HostContract): how a runtime drives the functions
 
-    def call(self, name: str, input_ids, position_ids, **extra) -> dict[str, torch.Tensor]:
+    def call(self, name: str, input_ids=None, position_ids=None, **extra) -> dict[str, torch.Tensor]:
         """Run function ``name`` in torch on the shared states; returns every core output, logits included
         (the checks and gates read logits even when the shipped function does not return them). ``extra``: the
-        function's other inputs by name (a hybrid target's ``accept`` and ``valid``)."""
+        function's other inputs by name (a hybrid target's ``accept`` and ``valid``, a part's ``hidden_states``)."""
         module, spec = self.functions[name]
-        given = {"input_ids": input_ids, "position_ids": position_ids, **extra}
+        given = {k: v for k, v in (("input_ids", input_ids), ("position_ids", position_ids)) if v is not None}
+        given.update(extra)
         if set(given) != {t.name for t in spec.inputs}:
             raise ValueError(f"{name} takes inputs {[t.name for t in spec.inputs]}, got {sorted(given)}")
         tensors = []

@@ -174,11 +174,28 @@ class CompileStep(Model):
 class Package(Model):
     format: Literal["coreai", "coreml"]
     path: str
+    part: str | None = Field(None, description="the part this package holds (a parted target's; see parts)")
     files: list[FileEntry]
     stable_hash: str = Field(description="sha256 over what is reproducible in the package (see stable_hash_scope)")
     stable_hash_scope: str
     check: dict[str, float | int | str | bool] = Field(default_factory=dict, description="read-back / run results")
     compile: list[CompileStep] = []
+
+
+class Part(Model):
+    """One package of a parted target (``convert/parts.py``): what it holds, in the chain's order."""
+
+    name: str
+    embedding_rows: list[int] | None = Field(description="[first, end) vocabulary rows of the embedding it looks up "
+                                             "(zero for other ids; the host adds the parts' rows up)")
+    layers: list[int] = Field(description="[first, end) decoder layers it runs; their states are its own")
+    head_rows: list[int] | None = Field(description="[first, end) vocabulary rows of the lm_head it computes; a split "
+                                        "head returns argmax_ids (vocabulary ids) and max_logit: the host keeps the "
+                                        "first part's id on ties")
+    taps: list[int] = Field(description="tapped layers it returns, in the recipe's order")
+    functions: list[Function] = Field(description="its functions: a part returns its rows as hidden_states_out, the "
+                                      "next takes them as hidden_states")
+    packages: list[str] = Field(description="paths of its packages, one per format")
 
 
 class DrafterInterface(Model):
@@ -219,7 +236,9 @@ class Manifest(BundleManifest):
     weights: Weights
     quantization: Quantization | None = None
     gate: Gate
-    functions: list[Function]
+    functions: list[Function] = Field(description="what the target computes for the host, whole or chained")
+    parts: list[Part] | None = Field(None, description="a target over target.max_part_mb ships as parts, called in "
+                                     "this order; null: one package per format holds it all")
     packages: list[Package]
     extra_files: list[FileEntry] = Field(description="LICENSE / NOTICE / tokenizer / config copied into the bundle")
     drafter_interface: DrafterInterface | None = None

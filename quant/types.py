@@ -55,6 +55,17 @@ class QuantizedWeight:
             return 4 + (16 + 8) / self.group_size  # fp16 scale + uint8 zero point per group
         return 4 + 16 * 16 / (self.group_size * inp)  # a 16-entry fp16 table per group of rows
 
+    def rows(self, lo: int, hi: int) -> QuantizedWeight:
+        """Output rows ``lo .. hi-1`` (a vocabulary split of a table): the same codes and group tensors, sliced; a
+        lut4 split falls on whole tables."""
+        if self.method == "lut4":
+            if lo % self.group_size or (hi % self.group_size and hi != self.shape[0]):
+                raise ValueError(f"lut4 rows {lo}..{hi} split a table of {self.group_size} rows")
+            g = self.group_size
+            return QuantizedWeight("lut4", self.codes[lo:hi], g, lut=self.lut[lo // g : -(-hi // g)])
+        return QuantizedWeight("affine4", self.codes[lo:hi], self.group_size, scale=self.scale[lo:hi],
+                               zero_point=self.zero_point[lo:hi])
+
     def dequantize(self) -> torch.Tensor:
         """The fp16 weight the packages compute, bit for bit."""
         codes = self.codes.long()

@@ -125,12 +125,14 @@ def test_pair_bundle(pair):
     assert result.exit_code == 0 and "drafter export id" in result.output and target["export_id"] in result.output
 
 
+@pytest.mark.heavy  # a whole variant build each; the field-by-field test below covers every field fast
 def test_refuses_other_lm_head(pair):
     tmp, bundle = pair
     other = build(tmp, "lm-head", variant(tmp, "ckpt-lm-head", edit_tensor("lm_head.weight", 7)))
     assert "target.weights.lm_head_sha256" in refusal(bundle / "drafter", other).splitlines()[0]
 
 
+@pytest.mark.heavy  # a whole variant build each; the field-by-field test below covers every field fast
 def test_refuses_other_tap_order(pair):
     tmp, bundle = pair
     other = build(tmp, "taps", tmp / "target", taps=[3, 2, 0])
@@ -139,6 +141,7 @@ def test_refuses_other_tap_order(pair):
     assert "lm_head" not in output  # the same tables: only the tap order (and so the export id) differs
 
 
+@pytest.mark.heavy  # a whole variant build each; the field-by-field test below covers every field fast
 def test_refuses_other_tokenizer(pair):
     tmp, bundle = pair
 
@@ -152,6 +155,7 @@ def test_refuses_other_tokenizer(pair):
     assert "target.tokenizer.tokenizer_json_sha256" in output and "lm_head" not in output
 
 
+@pytest.mark.heavy  # a whole variant build each; the field-by-field test below covers every field fast
 def test_refuses_other_mask_row(pair):
     tmp, bundle = pair
     other = build(tmp, "mask-row", variant(tmp, "ckpt-mask", edit_tensor("model.embed_tokens.weight", 3)))

@@ -39,8 +39,10 @@ class FunctionSpec:
 
     @property
     def width(self) -> int:
-        """Tokens (rows) per call: the width of its ``position_ids``, which every function takes."""
-        return next(t for t in self.inputs if t.name == "position_ids").shape[1]
+        """Tokens (rows) per call: the width of its ``position_ids``, or of the ids or rows a part without layers
+        takes (every function has one of them)."""
+        by_name = {t.name: t for t in self.inputs}
+        return next(by_name[n].shape[1] for n in ("position_ids", "input_ids", "hidden_states") if n in by_name)
 
 
 def function_lines(specs: list[FunctionSpec]) -> list[str]:

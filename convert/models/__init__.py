@@ -6,9 +6,10 @@ nothing outside ``convert/models`` names a family:
 - ``FAMILY``: the manifest's ``architecture.family``; ``accepts(config)``: whether a config.json is this family's.
 - ``Args.from_config(config, where)``: the family's args dataclass (``args.family`` names the family back).
 - ``sanitize(shapes, args, where) -> Layout``: refuse a checkpoint whose keys or shapes are not the config's.
-- ``build_core(args, target)``: the export core (``load_weights(tensors, layout)``, ``forward`` per function).
-- ``function_specs(args, target, dtype)``, ``FunctionModule``: the functions' shape contract and the module class
-  that calls the core for one function.
+- ``build_core(args, target, part=None)``: the export core (``load_weights(tensors, layout)``, ``forward`` per
+  function), of the whole target or of one part of it (``convert/parts.py``: its embedding rows, layers, head rows).
+- ``function_specs(args, target, dtype, part=None)``, ``FunctionModule``: the functions' shape contract (the whole
+  target's or a part's) and the module class that calls the core for one function.
 - ``host_contract(args, target)``: what a runtime sets between calls (``manifests.schema.HostContract``).
 - ``architecture_record(args, target)``: the manifest's architecture fields; ``plan_lines(args, target)``: the
   plan's lines on the architecture and its states.
@@ -28,7 +29,6 @@ from types import ModuleType
 
 import torch
 
-from convert.backends.base import TensorSpec
 from convert.errors import InputError
 
 FAMILIES = ("qwen3_5", "qwen3")  # first match wins
@@ -92,20 +92,6 @@ def family_for(config: dict, where: str = "config.json") -> ModuleType:
 def read_args(config: dict, where: str = "config.json"):
     """The args of whatever family ``config`` is."""
     return family_for(config, where).Args.from_config(config, where)
-
-
-def target_outputs(args, target, width: int, dtype: str) -> tuple[TensorSpec, ...]:
-    """The outputs every target function returns, whatever its family: ``argmax_ids`` [1,S] int32 (the host reads
-    the row of its last real token, so a prompt's final chunk may be right-padded), then ``taps``, ``hidden`` and
-    ``logits`` when the recipe asks for them."""
-    outputs = [TensorSpec("argmax_ids", (1, width), "int32")]
-    if target.taps:
-        outputs.append(TensorSpec("taps", (1, width, len(target.taps) * args.hidden_size), dtype))
-    if target.hidden:
-        outputs.append(TensorSpec("hidden", (1, width, args.hidden_size), dtype))
-    if target.logits:
-        outputs.append(TensorSpec("logits", (1, width, args.vocab_size), dtype))
-    return tuple(outputs)
 
 
 def function_widths(target) -> tuple[tuple[str, int], ...]:

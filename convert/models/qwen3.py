@@ -20,7 +20,8 @@ from torch import nn
 from convert import export
 from convert.backends.base import FunctionSpec, TensorSpec
 from convert.errors import InputError
-from convert.models import DTYPE_NAMES, Layout, function_widths, target_outputs
+from convert.models import DTYPE_NAMES, Layout, function_widths
+from convert.parts import Part, build_embedding, build_head, part_input, part_outputs, part_tensors
 
 FAMILY = "qwen3"
 ARCHITECTURES = ("Qwen3ForCausalLM",)
@@ -266,9 +267,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: Qwen3Args, layer_index: int):
+    def __init__(self, args: Qwen3Args, layer_index: int, first: int = 0):
+        """Layer ``layer_index`` of a core whose layers start at ``first`` (a part's): its cache row is counted from
+        there."""
         super().__init__()
-        self.self_attn = Attention(args, layer_index)
+        self.self_attn = Attention(args, layer_index - first)
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -279,41 +282,43 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3Core(nn.Module):
-    """The shared computation behind every target function.
+    """The shared computation behind every target function, or behind one part's (``convert/parts.py``).
 
     ``forward`` returns every output a function may expose: ``argmax_ids`` [1,S] int32, ``logits``
     [1,S,V], ``hidden`` [1,S,H] (the final-norm output: an MTP head's input) and, when taps are set,
-    ``taps`` [1,S,len(taps)*hidden] (output of layer i, 0-based, in the given order).
-    Each FunctionModule picks the outputs its spec names.
+    ``taps`` [1,S,len(taps)*hidden] (output of layer i, 0-based, in the given order); a part without the head
+    returns its last layer's rows as ``hidden_states`` instead. Each FunctionModule picks the outputs its spec names.
     """
 
-    def __init__(self, args: Qwen3Args, context: int, taps: tuple[int, ...] = ()):
+    def __init__(self, args: Qwen3Args, context: int, taps: tuple[int, ...] = (), part: Part | None = None):
         super().__init__()
-        self.args, self.context, self.taps = args, context, tuple(taps)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        register_positions(self, args.head_dim, args.rope_theta, context, args.num_key_value_heads)
+        self.part = part or Part.whole(args)
+        self.args, self.context, self.taps = args, context, self.part.own_taps(taps)
+        build_embedding(self, args)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, self.part.layers[0]) for i in self.part.layer_indices)
+        build_head(self, args, RMSNorm)
+        if self.layers:
+            register_positions(self, args.head_dim, args.rope_theta, context, args.num_key_value_heads)
 
     def load_weights(self, tensors: dict[str, torch.Tensor], layout: Layout | None = None) -> None:
         """Fill from transformers keys (already checked by ``sanitize``)."""
         load_checkpoint_tensors(self, tensors, layout or Layout())
 
-    def forward(self, input_ids, position_ids, key_cache, value_cache):
-        x, attention = attention_inputs(self, input_ids, position_ids)
+    def forward(self, input_ids=None, position_ids=None, key_cache=None, value_cache=None, hidden_states=None, *,
+                width: int = 0):
+        x = part_input(self, input_ids, hidden_states)
         tapped = []
-        for i, layer in enumerate(self.layers):
-            x = layer(x, *attention, key_cache, value_cache)
-            if i in self.taps:
-                tapped.append((self.taps.index(i), x))
-        return head_outputs(self, x, tapped)
+        if self.layers:
+            attention = position_inputs(self, position_ids, x.dtype)
+            for i, layer in zip(self.part.layer_indices, self.layers, strict=True):
+                x = layer(x, *attention, key_cache, value_cache)
+                if i in self.taps:
+                    tapped.append((self.taps.index(i), x))
+        return part_outputs(self, x, tapped)
 
     def cache_shape(self) -> tuple[int, int, int, int]:
         a = self.args
-        return (a.num_hidden_layers, a.num_key_value_heads, self.context, a.head_dim)
+        return (len(self.layers), a.num_key_value_heads, self.context, a.head_dim)
 
 
 def register_positions(module: nn.Module, rotary_dim: int, theta: float, rows: int, kv_heads: int) -> None:
@@ -328,17 +333,15 @@ def register_positions(module: nn.Module, rotary_dim: int, theta: float, rows: i
     module.register_buffer("kv_head_index", torch.arange(kv_heads)[:, None], persistent=False)
 
 
-def attention_inputs(core: nn.Module, input_ids, position_ids) -> tuple[torch.Tensor, tuple]:
-    """The embedded rows [S, H] of a call, and what its attention layers read: cos, sin, the (KV head, cache row)
-    write indices [Hkv, S] and the causal mask bias [S, context] from the positions (row c holds position c)."""
-    dtype = core.embed_tokens.weight.dtype
+def position_inputs(core: nn.Module, position_ids, dtype: torch.dtype) -> tuple:
+    """What the attention layers of a call read, from its positions: cos, sin, the (KV head, cache row) write
+    indices [Hkv, S] and the causal mask bias [S, context] (row c holds position c), in ``dtype``."""
     positions = position_ids[0].long()
-    x = core.embed_tokens(input_ids[0].long())
     cos, sin = core.rope_cos[positions].to(dtype), core.rope_sin[positions].to(dtype)
     visible = core.cache_rows[None, :] <= position_ids[0][:, None]
     mask_bias = torch.where(visible, 0.0, -1e4).to(dtype)
     rows = positions[None, :].expand(core.args.num_key_value_heads, -1)
-    return x, (cos, sin, (core.kv_head_index.expand_as(rows), rows), mask_bias)
+    return cos, sin, (core.kv_head_index.expand_as(rows), rows), mask_bias
 
 
 def causal_attention(core: nn.Module, length: int) -> tuple:
@@ -349,17 +352,6 @@ def causal_attention(core: nn.Module, length: int) -> tuple:
     rows = positions[None, :].expand(core.args.num_key_value_heads, -1)
     cos, sin = core.rope_cos[:length].to(dtype), core.rope_sin[:length].to(dtype)
     return cos, sin, (core.kv_head_index.expand_as(rows), rows), mask_bias
-
-
-def head_outputs(core: nn.Module, x: torch.Tensor, tapped: list) -> dict[str, torch.Tensor]:
-    """Every output a target function may expose, from the last layer's rows ``x`` [S, H] and the ``tapped``
-    (recipe index, layer output) pairs: argmax ids, logits, the final-norm hidden states and the taps in order."""
-    hidden = core.norm(x)[None]
-    logits = core.lm_head(hidden)
-    out = {"argmax_ids": logits.argmax(-1).to(torch.int32), "logits": logits, "hidden": hidden}
-    if core.taps:
-        out["taps"] = torch.cat([t for _, t in sorted(tapped, key=lambda p: p[0])], dim=-1)[None]
-    return out
 
 
 def load_checkpoint_tensors(core: nn.Module, tensors: dict[str, torch.Tensor], layout: Layout) -> None:
@@ -402,7 +394,7 @@ Args = Qwen3Args
 PLAN_FIELDS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "head_dim", "intermediate_size")  # what a contract pins to plan the functions without the checkpoint
 PLAN_ALTERNATIVES: dict[str, tuple[str, ...]] = {}
-FunctionModule = export.FunctionModule  # positional inputs: input_ids, position_ids, then the states
+FunctionModule = export.NamedFunction
 LINEAR_GROUPS = (  # GPTQ's "true sequential" order: o_proj's Hessian sees the quantized q/k/v, and so on
     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     ("self_attn.o_proj",),
@@ -411,20 +403,22 @@ LINEAR_GROUPS = (  # GPTQ's "true sequential" order: o_proj's Hessian sees the q
 )
 
 
-def build_core(args: Qwen3Args, target) -> Qwen3Core:
-    return Qwen3Core(args, target.context, tuple(target.taps or ()))
+def build_core(args: Qwen3Args, target, part: Part | None = None) -> Qwen3Core:
+    return Qwen3Core(args, target.context, tuple(target.taps or ()), part)
 
 
-def function_specs(args: Qwen3Args, target, dtype: torch.dtype = torch.float16) -> list[FunctionSpec]:
+def function_specs(args: Qwen3Args, target, dtype: torch.dtype = torch.float16,
+                   part: Part | None = None) -> list[FunctionSpec]:
     """prefill / decode / verify: same inputs (``input_ids``, ``position_ids``), states and outputs, each at its
-    own static width S."""
+    own static width S; a part's take and return what it needs (``convert/parts.py``)."""
+    part = part or Part.whole(args)
     fdtype = DTYPE_NAMES[dtype]
-    cache = (args.num_hidden_layers, args.num_key_value_heads, target.context, args.head_dim)
-    states = tuple(TensorSpec(name, cache, fdtype) for name in STATE_NAMES)
+    cache = (len(part.layer_indices), args.num_key_value_heads, target.context, args.head_dim)
+    states = tuple(TensorSpec(name, cache, fdtype) for name in STATE_NAMES) if part.layer_indices else ()
     specs = []
     for name, width in function_widths(target):
-        inputs = (TensorSpec("input_ids", (1, width), "int32"), TensorSpec("position_ids", (1, width), "int32"))
-        specs.append(FunctionSpec(name, inputs, target_outputs(args, target, width, fdtype), states))
+        inputs, outputs = part_tensors(args, target, part, width, fdtype)
+        specs.append(FunctionSpec(name, inputs, outputs, states))
     return specs
 
 

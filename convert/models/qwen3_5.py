@@ -42,20 +42,20 @@ from torch import nn
 
 from convert.backends.base import FunctionSpec, TensorSpec
 from convert.errors import InputError
-from convert.export import FunctionModule as PositionalFunction
-from convert.models import DTYPE_NAMES, Layout, function_widths, qwen3, target_outputs
+from convert.export import NamedFunction
+from convert.models import DTYPE_NAMES, Layout, function_widths, qwen3
 from convert.models.qwen3 import (
     MLP,
     Attention,
     Qwen3Args,
     RMSNorm,
-    attention_inputs,
     causal_attention,
-    head_outputs,
     load_checkpoint_tensors,
+    position_inputs,
     register_positions,
     rotate,
 )
+from convert.parts import Part, build_embedding, build_head, part_input, part_outputs, part_tensors
 
 FAMILY = "qwen3_5"
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
@@ -572,13 +572,16 @@ class GatedDeltaNet(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: Qwen35Args, index: int):
+    def __init__(self, args: Qwen35Args, index: int, first: int = 0):
+        """Layer ``index`` of a core whose layers start at ``first`` (a part's): its row of the states of its kind is
+        counted from there."""
         super().__init__()
         self.kind = args.layer_types[index]
         if self.kind == LINEAR:
-            self.linear_attn = GatedDeltaNet(args, args.linear_layers.index(index))
+            self.linear_attn = GatedDeltaNet(args, layers_before(args.linear_layers, index, first))
         else:
-            self.self_attn = GatedAttention(args.attention_args, args.full_layers.index(index), True, args.rotary_dim)
+            slot = layers_before(args.full_layers, index, first)
+            self.self_attn = GatedAttention(args.attention_args, slot, True, args.rotary_dim)
         self.mlp = MLP(args.attention_args, activation=silu)
         self.input_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -595,6 +598,12 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def layers_before(kind: tuple[int, ...], index: int, first: int) -> int:
+    """How many layers of a kind (``kind``: their indices) lie in ``first .. index-1``: layer ``index``'s row of that
+    kind's states in a core whose layers start at ``first``."""
+    return sum(first <= i < index for i in kind)
+
+
 class Qwen35Core(nn.Module):
     """The shared computation behind every function of a hybrid target (see the module docstring).
 
@@ -605,15 +614,15 @@ class Qwen35Core(nn.Module):
     """
 
     def __init__(self, args: Qwen35Args, context: int, taps: tuple[int, ...] = (), pending: int = 8,
-                 widths: tuple[int, ...] = (64, 1, 8)):
+                 widths: tuple[int, ...] = (64, 1, 8), part: Part | None = None):
         super().__init__()
-        self.args, self.context, self.taps, self.pending = args, context, tuple(taps), pending
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
-        self.norm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.part = part or Part.whole(args)
+        self.args, self.context, self.taps, self.pending = args, context, self.part.own_taps(taps), pending
+        build_embedding(self, args)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, self.part.layers[0]) for i in self.part.layer_indices)
+        build_head(self, args, ZeroCentredRMSNorm)
+        if not self.layers:
+            return
         register_positions(self, args.rotary_dim, args.rope_theta, context, args.num_key_value_heads)
         self.register_buffer("rows", torch.arange(max(pending, context) + args.linear_conv_kernel_dim,
                                                   dtype=torch.int32), persistent=False)
@@ -641,51 +650,48 @@ class Qwen35Core(nn.Module):
         """Fill from checkpoint tensors (already checked by ``sanitize``) under their ``layout`` keys."""
         load_checkpoint_tensors(self, tensors, layout)
 
-    def forward(self, input_ids, position_ids, accept, key_cache=None, value_cache=None, conv_state=None,
-                recurrent_state=None, pending_qkv=None, pending_ba=None, valid=None, *, width: int):
-        x, attention = attention_inputs(self, input_ids, position_ids)
-        states = {"key_cache": key_cache, "value_cache": value_cache, "conv_state": conv_state,
-                  "recurrent_state": recurrent_state, "pending_qkv": pending_qkv, "pending_ba": pending_ba}
-        call = Call(width, accept, valid)
+    def forward(self, input_ids=None, position_ids=None, accept=None, key_cache=None, value_cache=None,
+                conv_state=None, recurrent_state=None, pending_qkv=None, pending_ba=None, valid=None,
+                hidden_states=None, *, width: int):
+        x = part_input(self, input_ids, hidden_states)
         tapped = []
-        for i, layer in enumerate(self.layers):
-            x = layer(x, attention, call, self, states)
-            if i in self.taps:
-                tapped.append((self.taps.index(i), x))
-        return head_outputs(self, x, tapped)
+        if self.layers:
+            attention = position_inputs(self, position_ids, x.dtype)
+            states = {"key_cache": key_cache, "value_cache": value_cache, "conv_state": conv_state,
+                      "recurrent_state": recurrent_state, "pending_qkv": pending_qkv, "pending_ba": pending_ba}
+            call = Call(width, accept, valid)
+            for i, layer in zip(self.part.layer_indices, self.layers, strict=True):
+                x = layer(x, attention, call, self, states)
+                if i in self.taps:
+                    tapped.append((self.taps.index(i), x))
+        return part_outputs(self, x, tapped)
 
 
 # ------------------------------------------------------------------------------------------------ function specs
 
 
-def state_specs(args: Qwen35Args, context: int, pending: int, dtype: str) -> tuple[TensorSpec, ...]:
+def state_specs(args: Qwen35Args, context: int, pending: int, dtype: str,
+                layers: range | None = None) -> tuple[TensorSpec, ...]:
     """The states every function shares: KV caches for the attention layers, and per GDN layer the committed conv
-    history, the recurrent state and the pending rows of the last decode / verify. Kinds with no layer are left out."""
+    history, the recurrent state and the pending rows of the last decode / verify; of ``layers`` only (a part's;
+    default every layer). Kinds with no layer are left out."""
     a = args
+    layers = range(a.num_hidden_layers) if layers is None else layers
+    full = sum(i in layers for i in a.full_layers)
+    linear = sum(i in layers for i in a.linear_layers)
     specs = []
-    if a.full_layers:
-        kv = (len(a.full_layers), a.num_key_value_heads, context, a.head_dim)
+    if full:
+        kv = (full, a.num_key_value_heads, context, a.head_dim)
         specs += [TensorSpec("key_cache", kv, dtype), TensorSpec("value_cache", kv, dtype)]
-    if a.linear_layers:
-        n = len(a.linear_layers)
+    if linear:
         specs += [
-            TensorSpec("conv_state", (n, a.linear_conv_kernel_dim - 1, a.conv_dim), dtype),
-            TensorSpec("recurrent_state", (n, a.linear_num_value_heads, a.linear_key_head_dim,
+            TensorSpec("conv_state", (linear, a.linear_conv_kernel_dim - 1, a.conv_dim), dtype),
+            TensorSpec("recurrent_state", (linear, a.linear_num_value_heads, a.linear_key_head_dim,
                                            a.linear_value_head_dim), dtype),
-            TensorSpec("pending_qkv", (n, pending, a.conv_dim), dtype),
-            TensorSpec("pending_ba", (n, pending, 2 * a.linear_num_value_heads), dtype),
+            TensorSpec("pending_qkv", (linear, pending, a.conv_dim), dtype),
+            TensorSpec("pending_ba", (linear, pending, 2 * a.linear_num_value_heads), dtype),
         ]
     return tuple(specs)
-
-
-class HybridFunction(PositionalFunction):
-    """One function of the hybrid core: its inputs passed by name (prefill has ``valid``, decode and verify do not)
-    and its static width as a Python int."""
-
-    def produce(self, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        named = {t.name: value for t, value in zip(self.spec.inputs, inputs, strict=True)}
-        states = {s.name: getattr(self, s.name) for s in self.spec.states}
-        return self.core(**named, **states, width=self.spec.width)
 
 
 # ------------------------------------------------------------------------------------------ registry hooks
@@ -695,7 +701,7 @@ PLAN_FIELDS = ("hidden_size", "vocab_size", "num_hidden_layers", "layer_types", 
                "num_key_value_heads", "head_dim", "intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
                "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
 PLAN_ALTERNATIVES = {"layer_types": ("full_attention_interval",)}
-FunctionModule = HybridFunction
+FunctionModule = NamedFunction
 KEEP_FP16 = ("linear_attn.in_proj_a", "linear_attn.in_proj_b")  # see docs/hybrid.md, "What stays fp16"
 GDN_GROUPS = (("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"), ("linear_attn.out_proj",))
 ATTENTION_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",))
@@ -707,22 +713,26 @@ def pending_rows(target) -> int:
     return max(1, target.graphs.verify)
 
 
-def build_core(args: Qwen35Args, target) -> Qwen35Core:
+def build_core(args: Qwen35Args, target, part: Part | None = None) -> Qwen35Core:
     widths = tuple(width for _, width in function_widths(target))
-    return Qwen35Core(args, target.context, tuple(target.taps or ()), pending_rows(target), widths)
+    return Qwen35Core(args, target.context, tuple(target.taps or ()), pending_rows(target), widths, part)
 
 
-def function_specs(args: Qwen35Args, target, dtype: torch.dtype = torch.float16) -> list[FunctionSpec]:
-    """prefill / decode / verify over the same states; every function takes ``accept``, prefill also ``valid``."""
+def function_specs(args: Qwen35Args, target, dtype: torch.dtype = torch.float16,
+                   part: Part | None = None) -> list[FunctionSpec]:
+    """prefill / decode / verify over the same states; every function with layers takes ``accept``, prefill also
+    ``valid``; a part's take and return what it needs (``convert/parts.py``)."""
+    part = part or Part.whole(args)
     fdtype = DTYPE_NAMES[dtype]
-    states = state_specs(args, target.context, pending_rows(target), fdtype)
+    states = state_specs(args, target.context, pending_rows(target), fdtype, part.layer_indices)
     specs = []
     for name, width in function_widths(target):
-        inputs = [TensorSpec("input_ids", (1, width), "int32"), TensorSpec("position_ids", (1, width), "int32"),
-                  TensorSpec("accept", (1,), "int32")]
-        if name not in LAZY_FUNCTIONS:
-            inputs.append(TensorSpec("valid", (1,), "int32"))
-        specs.append(FunctionSpec(name, tuple(inputs), target_outputs(args, target, width, fdtype), states))
+        inputs, outputs = part_tensors(args, target, part, width, fdtype)
+        if part.layer_indices:
+            inputs += (TensorSpec("accept", (1,), "int32"),)
+            if name not in LAZY_FUNCTIONS:
+                inputs += (TensorSpec("valid", (1,), "int32"),)
+        specs.append(FunctionSpec(name, inputs, outputs, states))
     return specs
 
 

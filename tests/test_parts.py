@@ -1,0 +1,148 @@
+"""Parts: a target split into packages (embedding, layer chunks, vocabulary-split head) computes, chained, what the
+whole target computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import write_checkpoint as write_dense
+from qwen3_5_checkpoints import write_checkpoint as write_hybrid
+
+from convert.compress import apply_quantized
+from convert.errors import InputError
+from convert.export import compute_copy
+from convert.host import TargetDriver, module_driver
+from convert.models import read_args
+from convert.parts import Part, module_chain, part_bytes, part_modules, piece_sizes, plan_parts
+from convert.recipe import Graphs, Quantization, Target
+from convert.sources import load_tensors, read_json
+from convert.target import build_modules
+from quant.affine import quantize_affine
+from quant.lut import quantize_lut
+
+FP32_BOUND = 1e-5
+GROUPS = {"lut4": 8, "affine4": 32}  # divide every width of the tiny models (the hybrid's in_proj_qkv has 136 rows)
+
+
+def _target(limit: float, taps, method: str = "none") -> Target:
+    return Target(source="path:x", graphs=Graphs(prefill=16, verify=4), context=64, taps=taps, logits=True,
+                  hidden=True, max_part_mb=limit,
+                  quantization=Quantization(method=method, group_size=GROUPS.get(method)))
+
+
+def _limit_for(args, taps, method: str) -> float:
+    """A limit that splits the tables along the vocabulary and the layers into several chunks."""
+    sizes = piece_sizes(args, _target(1e6, taps, method))
+    return (2 * max(sizes.layers) + sizes.layer_constants) / 1e6
+
+
+def _quantize(modules, method: str) -> None:
+    """Round every 2-D weight of the core to ``method`` (the tables too: their vocabulary splits slice codes)."""
+    rounding = {"lut4": lambda w: quantize_lut(w.float(), GROUPS["lut4"]),
+                "affine4": lambda w: quantize_affine(w.float(), GROUPS["affine4"])}
+    weights = {name: rounding[method](m.weight.detach()) for name, m in modules.core.named_modules()
+               if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and "in_proj_a" not in name
+               and "in_proj_b" not in name}
+    apply_quantized(modules.core, weights)
+
+
+def _modules(tmp_path, kind: str, taps, method: str):
+    directory = tmp_path / kind
+    if kind == "dense":
+        write_dense(directory, num_hidden_layers=4)
+    else:
+        write_hybrid(directory, seed=1, num_hidden_layers=6, layer_types=["linear_attention"] * 2 + [
+            "full_attention", "linear_attention", "full_attention", "linear_attention"])
+    args = read_args(read_json(directory / "config.json"))
+    target = _target(_limit_for(args, taps, method), taps, method)
+    modules = build_modules(args, target, load_tensors(directory), torch.float16)
+    if method != "none":
+        _quantize(modules, method)
+    return args, target, modules
+
+
+def _calls(widths: dict[str, int], rollback: str, vocab: int):
+    """A session's calls: a prompt over two prefill chunks (the last padded), decodes, a verify block, a rollback
+    (a partial accept on a commit-next-call target) and the next verify and decode."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, vocab, (widths["prefill"] + 5,), generator=g).tolist()
+    k = widths["verify"]
+    yield "prefill", prompt[: widths["prefill"]], 0
+    yield "prefill", prompt[widths["prefill"]:], widths["prefill"]
+    p = len(prompt)
+    for step in range(3):
+        yield "decode", [prompt[step]], p + step
+    p += 3
+    yield "verify", prompt[:k], p
+    kept = 1 if rollback == "positional" else k // 2
+    yield "verify", prompt[k : 2 * k], p + kept
+    yield "decode", [prompt[0]], p + kept + 1
+
+
+@pytest.mark.parametrize(("kind", "taps", "method"), [("dense", [2, 0], "affine4"), ("hybrid", [4, 1], "lut4"),
+                                                      ("hybrid", None, "none")])
+def test_the_chained_parts_compute_what_the_whole_target_computes(tmp_path, kind, taps, method):
+    args, target, modules = _modules(tmp_path, kind, taps, method)
+    parts = plan_parts(args, target)
+    layer_parts = [p for p in parts if p.layer_indices]
+    assert len(layer_parts) >= 2 and [p for p in parts if p.splits_head] and \
+        len([p for p in parts if p.embedding]) >= 2, [p.name for p in parts]
+    assert [i for p in layer_parts for i in p.layer_indices] == list(range(args.num_hidden_layers))
+    for name in ("embedding", "head"):
+        rows = [getattr(p, name) for p in parts if getattr(p, name)]
+        assert rows[0][0] == 0 and rows[-1][1] == args.vocab_size
+        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False))
+
+    whole32 = compute_copy(modules, torch.float32)
+    pieces32 = [compute_copy(m, torch.float32) for m in part_modules(modules, target, parts)]
+    whole = module_driver(whole32)
+    chained = TargetDriver(module_chain(parts, pieces32, taps), whole32.widths, whole32.contract)
+    whole.reset()
+    chained.reset()
+    compared = 0
+    for function, tokens, p0 in _calls(whole32.widths, modules.contract["rollback"], args.vocab_size):
+        want, got = whole.run(function, tokens, p0), chained.run(function, tokens, p0)
+        assert set(got) == set(want) - ({"taps"} if not taps else set()), sorted(got)
+        np.testing.assert_array_equal(got["argmax_ids"], want["argmax_ids"])
+        for name in ("logits", "hidden", *(("taps",) if taps else ())):
+            assert np.abs(got[name] - want[name]).max() <= FP32_BOUND, (function, name)
+        compared += len(tokens)
+    assert compared == whole32.widths["prefill"] + 5 + 3 + 2 * whole32.widths["verify"] + 1
+    # every state of the whole target is the parts' states of their own layers, in order
+    for name, state in whole32.states().items():
+        pieces = [m.states()[name] for m in pieces32 if name in m.states()]
+        assert torch.allclose(torch.cat(pieces), state, rtol=0, atol=FP32_BOUND), name
+
+
+def test_parts_respect_the_limit_and_hold_the_same_weights(tmp_path):
+    args, target, modules = _modules(tmp_path, "hybrid", [4, 1], "lut4")
+    limit = target.max_part_mb * 1e6
+    sizes = piece_sizes(args, target)
+    parts = plan_parts(args, target)
+    built = part_modules(modules, target, parts)
+    from convert.compress import shipped_nbytes
+
+    for part, m in zip(parts, built, strict=True):
+        assert part_bytes(part, sizes) <= limit, part.name
+        # the planned size is what the part's modules hold (weights packed, constants as stored)
+        assert shipped_nbytes(m.core, set()) == part_bytes(part, sizes), part.name
+    # one weight copy: a layer part computes with the whole core's tensors, not copies of them
+    layer = next(m for p, m in zip(parts, built, strict=True) if p.layer_indices)
+    first = next(p for p in parts if p.layer_indices).layers[0]
+    whole_layer = modules.core.layers[first]
+    assert layer.core.layers[0].mlp.down_proj is whole_layer.mlp.down_proj
+
+
+def test_a_target_under_the_limit_is_one_whole_part(tmp_path):
+    write_dense(tmp_path / "d", num_hidden_layers=2)
+    args = read_args(read_json(tmp_path / "d" / "config.json"))
+    assert plan_parts(args, _target(2000, None)) == [Part.whole(args)]
+
+
+def test_a_layer_over_the_limit_is_refused_by_name(tmp_path):
+    write_dense(tmp_path / "d", num_hidden_layers=2)
+    args = read_args(read_json(tmp_path / "d" / "config.json"))
+    sizes = piece_sizes(args, _target(1e6, None))
+    with pytest.raises(InputError, match="target.max_part_mb: .* below decoder layer 0"):
+        plan_parts(args, _target(sizes.layers[0] / 2e6, None))
