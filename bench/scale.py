@@ -12,7 +12,7 @@ the calibration's embedding lookup.
 
     PYTHONPATH=. python3 -m bench.scale [--methods affine4-gptq,lut4-gptq] [--layers linear_attention,full_attention]
                                         [--samples 128] [--length 2048] [--device cuda] [--json out.json]
-                                        [--compare-tf32]
+                                        [--compare-tf32] [--compare-recompute]
 """
 
 from __future__ import annotations
@@ -188,6 +188,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--compare-tf32", action="store_true",
                         help="run the first method again with TF32 calibration passes and compare the weights")
+    parser.add_argument("--compare-recompute", action="store_true",
+                        help="run the first method again without the block caches (every pass runs the mixer and the "
+                             "MLP) and check the weights are bit for bit the same")
     options = parser.parse_args()
 
     with tempfile.TemporaryDirectory(dir=options.workdir) as tmp:
@@ -218,12 +221,34 @@ def main() -> None:
             for name, row in report["tf32_vs_fp32"].items():
                 print(f"  TF32 vs fp32 passes, {name}: codes equal {row['codes_equal']:.4f}, weight change "
                       f"{row['change_over_quantization_error']:.4f} x the quantization error")
+        if options.compare_recompute:
+            import quant.calibrate as calibrate
+
+            method = options.methods.split(",")[0]
+            budget, calibrate.CACHE_BYTES = calibrate.CACHE_BYTES, 0  # no block cache: every pass recomputes
+            record, recomputed = run(directory, config, method, options.samples, options.length, options.device)
+            calibrate.CACHE_BYTES = budget
+            record["block_caches"] = "off"
+            report["runs"].append(record)
+            differ = [name for name, qw in weights[method].items() if not _identical(qw, recomputed[name])]
+            report["recompute_identical"] = {"weights": len(recomputed), "differing": differ}
+            print(f"  block caches off vs on ({method}): {len(recomputed) - len(differ)} of {len(recomputed)} "
+                  f"weights bit for bit equal{'; differing: ' + ', '.join(differ) if differ else ''}")
     for r in report["runs"]:
         print(f"{r['method']}: per layer {r['seconds_per_layer']} s, lm_head {r['units']['lm_head']['seconds']} s, "
               f"embedding {r['units']['embed_tokens']['seconds']} s -> whole 64-layer model "
               f"{r['whole_model_seconds']} s")
     if options.json:
         options.json.write_text(json.dumps(report, indent=1))
+
+
+def _identical(a, b) -> bool:
+    """Two QuantizedWeights with the same codes and group tensors, bit for bit."""
+    from quant.types import GROUP_TENSORS
+
+    tensors = [("codes", a.codes, b.codes), *((n, getattr(a, n), getattr(b, n)) for n in GROUP_TENSORS)]
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+               for _, x, y in tensors)
 
 
 def _machine(device: str) -> str:

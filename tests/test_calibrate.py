@@ -10,7 +10,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from convert.models.qwen3 import LINEAR_GROUPS, Qwen3Args, Qwen3Core
+from convert.models.qwen3 import LINEAR_GROUPS, CausalRunner, Qwen3Args, Qwen3Core
 from convert.sources import load_tensors
 from quant.calibrate import encode, fixture_corpus_text, quantize_sequential, sample_calibration
 from quant.gptq import HessianAccumulator, gptq_quantize
@@ -129,3 +129,27 @@ def test_quantized_layers_feed_the_next_ones(tensors):
     assert torch.equal(result.hidden, plain_forward(core, tokens, replay))
     for name, h in captured.items():
         torch.testing.assert_close(replay[name].hessian(), h, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("group", [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                                   ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)])
+def test_linears_reading_one_input_share_its_hessian_and_stop_at_the_first(tensors, group):
+    """A group whose linears read the very same tensor accumulates one Hessian, bit for bit each linear's own, and
+    later samples stop before the first linear's matmul."""
+    from quant.calibrate import capture_hessians
+
+    core = fixture_core(tensors)
+    layer, samples = core.layers[0], 4
+    runner = CausalRunner(core, LENGTH)
+    x = core.embed_tokens(torch.randint(4, 8192, (samples, LENGTH), generator=torch.Generator().manual_seed(2)))
+    calls = []
+    hook = layer.get_submodule(group[0]).register_forward_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        together = capture_hessians(layer, group, x, runner)
+        hook.remove()
+        for name in group:
+            alone = capture_hessians(layer, (name,), x, runner)[name]
+            assert torch.equal(together[name].hessian(), alone.hessian()), name
+    shared = len(group) > 1
+    assert len({id(acc) for acc in together.values()}) == (1 if shared else len(group))
+    assert len(calls) == (1 if shared else 0)  # the first sample runs the first linear; the rest stop before it

@@ -20,12 +20,13 @@ from checkpoints import write_checkpoint as write_dense
 from qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
 from convert.cache import BuildCache
-from convert.models import Layout, read_args
+from convert.models import Layout, family_of, read_args
 from convert.quantize import _calibration_set, quantize_checkpoint
 from convert.recipe import Calibration, Graphs, Quantization, Target
 from convert.sources import load_tensors, read_json
 from convert.target import build_modules
-from quant.calibrate import quantize_sequential
+from quant import calibrate
+from quant.calibrate import quantize_layer, quantize_sequential
 from quant.gptq import HessianAccumulator, gptq_quantize
 from quant.lut import quantize_lut
 
@@ -100,6 +101,99 @@ def test_streamed_gptq_gives_the_in_memory_loops_bytes(tmp_path, kind, method):
     layers = read_args(read_json(directory / "config.json")).num_hidden_layers
     assert result.units == {**{f"layers.{i}": "computed" for i in range(layers)}, "lm_head": "computed",
                             "embed_tokens": "computed"}
+
+
+@pytest.mark.parametrize("kind, method", [("dense", "affine4-gptq"), ("hybrid", "lut4-gptq")])
+def test_the_block_caches_give_the_recomputing_passes_bytes_and_skip_the_blocks(tmp_path, monkeypatch, kind, method):
+    """Each layer quantized with its blocks' last-linear inputs kept (``BlockCache``: the mixer's and the MLP's,
+    under the default CPU budget), with the mixer's only (a budget that admits it and not the MLP's too), with the
+    MLP's only, and (budget 0) with every pass recomputing both: the same codes and tables and the same layer outputs,
+    bit for bit, layer after layer. Per sample and layer the mixer is entered 2 times with its cache (the passes of
+    the groups up to its last linear), 5 without (every group's pass and the outputs); the MLP 2 times with its
+    cache (the gate/up and down passes: the outputs pass runs down_proj on the kept inputs), 3 without."""
+    directory = write(tmp_path / "ckpt", kind)
+    quant = quantization(method)
+    args = read_args(read_json(directory / "config.json"))
+    family = family_of(args)
+    core = build_modules(args, TARGET, load_tensors(directory), torch.float16).core.float()
+    tokens = _calibration_set(quant, directory, directory.parent).tokens
+    method, group = quant.format, quant.resolved_group_size
+
+    def gptq(name, weight, hessian):
+        return None if name.endswith(family.KEEP_FP16 or ()) else gptq_quantize(weight, hessian, method, group)
+
+    def cache_bytes(layer, last: str) -> int:
+        return tokens.numel() * layer.get_submodule(last).in_features * 4  # fp32 activations
+
+    blocks = [family.cached_blocks(core, layer) for layer in core.layers]
+    assert all(tuple(name for name, _ in b) == (b[0][0], "mlp") for b in blocks)
+    mixer_bytes = [cache_bytes(layer, b[0][1]) for layer, b in zip(core.layers, blocks, strict=True)]
+    mlp_bytes = [cache_bytes(layer, b[1][1]) for layer, b in zip(core.layers, blocks, strict=True)]
+    # a budget of max(mixer_bytes) admits every layer's mixer cache and then none of the MLP's
+    assert all(m + p > max(mixer_bytes) for m, p in zip(mixer_bytes, mlp_bytes, strict=True))
+    assert sum(map(max, mixer_bytes, mlp_bytes)) < calibrate.CPU_CACHE_BYTES
+
+    def layer_by_layer(budget: int | None, mlp_only: bool = False):
+        monkeypatch.setattr(calibrate, "CACHE_BYTES", budget)
+        work = copy.deepcopy(core)
+        runner = family.calibration_runner(work, tokens.shape[1])
+        x = work.embed_tokens(tokens)
+        entered = {"mixer": 0, "mlp": 0}
+        results = []
+        for i, layer in enumerate(work.layers):
+            (mixer, _), (mlp, _) = pair = family.cached_blocks(work, layer)
+            for what, name in (("mixer", mixer), ("mlp", mlp)):
+                layer.get_submodule(name).register_forward_pre_hook(lambda *_, what=what: entered.update(
+                    {what: entered[what] + 1}))
+            quantized, x = quantize_layer(layer, i, family.linear_groups(work, layer), x, runner, gptq,
+                                          blocks=pair[1:] if mlp_only else pair, outputs=True)
+            results.append((quantized, x))
+        runs = tokens.shape[0] * len(work.layers)
+        return results, (entered["mixer"] / runs, entered["mlp"] / runs)
+
+    recomputed, recomputed_entries = layer_by_layer(0)
+    assert recomputed_entries == (5, 3)
+    for budget, mlp_only, entries in ((None, False, (2, 2)), (max(mixer_bytes), False, (2, 3)), (None, True, (5, 2))):
+        cached, cached_entries = layer_by_layer(budget, mlp_only)
+        for (got, got_outputs), (want, want_outputs) in zip(cached, recomputed, strict=True):
+            assert_same(got, want)
+            assert torch.equal(got_outputs, want_outputs)
+        assert cached_entries == entries, (budget, mlp_only)
+
+
+def test_a_layers_caches_are_granted_in_order_within_the_budget_where_they_hold(monkeypatch):
+    """The budget: half the CUDA device's free memory when the layer starts (what the caching allocator holds unused
+    counts as free), a fixed one on CPU, the override before either. Caches are granted block by block in order while
+    their bytes together fit (a later one may fit where an earlier did not), only where the kept inputs hold (no other
+    linear of the block quantized with or after its last one) and where a later pass reads them."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 << 30, 141 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 10 << 30)
+    assert calibrate.cache_budget(torch.device("cuda", 0)) == 60 << 30
+    assert calibrate.cache_budget(torch.device("cpu")) == calibrate.CPU_CACHE_BYTES == 1 << 30
+    monkeypatch.setattr(calibrate, "CACHE_BYTES", 0)
+    assert calibrate.cache_budget(torch.device("cuda", 0)) == calibrate.cache_budget(torch.device("cpu")) == 0
+
+    layer = torch.nn.Module()
+    layer.mixer, layer.mlp = torch.nn.Module(), torch.nn.Module()
+    layer.mixer.q, layer.mixer.o = torch.nn.Linear(8, 8), torch.nn.Linear(12, 8)
+    layer.mlp.up, layer.mlp.down = torch.nn.Linear(8, 4), torch.nn.Linear(4, 8)
+    blocks = (("mixer", "mixer.o"), ("mlp", "mlp.down"))
+    groups = (("mixer.q",), ("mixer.o",), ("mlp.up",), ("mlp.down",))
+    x = torch.zeros(2, 3, 8)  # a cache takes 2 x 3 x in_features x 4 bytes: 288 for mixer.o, 96 for mlp.down
+
+    def granted(budget, groups=groups, outputs=True):
+        monkeypatch.setattr(calibrate, "CACHE_BYTES", budget)
+        return [c.last_name for c in calibrate.BlockCache.for_layer(layer, groups, x, blocks, outputs)]
+
+    assert granted(384) == ["mixer.o", "mlp.down"]
+    assert granted(383) == granted(288) == ["mixer.o"]
+    assert granted(287) == granted(96) == ["mlp.down"]
+    assert granted(95) == []
+    assert granted(384, outputs=False) == ["mixer.o"]  # no pass after the down pass would read the MLP's
+    assert granted(384, (("mixer.q",), ("mixer.o", "mlp.up"), ("mlp.down",))) == ["mixer.o", "mlp.down"]
+    assert granted(384, (("mixer.q", "mixer.o"), ("mlp.up", "mlp.down"))) == []  # quantized with their last linear
+    assert granted(384, (("mixer.o",), ("mixer.q",), ("mlp.up",))) == []  # q after o; down in no group
 
 
 def test_the_cache_reuses_units_recomputes_corrupt_ones_and_can_be_off(tmp_path):

@@ -450,5 +450,11 @@ def linear_groups(core: Qwen3Core, layer: DecoderLayer) -> tuple[tuple[str, ...]
     return LINEAR_GROUPS
 
 
+def cached_blocks(core: Qwen3Core, layer: DecoderLayer) -> tuple[tuple[str, str], ...]:
+    """The layer's blocks whose output is their last linear's, each with that linear: ``Attention.forward`` returns
+    ``o_proj(...)``, ``MLP.forward`` ``down_proj(...)``."""
+    return ("self_attn", "self_attn.o_proj"), ("mlp", "mlp.down_proj")
+
+
 def reference_layers(model) -> nn.ModuleList:
     return model.model.layers

@@ -550,6 +550,8 @@ class GatedDeltaNet(nn.Module):
         # 2. this call's rows, from the committed state
         mixed = self.in_proj_qkv(x)
         ba = torch.cat([self.in_proj_b(x), self.in_proj_a(x)], dim=-1)
+        # before the recurrence: a GPTQ pass capturing in_proj_qkv / in_proj_z stops before it (quant/calibrate.py)
+        z = self.in_proj_z(x).view(s, self.args.linear_num_value_heads, self.args.linear_value_head_dim)
         window = torch.cat([history, mixed])
         keep = None if call.valid is None else core.rows[:s] < call.valid
         q, k, v, g, beta = self.rule_inputs(window, ba, s, keep)
@@ -567,7 +569,6 @@ class GatedDeltaNet(nn.Module):
         recurrent_state[slot : slot + 1] = state[None].to(recurrent_state.dtype)
         conv_state[slot : slot + 1] = history[None].to(conv_state.dtype)
         out = (out * (1.0 / (QUERY_SCALE * VALUE_SCALE))).to(x.dtype)  # [S, Hv, dv]
-        z = self.in_proj_z(x).view(s, self.args.linear_num_value_heads, self.args.linear_value_head_dim)
         return self.out_proj(self.norm(out, z).reshape(s, self.args.value_dim))
 
 
@@ -854,6 +855,14 @@ def calibration_runner(core: Qwen35Core, length: int) -> HybridRunner:
 
 def linear_groups(core: Qwen35Core, layer: DecoderLayer) -> tuple[tuple[str, ...], ...]:
     return (GDN_GROUPS if layer.kind == LINEAR else ATTENTION_GROUPS) + MLP_GROUPS
+
+
+def cached_blocks(core: Qwen35Core, layer: DecoderLayer) -> tuple[tuple[str, str], ...]:
+    """The layer's blocks whose output is their last linear's, each with that linear: ``GatedDeltaNet.forward``
+    returns ``out_proj(...)``, ``GatedAttention`` (``Attention.forward``) ``o_proj(...)``, ``MLP.forward``
+    ``down_proj(...)``."""
+    mixer = ("linear_attn", "linear_attn.out_proj") if layer.kind == LINEAR else ("self_attn", "self_attn.o_proj")
+    return mixer, ("mlp", "mlp.down_proj")
 
 
 def reference_layers(model) -> nn.ModuleList:
