@@ -100,7 +100,8 @@ def reset_host_peak() -> None:
         f.write("5")
 
 
-def run(directory: Path, config: dict, method: str, samples: int, length: int, device: str) -> dict:
+def run(directory: Path, config: dict, method: str, samples: int, length: int, device: str,
+        keep: tuple[str, ...] = ()) -> dict:
     from convert.cache import BuildCache
     from convert.models import Layout, qwen3_5
     from convert.quantize import quantize_checkpoint
@@ -108,8 +109,8 @@ def run(directory: Path, config: dict, method: str, samples: int, length: int, d
 
     args = qwen3_5.Args.from_config(config)
     target = Target(source="path:x", graphs=Graphs(), context=max(length, 512))
-    quant = Quantization(method=method, calibration=Calibration(corpus="path:corpus.txt", samples=samples,
-                                                                length=length))
+    quant = Quantization(method=method, keep_fp16=list(keep),
+                         calibration=Calibration(corpus="path:corpus.txt", samples=samples, length=length))
     units, sweeps = {}, []
     import convert.quantize as stage
 
@@ -148,14 +149,15 @@ def run(directory: Path, config: dict, method: str, samples: int, length: int, d
         kinds.setdefault(kind, []).append(units[f"layers.{i}"]["seconds"])
     per_kind = {kind: sum(v) / len(v) for kind, v in kinds.items()}
     layer_sum = sum(units[f"layers.{i}"]["seconds"] for i in range(args.num_hidden_layers))
-    overhead = total - layer_sum - units["lm_head"]["seconds"] - units["embed_tokens"]["seconds"]
-    whole = sum(WHOLE[k] * per_kind[k] for k in WHOLE if k in per_kind) + units["lm_head"]["seconds"] + \
-        units["embed_tokens"]["seconds"] + overhead
+    tables = sum(units[name]["seconds"] for name in ("lm_head", "embed_tokens") if name in units)
+    overhead = total - layer_sum - tables
+    whole = sum(WHOLE[k] * per_kind[k] for k in WHOLE if k in per_kind) + tables + overhead
     ratios = [qw.stats.get("error_ratio") for qw in result.weights.values() if qw.stats.get("error_ratio")]
     return {"method": method, "units": units, "seconds_total": round(total, 1),
             "seconds_per_layer": {k: round(v, 2) for k, v in per_kind.items()},
             "seconds_outside_units": round(overhead, 2),
             "whole_model_seconds": round(whole, 1) if set(WHOLE) <= set(per_kind) else None,
+            "kept_fp16": list(keep),
             "gptq_over_rtn_output_error_mean": round(sum(ratios) / len(ratios), 4) if ratios else None,
             "passes": "tf32" if device == "cuda" and stage.CUDA_TF32_PASSES else "fp32"}, result.weights
 
@@ -186,6 +188,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workdir", type=Path, help="where the synthetic checkpoint goes (default: a temp dir)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--keep-fp16", default="", help="comma-separated weights left unquantized (e.g. lm_head: "
+                        "its GPTQ solve holds the whole 248320-row table, ~50 GiB, more than a 24 GB CPU machine)")
     parser.add_argument("--compare-tf32", action="store_true",
                         help="run the first method again with TF32 calibration passes and compare the weights")
     parser.add_argument("--compare-recompute", action="store_true",
@@ -207,7 +211,7 @@ def main() -> None:
         weights = {}
         for method in options.methods.split(","):
             record, weights[method] = run(directory, config, method, options.samples, options.length,
-                                          options.device)
+                                          options.device, tuple(k for k in options.keep_fp16.split(",") if k))
             report["runs"].append(record)
         if options.compare_tf32:
             import convert.quantize as stage
@@ -235,9 +239,10 @@ def main() -> None:
             print(f"  block caches off vs on ({method}): {len(recomputed) - len(differ)} of {len(recomputed)} "
                   f"weights bit for bit equal{'; differing: ' + ', '.join(differ) if differ else ''}")
     for r in report["runs"]:
-        print(f"{r['method']}: per layer {r['seconds_per_layer']} s, lm_head {r['units']['lm_head']['seconds']} s, "
-              f"embedding {r['units']['embed_tokens']['seconds']} s -> whole 64-layer model "
-              f"{r['whole_model_seconds']} s")
+        tables = ", ".join(f"{n} {r['units'][n]['seconds']} s" for n in ("lm_head", "embed_tokens") if n in r["units"])
+        kept = f" (kept fp16: {', '.join(r['kept_fp16'])})" if r["kept_fp16"] else ""
+        print(f"{r['method']}: per layer {r['seconds_per_layer']} s, {tables} -> whole 64-layer model "
+              f"{r['whole_model_seconds']} s{kept}")
     if options.json:
         options.json.write_text(json.dumps(report, indent=1))
 

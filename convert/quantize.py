@@ -81,36 +81,61 @@ class Unit:
     gptq: bool
 
 
-# The measured cost model (bench/scale.py on one H200, docs/benchmarks.md "Scale to 27B"): seconds per unit at the
-# Qwen3.8-27B geometry with 128 x 2048 calibration tokens, as (total, of which GPTQ solves). The estimate scales a
-# unit's GPTQ solves by its weights and the rest (the calibration passes, reading and casting) by weights x
-# calibration tokens; a dense model's layers are priced as attention layers. No CPU measurement at this width yet.
-MEASURED_DEVICE = "one H200"
-MEASURED_TOKENS = 128 * 2048
+@dataclass(frozen=True)
+class Measured:
+    """One machine's measured cost per unit (``bench/scale.py``, docs/benchmarks.md "Scale to 27B"): seconds at the
+    Qwen3.8-27B geometry as (total, of which GPTQ solves), by method and unit kind, with ``tokens`` calibration
+    tokens (GPTQ methods). A kind left out was not measured there."""
+
+    device: str
+    tokens: int
+    seconds: dict[str, dict[str, tuple[float, float]]]
+
+
+# The estimate scales a unit's GPTQ solves by its weights and the rest (the calibration passes, reading and casting)
+# by weights x calibration tokens (round to nearest: by weights); a dense model's layers are priced as attention
+# layers.
+COST_MODEL = (
+    Measured("one H200", 128 * 2048, {
+        "lut4-gptq": {"linear_attention": (18.2, 7.2), "full_attention": (16.3, 7.6), "lm_head": (5.0, 3.4),
+                      "embed_tokens": (3.6, 0.0)},
+        "affine4-gptq": {"linear_attention": (19.7, 7.9), "full_attention": (18.1, 9.2), "lm_head": (3.5, 1.9),
+                         "embed_tokens": (1.5, 0.0)}}),
+    Measured("2 CPU cores", 8 * 512, {
+        "affine4": {"linear_attention": (22.9, 0.0), "full_attention": (21.3, 0.0), "lm_head": (68.0, 0.0),
+                    "embed_tokens": (83.0, 0.0)},
+        "lut4-gptq": {"linear_attention": (474.3, 403.4), "full_attention": (457.3, 393.8),
+                      "embed_tokens": (380.4, 0.0)}}),
+)
 MEASURED_WEIGHTS = {"linear_attention": 383_221_760, "full_attention": 372_244_480, "lm_head": 1_271_398_400,
                     "embed_tokens": 1_271_398_400}
-MEASURED_SECONDS = {
-    "lut4-gptq": {"linear_attention": (18.2, 7.2), "full_attention": (16.3, 7.6), "lm_head": (5.0, 3.4),
-                  "embed_tokens": (3.6, 0.0)},
-    "affine4-gptq": {"linear_attention": (19.7, 7.9), "full_attention": (18.1, 9.2), "lm_head": (3.5, 1.9),
-                     "embed_tokens": (1.5, 0.0)},
-}
 
 
 def estimate_lines(args, target) -> list[str]:
-    """The plan's line on the quantize stage's time, from the measured cost model (GPTQ methods)."""
+    """The plan's line on the quantize stage's time on each machine the cost model measured the method on."""
     quant = target.quantization
-    measured = MEASURED_SECONDS.get(quant.method)
-    if measured is None:
+    units = unit_weights(args, target)
+    estimates = []
+    for measured in COST_MODEL:
+        costs = measured.seconds.get(quant.method)
+        if costs is None:
+            continue
+        tokens = quant.calibration.samples * quant.calibration.length / measured.tokens if quant.uses_gptq else 1
+        seconds = sum(weights / MEASURED_WEIGHTS[kind] * (costs[kind][1] + (costs[kind][0] - costs[kind][1]) * tokens)
+                      for kind, weights in units if kind in costs)
+        missing = sorted({kind for kind, _ in units if kind not in costs})
+        estimates.append(f"{_duration(seconds)} on {measured.device}" +
+                         (f" ({', '.join(missing)} not measured there)" if missing else ""))
+    if not estimates:
         return []
-    tokens = quant.calibration.samples * quant.calibration.length / MEASURED_TOKENS
-    seconds = 0.0
-    for kind, weights in unit_weights(args, target):
-        total, solve = measured[kind]
-        seconds += weights / MEASURED_WEIGHTS[kind] * (solve + (total - solve) * tokens)
-    return [f"  estimated quantize time ({quant.method}, {quant.calibration.samples} x {quant.calibration.length} "
-            f"calibration tokens): {seconds / 60:.0f} min on {MEASURED_DEVICE} (bench/scale.py's per-unit cost at the "
-            "27B geometry, scaled by weights and calibration tokens); CPU: not measured at this width"]
+    tokens = f", {quant.calibration.samples} x {quant.calibration.length} calibration tokens" if quant.uses_gptq \
+        else ""
+    return [f"  estimated quantize time ({quant.method}{tokens}): {'; '.join(estimates)} (bench/scale.py's per-unit "
+            "cost at the 27B geometry, scaled by weights and calibration tokens)"]
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def unit_weights(args, target) -> list[tuple[str, int]]:

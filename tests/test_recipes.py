@@ -33,8 +33,22 @@ def test_dflash2_27b_plans_from_its_contract():
     assert "mask id 248070, 5 sliding layers (windows [2048])" in out
     assert "parameters: 1,924,404,480" in out  # the published 3.85 GB of bf16
     assert "parameters: 26,895,998,464" in out and "about 50.10 GiB of fp16 weights each" in out  # the target
-    # the measured cost model: 48 x 33.5 s + 16 x 24.8 s + 4.5 s + 3.7 s at 128 x 2048 tokens = 33.6 min
+    # the measured cost model: 48 x 18.2 s + 16 x 16.3 s + 5.0 s + 3.6 s at 128 x 2048 tokens = 19.05 min
     assert "estimated quantize time (lut4-gptq, 128 x 2048 calibration tokens): 19 min on one H200" in out
+    # parts under the default 2000 MB at lut4 (groups of 16): 10 layers of 383.2 M / 372.2 M weights per chunk
+    assert "parts: 9 (target.max_part_mb 2000), chained by the host in this order:" in out
+    assert "embed: embedding rows 0..248319: 606.72 MiB" in out
+    assert "layers-0-9: layers 0..9, taps [5]: 1.78 GiB" in out and "layers-60-63: layers 60..63, taps [61]" in out
+    assert "head: norm + lm_head rows 0..248319: 606.73 MiB" in out
+
+
+def test_the_quantize_estimate_of_round_to_nearest_is_the_cpu_measurement(tmp_path):
+    """affine4 (no calibration) measured on 2 CPU cores: 48 x 22.9 s + 16 x 21.3 s + 68.0 s + 83.0 s = 26.5 min."""
+    text = (RECIPES / "dflash2_27b.yaml").read_text().replace("method: lut4-gptq\n    calibration: "
+                                                              "{samples: 128, length: 2048}", "method: affine4")
+    (tmp_path / "r.yaml").write_text(text)
+    out = dry_run(tmp_path / "r.yaml").output
+    assert "estimated quantize time (affine4): 27 min on 2 CPU cores" in out
 
 
 def test_the_quantize_estimate_scales_with_the_calibration_tokens(tmp_path):
