@@ -365,9 +365,7 @@ def artifact_of_parts(checked: list, parts: list, pieces: list, taps, modules: T
     made (``checked``: their Core AI ``Packaged``). ``chained``: then also every part's .aimodel chained on the runtime
     in lockstep with the chained torch parts (``checks.lockstep``); otherwise the replays are the gate, and they do
     not show that the runtime's own rows carried from part to part stay within the bound over a longer run."""
-    from contextlib import ExitStack
-
-    from convert.parts import Chain, module_chain
+    from convert.parts import coreai_chain, module_chain
 
     names = ", ".join(done.path.name for done in checked)
     seconds = sum(done.check_seconds for done in checked)
@@ -378,10 +376,7 @@ def artifact_of_parts(checked: list, parts: list, pieces: list, taps, modules: T
                               argmax_compared=sum(h["ids_compared"] for h in heads),
                               argmax_near_ties=sum(h["id_near_ties"] for h in heads),
                               max_output_delta=max(d.check["max_output_delta"] for d in checked))
-    with ExitStack() as stack:
-        sessions = [stack.enter_context(backends.load("coreai").open_session(done.path)) for done in checked]
-        runtime = Chain([(part, session.specs(), session) for part, session in zip(parts, sessions, strict=True)],
-                        taps)
+    with coreai_chain(parts, [done.path for done in checked], taps) as runtime:
         result = lockstep_result(runtime, module_chain(parts, pieces, taps), modules, names, PARTS_CHAINED)
     result.seconds += seconds
     return result

@@ -498,12 +498,22 @@ def coreai_target(folder: Path, manifest) -> Iterator[object]:
     packages = {p.part: p for p in manifest.packages if p.format == "coreai"}
     if not packages:
         raise InputError(f"{folder}: no .aimodel package (built without the coreai backend); use --runtime torch")
+    parts = manifest_parts(manifest)
+    if not parts:
+        with backends.load("coreai").open_session(folder / packages[None].path) as session:
+            yield session
+        return
+    with coreai_chain(parts, [folder / packages[p.name].path for p in parts],
+                      manifest.taps.layers if manifest.taps else ()) as chain:
+        yield chain
+
+
+@contextmanager
+def coreai_chain(parts: list[Part], paths: list[Path], taps) -> Iterator[Chain]:
+    """A ``Chain`` over a Core AI session of each part's ``.aimodel`` (``paths``, in the parts' order)."""
+    from convert import backends
+
     coreai = backends.load("coreai")
     with ExitStack() as stack:
-        parts = manifest_parts(manifest)
-        if not parts:
-            yield stack.enter_context(coreai.open_session(folder / packages[None].path))
-            return
-        sessions = [stack.enter_context(coreai.open_session(folder / packages[p.name].path)) for p in parts]
-        taps = manifest.taps.layers if manifest.taps else ()
+        sessions = [stack.enter_context(coreai.open_session(path)) for path in paths]
         yield Chain([(p, s.specs(), s) for p, s in zip(parts, sessions, strict=True)], taps)
