@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import tempfile
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
@@ -19,10 +21,12 @@ from convert import backends, contract, gates
 from convert.backends.base import FunctionSpec, function_lines, size_lines
 from convert.bundle import MANIFEST, staging
 from convert.cache import BuildCache
+from convert.checks import short_schedule
 from convert.compress import apply_quantized
 from convert.drafter import DrafterPlan, plan_drafter
 from convert.errors import GateError, InputError
 from convert.gates import GateReport
+from convert.host import TargetDriver
 from convert.models import Layout, family_for, family_of
 from convert.packaging import package_formats
 from convert.parts import (
@@ -31,7 +35,7 @@ from convert.parts import (
     coreai_target,
     manifest_parts,
     module_chain,
-    part_modules,
+    part_calls,
     plan_parts,
     recorded_calls,
 )
@@ -141,32 +145,51 @@ def gate(plan: Plan, modules: TargetModules, report_path: Path | None) -> GateRe
     """The numeric gate of the modules against the transformers reference; prints its table; fails closed
     (``GateError``) after writing the report to ``report_path`` when given."""
     report = gates.gate_target(plan, modules)
+    _print_gate(report, report_path)
+    return report
+
+
+def _print_gate(report: GateReport, report_path: Path | None) -> None:
+    """Print the gate's table; fail closed (``GateError``) after writing the report to ``report_path`` if given."""
     console.print(report.table())
     if report_path is not None and not report.passed:
         report.write_json(report_path)
     report.raise_if_failed()
-    return report
 
 
 def gate_bundle(recipe_path: Path, bundle: Path | None, report_path: Path) -> GateReport:
     """``spec-convert gate``: the statistical gate on modules rebuilt from the recipe, and with a bundle the
-    artifact gate on its .aimodel, after checking the rebuilt weights are the bundle's (lm_head, embeddings)."""
+    artifact gate on its .aimodel, after checking the rebuilt weights are the bundle's (lm_head, embeddings). A
+    parted target is gated layer by layer; its parts are chained on the runtime up to ``CHAINED_RUN_PARAMETERS``
+    (above, the build's per-part replays are its artifact check)."""
     from convert.inspect import read_manifest
 
     plan = make_plan(recipe_path)
-    modules, _ = shipped_modules(plan)
-    report = gates.gate_target(plan, modules)
-    if bundle is not None:
-        manifest = read_manifest(bundle)
-        weights_match(manifest, modules, bundle, recipe_path)
-        names = [p.path for p in manifest.packages if p.format == "coreai"]
-        if names and manifest.parts:
+    manifest = read_manifest(bundle) if bundle is not None else None
+    names = [p.path for p in manifest.packages if p.format == "coreai"] if manifest else []
+    if manifest is not None and bool(manifest.parts) != (len(plan.parts) > 1):
+        raise InputError(f"{bundle}: ships {len(manifest.parts or []) or 'one package per format, not'} parts, and "
+                         f"{recipe_path} plans {len(plan.parts)}; use the recipe the bundle was built from")
+    with ExitStack() as stack:
+        if len(plan.parts) > 1:
+            loader = parts_loader(plan, BuildCache(), stack)
+            report = gates.gate_streamed(plan, loader)
+            modules = loader.load([tables_part(plan.args)])[0]
+        else:
+            modules, _ = shipped_modules(plan)
+            report = gates.gate_target(plan, modules)
+        if manifest is not None:
+            weights_match(manifest, modules, bundle, recipe_path)
+        if names and manifest.parts and plan.parameter_count <= CHAINED_RUN_PARAMETERS:
             parts = manifest_parts(manifest)
-            reference = module_chain(parts, part_modules(modules, plan.recipe.target, parts), plan.recipe.target.taps)
+            reference = module_chain(parts, loader.load(parts), plan.recipe.target.taps)
             with stage(f"artifact gate: {len(names)} parts chained on the Core AI runtime"), \
                     coreai_target(bundle, manifest) as runtime:
-                report.artifact = gates.lockstep_result(runtime, reference, modules, ", ".join(names),
+                report.artifact = gates.lockstep_result(runtime, reference, loader.outline, ", ".join(names),
                                                         gates.PARTS_CHAINED)
+        elif names and manifest.parts:
+            console.print(f"  artifact gate not rerun: above {CHAINED_RUN_PARAMETERS:,} parameters the build replays "
+                          "each part on the runtime (the bundle's gate_report.json)")
         elif names:
             with stage(f"artifact gate: {names[0]} on the Core AI runtime"):
                 report.artifact = gates.artifact_gate(bundle / names[0], modules)
@@ -174,6 +197,24 @@ def gate_bundle(recipe_path: Path, bundle: Path | None, report_path: Path) -> Ga
     report.write_json(report_path)
     report.raise_if_failed()
     return report
+
+
+def parts_loader(plan: Plan, cache: BuildCache, stack: ExitStack, file_hashes: dict[str, str] | None = None):
+    """A ``convert.shipped.PartLoader`` of the plan's target: quantized (when the recipe says so) into ``cache``, or
+    into a scratch cache beside the output (removed when ``stack`` closes) when it is disabled (``--no-cache``)."""
+    from convert.shipped import PartLoader
+
+    quant = plan.recipe.target.quantization
+    if not quant.format:
+        return PartLoader(plan, None)
+    if not cache.enabled:
+        plan.output.resolve().parent.mkdir(parents=True, exist_ok=True)
+        cache = BuildCache(Path(stack.enter_context(tempfile.TemporaryDirectory(
+            prefix=".quantize-", dir=plan.output.resolve().parent))))
+    result = quantize_checkpoint(plan.snapshot.directory, plan.args, plan.recipe.target, plan.layout, quant,
+                                 plan.recipe_path.resolve().parent, cache=cache, in_memory=False,
+                                 file_hashes=file_hashes)
+    return PartLoader(plan, result)
 
 
 def weights_match(manifest: Manifest, modules: TargetModules, bundle: Path, recipe_path: Path) -> None:
@@ -208,44 +249,94 @@ def build(plan: Plan, cache: BuildCache | None = None) -> Manifest:
 
 
 def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache) -> tuple[Manifest, TargetModules]:
-    recipe, snap = plan.recipe, plan.snapshot
+    """One package per format from the whole modules in memory; a parted target part by part (``_build_parts``)."""
     with stage("hash source files"):
-        source_files = file_records(snap.directory)
+        source_files = file_records(plan.snapshot.directory)
+    if len(plan.parts) > 1:
+        return _build_parts(plan, out, failed_report, cache, source_files)
     modules, quantization = shipped_modules(plan, cache, {r.path: r.sha256 for r in source_files})
     report = gate(plan, modules, failed_report)
-    packages, parts = _package_target(plan, modules, out, cache, report)
+    packages = []
+    for done in package_formats(plan.recipe.backends, modules, out, plan.recipe.name, cache=cache):
+        if done.format == "coreai":
+            report.artifact = gates.artifact_from_check(done.path.name, done.check, done.check_seconds)
+        packages.append(package_entry(done.format, done.path, out, done.check, done.compiled))
+    return _finish_target(plan, out, source_files, modules, packages, None, quantization, report), modules
+
+
+def _finish_target(plan: Plan, out: Path, source_files, modules: TargetModules, packages, parts, quantization,
+                   report: GateReport) -> Manifest:
+    """The gate report, the extras, the drafter interface and the manifest (``modules``: at least the whole
+    embedding and lm_head, as shipped)."""
     report.write_json(out / gates.REPORT_FILE)
-    extra_files = copy_extras(snap.directory, out)
-    feeds_drafter = plan.drafter is not None or bool(recipe.target.taps) or recipe.target.hidden
+    extra_files = copy_extras(plan.snapshot.directory, out)
+    target = plan.recipe.target
+    feeds_drafter = plan.drafter is not None or bool(target.taps) or target.hidden
     interface = _write_drafter_interface(plan, modules, out) if feeds_drafter else None
     manifest = _manifest(plan, source_files, modules, packages, parts, extra_files, quantization, report, interface)
     (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
-    return manifest, modules
+    return manifest
 
 
-def _package_target(plan: Plan, modules: TargetModules, out: Path, cache: BuildCache,
-                    report: GateReport) -> tuple[list[dict], list[dict] | None]:
-    """Package, check and compile the target: one package per format, or each part's (``convert/parts.py``) with
-    its check replaying the calls the chained torch parts made, and no package over ``target.max_part_mb``. The
-    Core AI check is the artifact gate: the .aimodel computes what was gated (a parted one: the parts chained on the
-    runtime in lockstep with the torch parts, or, above ``CHAINED_RUN_PARAMETERS``, each part replayed on its own).
-    Returns the package entries and the manifest's parts (None for one part)."""
-    recipe, target = plan.recipe, plan.recipe.target
-    if len(plan.parts) == 1:
-        packages = []
-        for done in package_formats(recipe.backends, modules, out, recipe.name, cache=cache):
-            if done.format == "coreai":
-                report.artifact = gates.artifact_from_check(done.path.name, done.check, done.check_seconds)
-            packages.append(package_entry(done.format, done.path, out, done.check, done.compiled))
-        return packages, None
-    pieces = part_modules(modules, target, plan.parts)
+def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
+                 source_files) -> tuple[Manifest, TargetModules | None]:
+    """A parted target, which may be larger than host memory, with at most a part (or one decoder layer) of it
+    loaded at a time: quantized into the cache (a scratch one beside the output under ``--no-cache``), gated
+    layer by layer (``gates.gate_streamed``), packaged part by part (``convert.shipped.PartLoader``). Returns the
+    manifest, and the whole modules when a drafter needs them."""
+    with ExitStack() as stack:
+        loader = parts_loader(plan, cache, stack, {r.path: r.sha256 for r in source_files})
+        report = gates.gate_streamed(plan, loader)
+        _print_gate(report, failed_report)
+        packages, parts = _package_parts(plan, loader, out, cache, report)
+        with stage("load the embedding and the lm_head (identity hashes, drafter interface)"):
+            tables = loader.load([tables_part(plan.args)])[0]
+        result = loader.result
+        quantization = _quantization_record(plan.recipe.target.quantization, result, tables) if result else None
+        manifest = _finish_target(plan, out, source_files, tables, packages, parts, quantization, report)
+        del tables
+        whole = None
+        if plan.drafter:
+            with stage("load the whole target for the drafter"):
+                whole = loader.load([Part.whole(plan.args)])[0]
+    return manifest, whole
+
+
+def tables_part(args) -> Part:
+    """The embedding and the head without the layers: what the identity hashes and the drafter interface read."""
+    return Part("tables", args.vocab_size, embedding=(0, args.vocab_size), head=(0, args.vocab_size))
+
+
+def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache,
+                   report: GateReport) -> tuple[list[dict], list[dict]]:
+    """Package, check and compile each part (``convert/parts.py``), no package over ``target.max_part_mb``, each
+    part's check replaying the calls it made in the chained torch parts. The Core AI checks are the artifact gate:
+    the parts chained on the runtime in lockstep with the torch parts, or, above ``CHAINED_RUN_PARAMETERS``, each part
+    replayed on its own (``checks.short_schedule``, recorded and packaged one part in memory at a time). Returns the
+    package entries and the manifest's parts."""
+    recipe, target, parts = plan.recipe, plan.recipe.target, plan.parts
     short = plan.parameter_count > CHAINED_RUN_PARAMETERS
-    with stage(f"record the calls each part's check replays ({len(plan.parts)} parts chained in torch)"):
-        calls = recorded_calls(plan.parts, pieces, target.taps, modules.contract, plan.args.vocab_size, short)
+    outline = loader.outline
+    pieces = calls = schedule = None
+    if short:
+        driver = TargetDriver(None, outline.widths, outline.contract)
+        schedule = [(f, driver.inputs(f, tokens, p0)) for f, tokens, p0 in short_schedule(outline.widths,
+                                                                                           plan.args.vocab_size)]
+        rows = [None] * len(schedule)
+    else:
+        with stage(f"record the calls each part's check replays ({len(parts)} parts chained in torch)"):
+            pieces = loader.load(parts)
+            calls = recorded_calls(parts, pieces, target.taps, outline.contract, plan.args.vocab_size, short)
     packages, records, checked = [], [], []
-    for part, piece, part_calls in zip(plan.parts, pieces, calls, strict=True):
+    for i, part in enumerate(parts):
+        if short:
+            with stage(f"load part {part.name} ({i + 1} of {len(parts)})"):
+                piece = loader.load([part])[0]
+                part_calls_, rows = part_calls(piece, schedule, rows)
+        else:
+            piece, part_calls_ = pieces[i], calls[i]
         entries = []
-        for done in package_formats(recipe.backends, piece, out, f"{recipe.name}.{part.name}", part_calls, cache,
+        for done in package_formats(recipe.backends, piece, out, f"{recipe.name}.{part.name}", part_calls_, cache,
                                     every_function=True):
             entries.append(package_entry(done.format, done.path, out, done.check, done.compiled, part.name))
             _check_part_size(entries[-1], target.max_part_mb)
@@ -255,12 +346,13 @@ def _package_target(plan: Plan, modules: TargetModules, out: Path, cache: BuildC
         records.append({**part.record(target.taps), "functions": [_function_record(spec) for _, spec in
                                                                     piece.functions.values()],
                         "packages": [e["path"] for e in entries]})
+        del piece, part_calls_
     if checked:
         what = f"{len(checked)} parts chained on the Core AI runtime" if not short else \
             f"{len(checked)} parts, each replayed on its own (the chained run is above {CHAINED_RUN_PARAMETERS:,} " \
             "parameters)"
         with stage(f"artifact gate: {what}"):
-            report.artifact = gates.artifact_of_parts(checked, plan.parts, pieces, target.taps, modules, not short)
+            report.artifact = gates.artifact_of_parts(checked, parts, pieces, target.taps, outline, not short)
     return packages, records
 
 
@@ -348,7 +440,8 @@ def toolchain_versions() -> dict[str, str]:
 
 
 def _quantization_record(quant, result: QuantizeResult, modules: TargetModules) -> dict:
-    bits_per_weight, layers = summary(result.weights, modules.core.parameters())
+    bits_per_weight, layers = summary(result.items(), modules.core.parameters())
+    names = result.names()
     calibration = None
     if result.calibration is not None:
         calibration = {"corpus": result.corpus, **result.calibration.identity()}
@@ -358,7 +451,7 @@ def _quantization_record(quant, result: QuantizeResult, modules: TargetModules) 
         "bits_per_weight": bits_per_weight,
         "kept_fp16": sorted(
             n for n, m in modules.core.named_modules()
-            if getattr(m, "weight", None) is not None and m.weight.dim() == 2 and n not in result.weights
+            if getattr(m, "weight", None) is not None and m.weight.dim() == 2 and n not in names
         ),
         "calibration": calibration,
         "layers": layers,

@@ -180,13 +180,11 @@ def check_calls(call, widths: dict[str, int], contract: dict, vocab: int, prompt
 
     A prefill, ``DECODE_STEPS`` decodes, then a rollback: on a positional contract a verify two tokens back; on a
     commit-next-call one a verify of a draft that is wrong past its first half, a partial accept of that half and the
-    next verify and decode from the kept rows (the commit path on the device's arithmetic). ``short``: only a decode,
-    a kept decode and a verify from an empty session (10 rows at verify 8, for parts too big for the longer run).
+    next verify and decode from the kept rows (the commit path on the device's arithmetic). ``short``: the calls of
+    ``short_schedule``, for parts too big for the longer run.
     """
     if short:
-        first = call("decode", probe_tokens(vocab, 1), 0)
-        second = call("decode", first, 1)
-        return first + second + call("verify", second + probe_tokens(vocab, widths["verify"] - 1), 2)
+        return [i for function, tokens, p0 in short_schedule(widths, vocab) for i in call(function, tokens, p0)]
     prompt = prompt or probe_tokens(vocab, widths["prefill"] // 2 + 3)
     generated = [call("prefill", prompt, 0)[-1]]
     p = len(prompt)
@@ -205,6 +203,14 @@ def check_calls(call, widths: dict[str, int], contract: dict, vocab: int, prompt
         ids = call("verify", [ids[kept - 1]] + prompt[k : 2 * k - 1], p + kept)
         call("decode", [ids[0]], p + kept + 1)
     return generated
+
+
+def short_schedule(widths: dict[str, int], vocab: int) -> list[tuple[str, list[int], int]]:
+    """A decode, a kept decode and a verify from an empty session (10 rows at verify 8) on seeded tokens, as
+    (function, tokens, first position): no call depends on an output, so a target larger than memory records it one
+    part at a time."""
+    tokens = probe_tokens(vocab, 2 + widths["verify"])
+    return [("decode", tokens[:1], 0), ("decode", tokens[1:2], 1), ("verify", tokens[2:], 2)]
 
 
 def _compare_states(got: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> float:

@@ -68,11 +68,12 @@ class ExportModules:
             state.zero_()
 
 
-def compute_copy(modules, dtype: torch.dtype):
+def compute_copy(modules, dtype: torch.dtype, in_place: bool = False):
     """A copy of target or drafter modules (a ``core`` and ``functions`` of (FunctionModule, spec)) computing in
     ``dtype``: the weights as shipped, upcast exactly, fresh shared states, float specs retyped (so inputs are cast
-    to ``dtype`` too). The gates and the acceptance runs compute in fp32 this way: fp16 torch on CPU is 3-7x slower."""
-    new = copy.deepcopy(modules)
+    to ``dtype`` too). The gates and the acceptance runs compute in fp32 this way: fp16 torch on CPU is 3-7x slower.
+    ``in_place``: ``modules`` themselves become that copy (a streamed stage's piece: no second copy in memory)."""
+    new = modules if in_place else copy.deepcopy(modules)
     new.core.to(dtype)
     name = {torch.float32: "float32", torch.float16: "float16"}[dtype]
     specs = {}

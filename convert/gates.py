@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 from rich.table import Table
@@ -62,6 +63,7 @@ from convert.export import compute_copy
 from convert.host import COMMIT, ModuleFunctions, module_driver
 from convert.models import family_of
 from convert.progress import bar as progress_bar
+from convert.progress import steps
 from convert.target import TargetModules
 from quant.calibrate import fixture_corpus_text, sample_calibration
 
@@ -296,7 +298,8 @@ def run_gates(
     start = time.perf_counter()
     taps = list(modules.core.taps) if taps is None else list(taps)
     probe_accepts = default_probe(modules) if probe_accepts is None else tuple(probe_accepts)
-    _check_inputs(reference, modules, data, taps, greedy_tokens, probe_accepts)
+    _check_reference(reference, modules)
+    _check_inputs(modules, data, taps, greedy_tokens, probe_accepts)
     candidate = compute_copy(modules, compute_dtype)
     generator = torch.Generator().manual_seed(data.identity.seed)
     stats = _Stats(taps)
@@ -308,17 +311,123 @@ def run_gates(
             stats.add(index, ref, cand, thresholds.near_tie_margin)
             bar.advance(task)
     weights = str(next(modules.core.parameters()).dtype).removeprefix("torch.")
-    return GateReport(
-        thresholds=thresholds,
-        data=data.identity,
-        candidate=f"export modules, weights as shipped ({weights}), computed in "
-        f"{str(compute_dtype).removeprefix('torch.')}",
-        greedy_tokens=greedy_tokens,
-        metrics=stats.metrics(thresholds),
-        flips=stats.flips,
-        not_run=not_run_here(),
-        seconds=time.perf_counter() - start,
-    )
+    return _report(stats, thresholds, data, f"export modules, weights as shipped ({weights}), computed in "
+                   f"{str(compute_dtype).removeprefix('torch.')}", greedy_tokens, start)
+
+
+def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThresholds,
+                       taps: list[int] | None = None, greedy_tokens: int = 16,
+                       probe_accepts: tuple[int, ...] | None = None) -> GateReport:
+    """``run_gates`` for a target larger than memory: the transformers reference (``convert.reference``) and the
+    candidate (``loader``: a ``convert.shipped.PartLoader``) each hold one decoder layer at a time, running every
+    window's calls through it before the next is loaded; the greedy continuation takes one more pass per token.
+    The same schedule, arithmetic and metrics as ``run_gates``."""
+    from convert.reference import streamed_reference
+
+    start = time.perf_counter()
+    outline = loader.outline
+    taps = list(outline.core.taps) if taps is None else list(taps)
+    probe_accepts = default_probe(outline) if probe_accepts is None else tuple(probe_accepts)
+    _check_inputs(outline, data, taps, greedy_tokens, probe_accepts)
+    windows = data.tokens.tolist()
+    references = streamed_reference(source, windows, taps, greedy_tokens)
+    candidates = streamed_candidate(loader, windows, taps, greedy_tokens, probe_accepts,
+                                    torch.Generator().manual_seed(data.identity.seed))
+    stats = _Stats(taps)
+    for index, (ref, cand) in enumerate(zip(references, candidates, strict=True)):
+        stats.add(index, ref, cand, thresholds.near_tie_margin)
+    return _report(stats, thresholds, data, "export modules, weights as shipped (float16), computed in float32, "
+                   "one layer at a time", greedy_tokens, start)
+
+
+def _report(stats: _Stats, thresholds: GateThresholds, data: EvalData, candidate: str, greedy_tokens: int,
+            start: float) -> GateReport:
+    return GateReport(thresholds=thresholds, data=data.identity, candidate=candidate, greedy_tokens=greedy_tokens,
+                      metrics=stats.metrics(thresholds), flips=stats.flips, not_run=not_run_here(),
+                      seconds=time.perf_counter() - start)
+
+
+def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy_tokens: int,
+                       probe_accepts: tuple[int, ...], generator: torch.Generator,
+                       compute_dtype: torch.dtype = torch.float32) -> list[_Window]:
+    """``_candidate_window`` of every window, one piece of the target in memory at a time (``loader.units()``: the
+    embedding, each decoder layer, the head, each a part with the part functions of ``convert/parts.py``). Steps 1-3
+    depend on no output: each piece runs every window's calls, from a fresh state, on the rows the previous piece
+    returned, and keeps its state per window; each greedy token is one more pass, restoring and keeping those
+    states."""
+    from convert.host import TargetDriver
+    from convert.parts import HIDDEN_OUT, link_inputs
+
+    outline = loader.outline
+    widths, args = outline.widths, outline.core.args
+    returned, hidden = list(outline.core.taps), args.hidden_size
+    schedules = [_schedule(w, widths, args.vocab_size, probe_accepts, generator) for w in windows]
+    drivers = [TargetDriver(None, widths, outline.contract) for _ in windows]
+    inputs = [[d.inputs(c.function, c.tokens, c.p0) for c in calls] for d, calls in zip(drivers, schedules,
+                                                                                        strict=True)]
+    units = loader.units()
+    saved: list[list[dict]] = [[{} for _ in units] for _ in windows]
+    results: list[_Window | None] = [None] * len(windows)
+
+    def run(piece, function: str, given: dict, rows) -> dict[str, np.ndarray]:
+        return ModuleFunctions(piece).call(function, link_inputs(piece.functions[function][1], given, rows))
+
+    def keep(piece, w: int, u: int) -> None:
+        saved[w][u] = {k: v.clone() for k, v in piece.states().items()}
+
+    def load(unit):
+        return loader.load([unit], compute_dtype)[0]
+
+    passes = greedy_tokens
+    with steps(f"numeric gate: the candidate, one piece at a time ({len(units)} pieces x {passes} passes)",
+               len(units) * passes, "loads") as advance:
+        rows = [[None] * len(calls) for calls in schedules]
+        tapped = [[{} for _ in calls] for calls in schedules]
+        for u, unit in enumerate(units):
+            piece = load(unit)
+            own = unit.own_taps(returned)
+            for w, calls in enumerate(schedules):
+                piece.reset()
+                outs = []
+                for c, call in enumerate(calls):
+                    got = run(piece, call.function, inputs[w][c], rows[w][c])
+                    rows[w][c] = got.get(HIDDEN_OUT, rows[w][c])
+                    if own:
+                        tapped[w][c].update(zip(own, np.split(got["taps"], len(own), axis=-1), strict=True))
+                    if unit.head is not None:
+                        outs.append(_rows_of(call, got, tapped[w][c], returned))
+                keep(piece, w, u)
+                if unit.head is not None:
+                    results[w] = _window_of(calls, outs, len(windows[w]), taps, returned, hidden)
+            del piece
+            advance()
+        for w in range(len(windows)):
+            results[w].greedy = [int(results[w].logits[-1].argmax())]
+        for step in range(1, greedy_tokens):
+            given = [drivers[w].inputs("decode", [results[w].greedy[-1]], len(windows[w]) + step - 1)
+                     for w in range(len(windows))]
+            rows = [None] * len(windows)
+            for u, unit in enumerate(units):
+                piece = load(unit)
+                for w in range(len(windows)):
+                    for name, value in piece.states().items():
+                        value.copy_(saved[w][u][name])
+                    got = run(piece, "decode", given[w], rows[w])
+                    keep(piece, w, u)
+                    rows[w] = got.get(HIDDEN_OUT, rows[w])
+                    if unit.head is not None:
+                        results[w].greedy.append(int(got["argmax_ids"][0, 0]))
+                del piece
+                advance()
+    return results
+
+
+def _rows_of(call: _Call, got: dict[str, np.ndarray], tapped: dict[int, np.ndarray], returned: list[int]) -> dict:
+    """A call's outputs as ``TargetDriver.run`` gives the whole target's: its real rows, the taps in order."""
+    out = dict(got)
+    if tapped:
+        out["taps"] = np.concatenate([tapped[t] for t in returned], axis=-1)
+    return {k: np.asarray(v)[0, : len(call.tokens)] for k, v in out.items()}
 
 
 def default_probe(modules: TargetModules) -> tuple[int, ...]:
@@ -391,6 +500,20 @@ def artifact_from_check(package: str, check: dict, seconds: float) -> ArtifactRe
 def gate_target(plan, modules: TargetModules) -> GateReport:
     """The recipe's gate (``target.gate``) on a build plan's shipped modules: the reference is the transformers
     model in fp32 from the same pinned snapshot, the data the recipe's evaluation text through its tokenizer."""
+    thresholds, data = _recipe_gate(plan)
+    reference = load_reference(plan.snapshot.directory)
+    return run_gates(reference, modules, data, thresholds, greedy_tokens=plan.recipe.target.gate.greedy_tokens)
+
+
+def gate_streamed(plan, loader) -> GateReport:
+    """``gate_target`` one layer at a time (``run_streamed_gates``; ``loader``: a ``convert.shipped.PartLoader``)."""
+    thresholds, data = _recipe_gate(plan)
+    return run_streamed_gates(plan.snapshot.directory, loader, data, thresholds,
+                              greedy_tokens=plan.recipe.target.gate.greedy_tokens)
+
+
+def _recipe_gate(plan) -> tuple[GateThresholds, EvalData]:
+    """The recipe's thresholds (defaults of its method, overridden by ``target.gate.thresholds``) and data."""
     from transformers import PreTrainedTokenizerFast
 
     from convert.quantize import calibration_text
@@ -410,8 +533,7 @@ def gate_target(plan, modules: TargetModules) -> GateReport:
         data = EvalData.from_text(text, tokenizer, spec.samples, spec.length, spec.seed, corpus=spec.corpus)
     except ValueError as exc:
         raise InputError(f"{plan.recipe_path}: target.gate.data: {exc}") from None
-    reference = load_reference(source)
-    return run_gates(reference, modules, data, thresholds, greedy_tokens=settings.greedy_tokens)
+    return thresholds, data
 
 
 def load_reference(source: Path):
@@ -440,15 +562,17 @@ def not_run_here() -> list[NotRun]:
     ]
 
 
-def _check_inputs(reference, modules: TargetModules, data: EvalData, taps, greedy_tokens: int,
-                  probe_accepts: tuple[int, ...]):
-    """Refuse, naming the quantity, what the schedule cannot run."""
+def _check_reference(reference, modules: TargetModules) -> None:
     dtype = next(reference.parameters()).dtype
     if dtype != torch.float32:
         raise InputError(f"the gate's reference must be the transformers model in float32, got {dtype}")
     vocab = reference.config.get_text_config().vocab_size
     if vocab != modules.core.args.vocab_size:
         raise InputError(f"reference vocab {vocab} != modules vocab {modules.core.args.vocab_size}: not the same model")
+
+
+def _check_inputs(modules: TargetModules, data: EvalData, taps, greedy_tokens: int, probe_accepts: tuple[int, ...]):
+    """Refuse, naming the quantity, what the schedule cannot run."""
     missing = [t for t in taps if t not in modules.core.taps]
     if missing:
         raise InputError(f"tap layer {missing[0]} is not returned by the modules (taps {list(modules.core.taps)})")
@@ -505,46 +629,77 @@ def _cache_keyword(reference) -> str:
     return "cache" if "cache" in inspect.signature(reference.forward).parameters else "past_key_values"
 
 
-def _candidate_window(modules: TargetModules, window: list[int], taps: list[int], greedy_tokens: int,
-                      probe_accepts: tuple[int, ...], generator: torch.Generator) -> _Window:
-    """One window through the functions as a runtime calls them (module docstring, steps 1-4)."""
-    widths, length, vocab = modules.widths, len(window), modules.core.args.vocab_size
-    hidden, returned = modules.core.args.hidden_size, list(modules.core.taps)
-    logits = torch.empty(length, vocab)
-    features = {t: torch.empty(length, hidden) for t in taps}
-    driver = module_driver(modules)
+@dataclass(frozen=True)
+class _Call:
+    """One call of a window's schedule (module docstring, steps 1-3): ``keep`` rows from ``p0`` go into the window's
+    logits and taps; ``probe``: (block index, rows kept) of a probe's verify (``block``) or one of its decodes."""
 
-    def call(function: str, tokens: list[int], p0: int, keep: int) -> torch.Tensor:
-        """Run ``function`` on ``tokens`` at ``p0``; keep rows ``p0 .. p0+keep-1``; return their logits."""
-        out = driver.run(function, tokens, p0)
-        logits[p0 : p0 + keep] = torch.from_numpy(out["logits"][:keep])
-        for t in taps:
-            i = returned.index(t)
-            features[t][p0 : p0 + keep] = torch.from_numpy(out["taps"][:keep, i * hidden : (i + 1) * hidden])
-        return logits[p0 : p0 + keep].clone()
+    function: str
+    tokens: list[int]
+    p0: int
+    keep: int = 0
+    probe: tuple[int, int] | None = None
+    block: bool = False
 
-    driver.reset()
-    split = length // 2
-    for p0 in range(0, split, widths["prefill"]):
-        keep = min(widths["prefill"], split - p0)
-        call("prefill", window[p0 : p0 + keep], p0, keep)
-    k, p, probe = widths["verify"], split, []
-    for kept in probe_accepts:
-        block = call("verify", window[p : p + k], p, k)
-        chain = torch.stack([torch.from_numpy(driver.run("decode", [window[q]], q)["logits"][0])
-                             for q in range(p + kept, p + k)])
-        probe.append((p + kept, block[kept:], chain))
+
+def _schedule(window: list[int], widths: dict[str, int], vocab: int, probe_accepts: tuple[int, ...],
+              generator: torch.Generator) -> list[_Call]:
+    """The calls of steps 1-3 for one window: they depend on the window and the seeded drafts, not on any output, so
+    a streamed gate runs them one layer at a time."""
+    length, split, k = len(window), len(window) // 2, widths["verify"]
+    calls = [_Call("prefill", window[p0 : p0 + min(widths["prefill"], split - p0)], p0,
+                   min(widths["prefill"], split - p0)) for p0 in range(0, split, widths["prefill"])]
+    p = split
+    for index, kept in enumerate(probe_accepts):
+        calls.append(_Call("verify", window[p : p + k], p, k, (index, kept), block=True))
+        calls += [_Call("decode", [window[q]], q, probe=(index, kept)) for q in range(p + kept, p + k)]
         p += k
     while p < length:
         rejected = int(torch.randint(0, k // 2 + 1, (), generator=generator))
         accepted = min(k - rejected, length - p)
         wrong = [(t + 1) % vocab for t in window[p + accepted : p + k]]
-        call("verify", window[p : p + accepted] + wrong, p, accepted)
+        calls.append(_Call("verify", window[p : p + accepted] + wrong, p, accepted))
         p += accepted
-    greedy = [int(logits[-1].argmax())]
-    for q in range(length, length + greedy_tokens - 1):
-        greedy.append(int(driver.run("decode", [greedy[-1]], q)["argmax_ids"][0]))
-    return _Window(logits, features, greedy, probe)
+    return calls
+
+
+def _window_of(calls: list[_Call], outs: list[dict[str, np.ndarray]], length: int, taps: list[int],
+               returned: list[int], hidden: int) -> _Window:
+    """The window's candidate logits and taps (and probe logits) from its calls' outputs (``TargetDriver.run``'s:
+    real rows only); the greedy ids are added after."""
+    vocab = outs[0]["logits"].shape[-1]
+    logits = torch.empty(length, vocab)
+    features = {t: torch.empty(length, hidden) for t in taps}
+    blocks, chains = {}, {}
+    for call, out in zip(calls, outs, strict=True):
+        if call.keep:
+            logits[call.p0 : call.p0 + call.keep] = torch.from_numpy(out["logits"][: call.keep])
+            for t in taps:
+                i = returned.index(t)
+                features[t][call.p0 : call.p0 + call.keep] = torch.from_numpy(
+                    out["taps"][: call.keep, i * hidden : (i + 1) * hidden])
+        if call.probe is not None:
+            index, kept = call.probe
+            if call.block:
+                blocks[index] = (call.p0 + kept, torch.from_numpy(out["logits"][kept:]).clone())
+            else:
+                chains.setdefault(index, []).append(torch.from_numpy(out["logits"][0]))
+    probe = [(blocks[i][0], blocks[i][1], torch.stack(chains[i])) for i in sorted(blocks)]
+    return _Window(logits, features, [], probe)
+
+
+def _candidate_window(modules: TargetModules, window: list[int], taps: list[int], greedy_tokens: int,
+                      probe_accepts: tuple[int, ...], generator: torch.Generator) -> _Window:
+    """One window through the functions as a runtime calls them (module docstring, steps 1-4)."""
+    calls = _schedule(window, modules.widths, modules.core.args.vocab_size, probe_accepts, generator)
+    driver = module_driver(modules)
+    driver.reset()
+    outs = [driver.run(c.function, c.tokens, c.p0) for c in calls]
+    result = _window_of(calls, outs, len(window), taps, list(modules.core.taps), modules.core.args.hidden_size)
+    result.greedy = [int(result.logits[-1].argmax())]
+    for q in range(len(window), len(window) + greedy_tokens - 1):
+        result.greedy.append(int(driver.run("decode", [result.greedy[-1]], q)["argmax_ids"][0]))
+    return result
 
 
 class _Stats:

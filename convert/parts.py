@@ -284,6 +284,21 @@ def _vocab_split(name: str, vocab: int, row_bytes: float, fixed: int, limit: int
     return [(f"{name}-{k + 1}of{len(ranges)}", r) for k, r in enumerate(ranges)]
 
 
+def part_parameters(args, target, parts: list[Part]) -> list[int]:
+    """The weights each of ``parts`` computes with (from a parameterless core: nothing is read)."""
+    from convert.models import family_of
+    from convert.stream import parameters_on_meta
+
+    with parameters_on_meta():
+        core = family_of(args).build_core(args, target)
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in core.layers]
+
+    def rows(span) -> int:
+        return (span[1] - span[0]) * args.hidden_size if span else 0
+
+    return [sum(layers[i] for i in part.layer_indices) + rows(part.embedding) + rows(part.head) for part in parts]
+
+
 def part_bytes(part: Part, sizes: Sizes) -> int:
     """The planned bytes of ``part``."""
     total = sum(sizes.layers[i] for i in part.layer_indices) + (sizes.layer_constants if part.layer_indices else 0)
@@ -410,9 +425,7 @@ class Chain:
         rows, tapped, out = None, {}, {}
         best = logits = None
         for part, specs, functions in self.links:
-            spec = specs[function]
-            given = {**inputs, "hidden_states": rows}
-            got = functions.call(function, {t.name: np.asarray(given[t.name], dtype=t.dtype) for t in spec.inputs})
+            got = functions.call(function, link_inputs(specs[function], inputs, rows))
             own = part.own_taps(self.taps)
             if own:
                 for layer, value in zip(own, np.split(np.asarray(got["taps"]), len(own), axis=-1), strict=True):
@@ -437,6 +450,12 @@ class Chain:
         if logits:
             out["logits"] = np.concatenate(logits, axis=-1)
         return out
+
+
+def link_inputs(spec: FunctionSpec, inputs: dict[str, np.ndarray], rows: np.ndarray | None) -> dict[str, np.ndarray]:
+    """What one part's function takes of a whole target's call ``inputs`` and the previous part's ``rows``."""
+    given = {**inputs, "hidden_states": rows}
+    return {t.name: np.asarray(given[t.name], dtype=t.dtype) for t in spec.inputs}
 
 
 class Recorder:
@@ -481,6 +500,22 @@ def recorded_calls(parts: list[Part], pieces: list, taps, contract: dict, vocab:
     check_calls(lambda f, tokens, p0: [int(t) for t in driver.run(f, tokens, p0)["argmax_ids"]], widths, contract,
                 vocab, short=short)
     return [recorder.calls for _, _, recorder in chain.links]
+
+
+def part_calls(piece, schedule: list[tuple[str, dict]], rows: list) -> tuple[list, list]:
+    """One part's calls of a fixed ``schedule`` ((function, whole-target inputs): ``checks.short_schedule`` through
+    the host contract) on its torch modules from a fresh session, each given the previous part's ``rows`` for that
+    call: ``recorded_calls`` of that schedule, one part in memory at a time. Returns the recorded calls and the rows
+    for the next part."""
+    from convert.host import ModuleFunctions
+
+    recorder = Recorder(ModuleFunctions(piece))
+    recorder.reset()
+    returned = []
+    for (function, inputs), given in zip(schedule, rows, strict=True):
+        out = recorder.call(function, link_inputs(piece.functions[function][1], inputs, given))
+        returned.append(out.get(HIDDEN_OUT, given))  # a head part passes on the rows it was given, as ``Chain`` does
+    return recorder.calls, returned
 
 
 def manifest_parts(manifest) -> list[Part]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,10 +65,30 @@ CODE = ("convert.quantize", "convert.stream", "convert.compress", "quant.affine"
 
 @dataclass
 class QuantizeResult:
-    weights: dict[str, QuantizedWeight]  # by export-core module name
+    """The shipped weights by export-core module name: in ``weights``, or (``quantize_checkpoint(in_memory=False)``:
+    a target larger than memory) read back one unit at a time from the cache ``entries`` (``unit``, ``items``)."""
+
+    weights: dict[str, QuantizedWeight]
     calibration: CalibrationSet | None
     corpus: str | None
     units: dict[str, str] = field(default_factory=dict)  # unit -> "cached" | "computed"
+    entries: dict[str, build_cache.Entry] = field(default_factory=dict)  # unit -> its cache entry
+
+    def unit(self, prefix: str) -> dict[str, QuantizedWeight]:
+        """The weights of unit ``prefix`` (``layers.3``, ``lm_head``, ``embed_tokens``; none for another module)."""
+        if prefix in self.entries:
+            return read_entry(self.entries[prefix])
+        return {n: w for n, w in self.weights.items() if n == prefix or n.startswith(prefix + ".")}
+
+    def names(self) -> set[str]:
+        """Every quantized module's name (read from the entries' metadata when the weights are not held)."""
+        return set(self.weights) | {n for e in self.entries.values() for n in e.meta["weights"]}
+
+    def items(self) -> Iterator[tuple[str, QuantizedWeight]]:
+        """Every (name, weight), one unit in memory at a time."""
+        yield from self.weights.items()
+        for prefix in self.entries:
+            yield from self.unit(prefix).items()
 
 
 @dataclass(frozen=True)
@@ -162,15 +182,18 @@ def default_device() -> torch.device:
 
 def quantize_checkpoint(directory: Path, args, target, layout: Layout, quant: Quantization, recipe_dir: Path, *,
                         cache: build_cache.BuildCache | None = None, file_hashes: dict[str, str] | None = None,
-                        device: torch.device | str | None = None,
+                        device: torch.device | str | None = None, in_memory: bool = True,
                         observe: Callable[[str, float], None] | None = None) -> QuantizeResult:
     """Quantize the checkpoint at ``directory`` (stored under ``layout``) as ``target.quantization`` (``quant``) says,
     unit by unit; returns the shipped weights by export-core module name. ``file_hashes``: sha256 by weight-file name
     when the caller has them (the build hashes every source file anyway); ``observe(unit, seconds)`` is called after
     each unit (``bench/scale.py`` reads the peak memory there). The architecture's small weights
-    (``KEEP_FP16``: a Gated DeltaNet's in_proj_a / in_proj_b) stay fp16 always."""
+    (``KEEP_FP16``: a Gated DeltaNet's in_proj_a / in_proj_b) stay fp16 always. ``in_memory=False``: the result holds
+    the units' cache entries instead of their weights (a target larger than memory; needs an enabled cache)."""
     device = torch.device(device) if device is not None else default_device()
     cache = cache or build_cache.BuildCache(enabled=False)
+    if not in_memory and not cache.enabled:
+        raise ValueError("quantize_checkpoint(in_memory=False) reads the units back from the cache: give it one")
     core = skeleton(args, target, SHIP_DTYPE, WORK_DTYPE, device)
     reader = CheckpointReader(directory)
     streamer = Streamer(core, reader, layout, SHIP_DTYPE, WORK_DTYPE, device)
@@ -182,6 +205,7 @@ def quantize_checkpoint(directory: Path, args, target, layout: Layout, quant: Qu
     # GPTQ needs the calibration activations at every unit it computes: forward through the stored units before it
     last_missing = max((i for i, u in enumerate(units) if u.gptq and entries[u.prefix] is None), default=-1)
     weights: dict[str, QuantizedWeight] = {}
+    stored: dict[str, build_cache.Entry] = {}
     done: dict[str, str] = {}
     x = runner = None
     with steps(f"quantize {quant.method} (groups of {quant.resolved_group_size}) on {device.type}",
@@ -194,16 +218,21 @@ def quantize_checkpoint(directory: Path, args, target, layout: Layout, quant: Qu
             entry = entries[unit.prefix]
             forward = unit.gptq and unit.prefix.startswith("layers.") and i < last_missing
             if entry is not None:
-                result = read_entry(entry)
+                result = read_entry(entry) if in_memory or forward else {}
                 if forward:
                     x = _forward_stored(core, streamer, unit, result, x, runner)
+                done[unit.prefix] = "cached"
             else:
                 result = _compute(core, streamer, unit, quant, x, runner, forward, keep)
                 if forward:
                     x = result.pop("__outputs__")
-                cache.put(CACHE_STAGE, keys[unit.prefix], lambda d, r=result: write_entry(d, r))
-            weights.update(result)
-            done[unit.prefix] = "cached" if entry is not None else "computed"
+                entry = cache.put(CACHE_STAGE, keys[unit.prefix], lambda d, r=result: write_entry(d, r))
+                done[unit.prefix] = "computed"
+            if in_memory:
+                weights.update(result)
+            else:
+                stored[unit.prefix] = entry
+            del result
             if observe is not None:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -213,7 +242,7 @@ def quantize_checkpoint(directory: Path, args, target, layout: Layout, quant: Qu
         reused = sum(v == "cached" for v in done.values())
         console.print(f"  quantize cache {cache.root}: {reused} of {len(units)} units reused, "
                       f"{len(units) - reused} computed and stored")
-    return QuantizeResult(weights, calibration, quant.calibration.corpus if calibration else None, done)
+    return QuantizeResult(weights, calibration, quant.calibration.corpus if calibration else None, done, stored)
 
 
 def kept_modules(core: nn.Module, quant: Quantization) -> set[str]:
@@ -264,17 +293,22 @@ def round_to_nearest(method: str, weight: torch.Tensor, group: int) -> Quantized
 LAYER_STATS = ("weight_mse", "gptq_output_error", "rtn_output_error", "damping", "cholesky_retries")
 
 
-def summary(weights: dict[str, QuantizedWeight], parameters) -> tuple[float, list[dict]]:
+def summary(weights: dict[str, QuantizedWeight] | Iterable[tuple[str, QuantizedWeight]],
+            parameters) -> tuple[float, list[dict]]:
     """Bits per weight over ``parameters`` (those not in ``weights`` count 16) and the per-layer records the
-    manifests carry (method, group size, bits per weight and the quantizer's statistics)."""
+    manifests carry (method, group size, bits per weight and the quantizer's statistics). ``weights``: a dict, or
+    (name, weight) pairs read one at a time (``QuantizeResult.items``)."""
     params = {id(p): p for p in parameters}.values()
-    quantized = sum(qw.codes.numel() for qw in weights.values())
-    bits = sum(qw.bits_per_weight * qw.codes.numel() for qw in weights.values())
+    quantized = bits = 0
+    layers = []
+    for name, qw in weights.items() if isinstance(weights, dict) else weights:
+        quantized += qw.codes.numel()
+        bits += qw.bits_per_weight * qw.codes.numel()
+        layers.append({"name": name, "method": qw.method, "group_size": qw.group_size,
+                       "bits_per_weight": qw.bits_per_weight,
+                       **{k: qw.stats[k] for k in LAYER_STATS if qw.stats.get(k) is not None}})
     bits += 16 * (sum(p.numel() for p in params) - quantized)
-    layers = [{"name": name, "method": qw.method, "group_size": qw.group_size, "bits_per_weight": qw.bits_per_weight,
-               **{k: qw.stats[k] for k in LAYER_STATS if qw.stats.get(k) is not None}}
-              for name, qw in sorted(weights.items())]
-    return bits / sum(p.numel() for p in params), layers
+    return bits / sum(p.numel() for p in params), sorted(layers, key=lambda r: r["name"])
 
 
 def _unit_keys(units: list[Unit], core: nn.Module, reader: CheckpointReader, layout: Layout, quant: Quantization,

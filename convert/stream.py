@@ -78,10 +78,13 @@ class Streamer:
         """To the device first, then cast (the same values either way): the host holds only the stored bytes."""
         return stored.to(self.device).to(self.ship_dtype).to(self.work_dtype)
 
-    def fill(self, prefix: str) -> nn.Module:
-        """Give every parameter under module ``prefix`` (e.g. ``layers.3``, ``lm_head``) its checkpoint values."""
+    def fill(self, prefix: str, skip: frozenset[str] = frozenset()) -> nn.Module:
+        """Give every parameter under module ``prefix`` (e.g. ``layers.3``, ``lm_head``) its checkpoint values, but
+        those named in ``skip`` (core names: weights about to be replaced by quantized ones)."""
         module = self.core.get_submodule(prefix)
         for name, param in module.named_parameters():
+            if f"{prefix}.{name}" in skip:
+                continue
             owner, _, leaf = name.rpartition(".")
             target = module.get_submodule(owner) if owner else module
             value = self.tensor(f"{prefix}.{name}")  # a fresh tensor (cast from the stored one)

@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 Method = Literal["affine4", "lut4"]
+DEQUANTIZE_ELEMENTS = 1 << 24
 GROUP_TENSORS = ("scale", "zero_point", "lut")  # a QuantizedWeight's tensors beside its codes (None where unused)
 
 
@@ -67,11 +68,19 @@ class QuantizedWeight:
                                zero_point=self.zero_point[lo:hi])
 
     def dequantize(self) -> torch.Tensor:
-        """The fp16 weight the packages compute, bit for bit."""
-        codes = self.codes.long()
-        if self.method == "lut4":
-            rows = torch.arange(codes.shape[0], device=codes.device) // self.group_size
-            return self.lut[rows[:, None], codes]
-        scale = self.scale.repeat_interleave(self.group_size, dim=1)
-        zero = self.zero_point.repeat_interleave(self.group_size, dim=1).to(torch.float16)
-        return (codes.to(torch.float16) - zero) * scale
+        """The fp16 weight the packages compute, bit for bit; in row chunks of about ``DEQUANTIZE_ELEMENTS``, so the
+        temporaries stay small (a 248320-row table's int64 indices alone would be 10 GB)."""
+        rows, columns = self.shape
+        out = torch.empty(rows, columns, dtype=torch.float16, device=self.codes.device)
+        step = max(1, DEQUANTIZE_ELEMENTS // columns)
+        for lo in range(0, rows, step):
+            hi = min(lo + step, rows)
+            codes = self.codes[lo:hi]
+            if self.method == "lut4":
+                groups = torch.arange(lo, hi, device=codes.device) // self.group_size
+                out[lo:hi] = self.lut[groups[:, None], codes.long()]
+            else:
+                scale = self.scale[lo:hi].repeat_interleave(self.group_size, dim=1)
+                zero = self.zero_point[lo:hi].repeat_interleave(self.group_size, dim=1).to(torch.float16)
+                out[lo:hi] = (codes.to(torch.float16) - zero) * scale
+        return out

@@ -66,3 +66,30 @@ def test_generate_through_the_chained_parts_equals_transformers(bundle):
                                        "--runtime", "coreai", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output.strip().splitlines()[-1])["generated_ids"] == _transformers_greedy(prompt)
+
+
+def test_the_parted_build_records_what_the_whole_target_gives(bundle):
+    """Built part by part (the gate streamed one layer at a time), the manifest's identity hashes and parameter count
+    are the whole target's, and its gate values are the in-memory gate's."""
+    from convert.build import make_plan, shipped_modules
+    from manifests import identity
+
+    m = json.loads((bundle / "manifest.json").read_text())
+    plan = make_plan(bundle.parent / "parted.yaml")
+    modules, _ = shipped_modules(plan)
+    assert m["weights"]["embedding_sha256"] == identity.tensor_sha256(modules.core.embed_tokens.weight)
+    assert m["weights"]["lm_head_sha256"] == identity.tensor_sha256(modules.core.lm_head.weight)
+    assert m["weights"]["parameter_count"] == sum(p.numel() for p in modules.core.parameters())
+    whole = {x.name: x.value for x in gates.gate_target(plan, modules).metrics}
+    assert set(m["gate"]["metrics"]) == set(whole)
+    for name, value in m["gate"]["metrics"].items():
+        assert value == pytest.approx(whole[name], rel=1e-5, abs=1e-7), name
+
+
+def test_gate_on_the_parted_bundle_chains_its_parts(bundle, tmp_path):
+    report = tmp_path / "report.json"
+    result = CliRunner().invoke(main, ["gate", str(bundle.parent / "parted.yaml"), "--bundle", str(bundle),
+                                       "--report", str(report)])
+    assert result.exit_code == 0, result.output
+    artifact = json.loads(report.read_text())["artifact"]
+    assert artifact["passed"] and artifact["scope"] == gates.PARTS_CHAINED and artifact["argmax_compared"] > 0

@@ -1,0 +1,149 @@
+"""Benchmark: a whole build of a model larger than this machine's memory, with its peak resident memory per stage.
+
+A synthetic checkpoint at the Qwen3.8-27B width (``bench/scale.py``'s geometry: hidden 5120, intermediate 17408,
+vocab 248320, untied) with ``--layers`` decoder layers in the hybrid pattern [L L L F] (seeded bf16, sharded), built
+by ``spec-convert build`` in a child process from a recipe written beside it: affine4 by default, parts under
+``--max-part-mb``, the gate on ``--gate-samples`` x ``--gate-length`` tokens with ``--greedy`` greedy tokens,
+``--backends`` (Core ML by default: the Linux Core AI runtime emulates fp16, and its per-part replays at this width
+would take hours; see docs/benchmarks.md). The model's random weights make the gate's values meaningless, so the
+recipe's thresholds are set so that any finite value passes: the bench measures time and memory, and prints the
+values. The child's resident memory is sampled every second (``VmRSS``) and its peak read at the end (``VmHWM``,
+``getrusage``); each stage's peak is the largest sample between its start and end lines.
+
+    PYTHONPATH=. python3 -m bench.scale_build [--layers 28] [--method affine4] [--max-part-mb 1000]
+                                              [--workdir DIR] [--json out.json] [--log build.log]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench.scale import _corpus, _machine, write_checkpoint
+
+STAGE_LINE = re.compile(r"\u2713 (?P<title>.+?) \((?P<seconds>[0-9.]+) s\)\s*$")
+
+
+def recipe_text(checkpoint: Path, method: str, max_part_mb: float, samples: int, length: int, greedy: int,
+                backends: list[str]) -> str:
+    permissive = {"mean_kl_max": 1e9, "p99_kl_max": 1e9, "max_kl_max": 1e9, "top1_min": 0, "cosine_min": -1,
+                  "greedy_match_min": 0, "tap_cosine_min": -1, "block_chain_real_flips_max": 1_000_000}
+    return json.dumps({
+        "name": "scale-build",
+        "target": {"source": f"path:{checkpoint}", "graphs": {"prefill": 32, "decode": 1, "verify": 8},
+                   "context": 256, "max_part_mb": max_part_mb, "quantization": {"method": method},
+                   "gate": {"data": {"corpus": "path:corpus.txt", "samples": samples, "length": length},
+                            "greedy_tokens": greedy, "thresholds": permissive}},
+        "backends": backends,
+    }, indent=1)
+
+
+def _status(pid: int, field: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+    except (OSError, StopIteration):
+        return 0
+
+
+def run_build(recipe: Path, output: Path, log: Path) -> dict:
+    """Run the build in a child process; its stages (from the stage lines) with seconds and peak resident memory."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
+    command = [sys.executable, "-m", "convert", "build", str(recipe), "-o", str(output), "--no-cache"]
+    start = time.perf_counter()
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    samples: list[tuple[float, int]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            samples.append((time.perf_counter() - start, _status(child.pid, "VmRSS:")))
+            time.sleep(1.0)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    stages, last, peak_hwm = [], 0.0, 0
+    with log.open("w") as out:
+        for line in child.stdout:
+            out.write(line)
+            out.flush()
+            sys.stdout.write(line)
+            peak_hwm = max(peak_hwm, _status(child.pid, "VmHWM:"))
+            match = STAGE_LINE.search(line)
+            if match:
+                now = time.perf_counter() - start
+                window = [rss for t, rss in samples if last - 1 <= t <= now + 1]
+                stages.append({"stage": match["title"], "seconds": float(match["seconds"]),
+                               "peak_rss_gib": round(max(window, default=0) / 2**30, 2)})
+                last = now
+    code = child.wait()
+    done.set()
+    sampler.join()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return {"exit_code": code, "seconds": round(time.perf_counter() - start, 1), "stages": stages,
+            "peak_rss_gib": round(max(children, peak_hwm, *(r for _, r in samples)) / 2**30, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--method", default="affine4")
+    parser.add_argument("--max-part-mb", type=float, default=1000)
+    parser.add_argument("--gate-samples", type=int, default=2)
+    parser.add_argument("--gate-length", type=int, default=64)
+    parser.add_argument("--greedy", type=int, default=4)
+    parser.add_argument("--backends", default="coreml")
+    parser.add_argument("--workdir", type=Path, help="where the checkpoint and the bundle go (default: a temp dir)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--log", type=Path, help="the build's output (default: build.log in the work dir)")
+    options = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(dir=options.workdir) as tmp:
+        root = Path(tmp)
+        checkpoint = root / "qwen3.8-27b-width"
+        kinds = [("full_attention" if i % 4 == 3 else "linear_attention") for i in range(options.layers)]
+        start = time.perf_counter()
+        write_checkpoint(checkpoint, kinds, "cpu")
+        size = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
+        written = time.perf_counter() - start
+        print(f"synthetic checkpoint: {options.layers} layers, {size / 2**30:.2f} GiB in bf16 (as much in fp16), "
+              f"written in {written:.0f} s", flush=True)
+        (root / "corpus.txt").write_text(_corpus())
+        recipe = root / "scale-build.yaml"
+        recipe.write_text(recipe_text(checkpoint, options.method, options.max_part_mb, options.gate_samples,
+                                      options.gate_length, options.greedy, options.backends.split(",")))
+        log = options.log or root / "build.log"
+        result = run_build(recipe, root / "bundle", log)
+        bundle = root / "bundle"
+        files = [p for p in bundle.rglob("*") if p.is_file()] if bundle.exists() else []
+        report = {"machine": _machine("cpu"), "memory_gib": round(os.sysconf("SC_PHYS_PAGES") *
+                                                                  os.sysconf("SC_PAGE_SIZE") / 2**30, 1),
+                  "layers": options.layers, "checkpoint_gib": round(size / 2**30, 2),
+                  "checkpoint_seconds": round(written, 1), "method": options.method,
+                  "max_part_mb": options.max_part_mb, "backends": options.backends.split(","),
+                  "bundle_gib": round(sum(p.stat().st_size for p in files) / 2**30, 2), **result}
+        manifest = bundle / "manifest.json"
+        if manifest.is_file():
+            data = json.loads(manifest.read_text())
+            report["parts"] = [p["name"] for p in data.get("parts") or []]
+            report["gate"] = data["gate"]["metrics"]
+            report["largest_package_mb"] = round(max(sum(f["size"] for f in p["files"]) for p in data["packages"])
+                                                  / 1e6, 1)
+    print(json.dumps({k: v for k, v in report.items() if k != "stages"}, indent=1))
+    for s in report["stages"]:
+        print(f"  {s['seconds']:8.1f} s  peak {s['peak_rss_gib']:6.2f} GiB  {s['stage']}")
+    if options.json:
+        options.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""A target larger than memory: the shipped modules loaded a piece at a time equal the whole shipped modules bit for
+bit, the quantize stage's weights read back from its cache entries equal the ones it returns, and the streamed
+gate's candidate computes what the whole candidate computes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from convert import build, gates
+from convert.build import make_plan, shipped_modules
+from convert.cache import BuildCache
+from convert.checks import short_schedule
+from convert.export import compute_copy
+from convert.host import TargetDriver
+from convert.parts import part_calls, part_modules, recorded_calls
+from convert.quantize import quantize_checkpoint, summary
+from convert.shipped import PartLoader
+
+ROOT = Path(__file__).resolve().parents[1]
+FP32_BOUND = 1e-5
+
+
+def _recipe(tmp_path: Path, name: str, method: str, taps: str) -> Path:
+    text = (ROOT / "recipes" / f"{name}.yaml").read_text()
+    text = text.replace("path:../fixtures", f"path:{ROOT / 'fixtures'}")
+    text = text.replace("  context: 512", f"  context: 512\n  taps: {taps}\n  max_part_mb: 1\n"
+                        f"  quantization: {{method: {method}}}")
+    recipe = tmp_path / f"{name}.yaml"
+    recipe.write_text(text)
+    return recipe
+
+
+CASES = {"hybrid": ("tiny_qwen3_5", "affine4", "[5, 1]"), "dense": ("tiny_qwen3", "affine4", "[2, 0]")}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def built(request, tmp_path_factory):
+    name, method, taps = CASES[request.param]
+    plan = make_plan(_recipe(tmp_path_factory.mktemp(name), name, method, taps))
+    cache = BuildCache(tmp_path_factory.mktemp("cache"))
+
+    def quantize(in_memory: bool):
+        return quantize_checkpoint(plan.snapshot.directory, plan.args, plan.recipe.target, plan.layout,
+                                   plan.recipe.target.quantization, plan.recipe_path.parent, cache=cache,
+                                   in_memory=in_memory)
+
+    returned = quantize(True)  # computed and stored
+    result = quantize(False)  # every unit stored: read back by the loader
+    modules, _ = shipped_modules(plan, cache)
+    return plan, modules, PartLoader(plan, result), result, returned
+
+
+def test_the_parts_loaded_alone_are_the_shipped_modules_bit_for_bit(built):
+    plan, modules, loader, *_ = built
+    assert len(plan.parts) > 3
+    for part in [*plan.parts, *loader.units()]:
+        alone = loader.load([part])[0].core.state_dict()
+        whole = part_modules(modules, plan.recipe.target, [part])[0].core.state_dict()
+        assert alone.keys() == whole.keys(), part.name
+        for key, value in whole.items():
+            assert alone[key].dtype == value.dtype and torch.equal(alone[key], value), f"{part.name}: {key}"
+
+
+def test_the_weights_read_back_from_the_cache_are_the_ones_returned(built):
+    plan, modules, _, result, returned = built
+    assert set(result.units.values()) == {"cached"} and set(returned.units.values()) == {"computed"}
+    assert not result.weights and len(result.entries) == plan.args.num_hidden_layers + 2
+    assert result.names() == set(returned.weights)
+    for name, weight in result.items():
+        assert torch.equal(weight.codes, returned.weights[name].codes), name
+    assert summary(result.items(), modules.core.parameters()) == summary(returned.weights, modules.core.parameters())
+
+
+@pytest.mark.parametrize("built", ["hybrid"], indirect=True)  # the commit-next-call contract: the harder schedule
+def test_the_streamed_candidate_computes_what_the_whole_candidate_computes(built):
+    plan, modules, loader, *_ = built
+    g = torch.Generator().manual_seed(5)
+    windows = torch.randint(3, plan.args.vocab_size, (2, 80), generator=g).tolist()
+    taps, probe = list(modules.core.taps), gates.default_probe(modules)
+    streamed = gates.streamed_candidate(loader, windows, taps, 4, probe, torch.Generator().manual_seed(0))
+    candidate, generator = compute_copy(modules, torch.float32), torch.Generator().manual_seed(0)
+    for window, got in zip(windows, streamed, strict=True):
+        want = gates._candidate_window(candidate, window, taps, 4, probe, generator)
+        assert got.greedy == want.greedy
+        assert (got.logits - want.logits).abs().max() <= FP32_BOUND * want.logits.abs().max()
+        assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+        for t in taps:
+            assert (got.taps[t] - want.taps[t]).abs().max() <= FP32_BOUND * want.taps[t].abs().max()
+        assert len(got.probe) == len(want.probe) == len(probe)
+        for (p, block, chain), (q, block_want, chain_want) in zip(got.probe, want.probe, strict=True):
+            assert p == q and block.shape == block_want.shape and chain.shape == chain_want.shape
+            assert (block - block_want).abs().max() <= FP32_BOUND * block_want.abs().max()
+            assert (chain - chain_want).abs().max() <= FP32_BOUND * chain_want.abs().max()
+
+
+def test_each_part_records_alone_the_calls_of_the_chained_parts(built):
+    plan, modules, loader, *_ = built
+    outline = loader.outline
+    pieces = part_modules(modules, plan.recipe.target, plan.parts)
+    chained = recorded_calls(plan.parts, pieces, plan.recipe.target.taps, modules.contract, plan.args.vocab_size,
+                             short=True)
+    driver = TargetDriver(None, outline.widths, outline.contract)
+    schedule = [(f, driver.inputs(f, t, p0)) for f, t, p0 in short_schedule(outline.widths, plan.args.vocab_size)]
+    rows = [None] * len(schedule)
+    for part, want in zip(plan.parts, chained, strict=True):
+        got, rows = part_calls(loader.load([part])[0], schedule, rows)
+        assert [c[0] for c in got] == [c[0] for c in want] == ["reset", "decode", "decode", "verify"]
+        for (_, inputs, outputs), (_, inputs_want, outputs_want) in zip(got, want, strict=True):
+            assert inputs.keys() == inputs_want.keys() and outputs.keys() == outputs_want.keys()
+            for k in inputs_want:
+                assert np.array_equal(inputs[k], inputs_want[k]), (part.name, k)
+            for k in outputs_want:
+                assert np.array_equal(outputs[k], outputs_want[k]), (part.name, k)
+
+
+@pytest.mark.heavy  # the candidate test above and the reference's own tests cover its pieces in `make test`
+@pytest.mark.parametrize("built", ["hybrid"], indirect=True)
+def test_the_streamed_gate_reports_what_the_gate_reports(built):
+    plan, modules, loader, *_ = built
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(plan.snapshot.directory / "tokenizer.json"))
+    data = gates.EvalData.fixture(tokenizer, n=2, length=80)
+    thresholds = gates.default_thresholds(plan.recipe.target.quantization.method)
+    whole = gates.run_gates(gates.load_reference(plan.snapshot.directory), modules, data, thresholds,
+                            greedy_tokens=3, progress=False)
+    streamed = gates.run_streamed_gates(plan.snapshot.directory, loader, data, thresholds, greedy_tokens=3)
+    values = {m.name: m.value for m in whole.metrics}
+    assert [m.name for m in streamed.metrics] == list(values)
+    for m in streamed.metrics:
+        assert m.value == pytest.approx(values[m.name], rel=1e-5, abs=1e-7), m.name
+    assert streamed.passed == whole.passed
+
+
+def test_the_manifest_records_of_a_streamed_build_are_the_whole_targets(built):
+    plan, modules, loader, result, returned = built
+    tables = loader.load([build.tables_part(plan.args)])[0]
+    quant = plan.recipe.target.quantization
+    assert build._quantization_record(quant, result, tables) == build._quantization_record(quant, returned, modules)
+    for name in ("embed_tokens", "lm_head"):
+        assert torch.equal(getattr(tables.core, name).weight, getattr(modules.core, name).weight)
+    assert sum(p.numel() for p in tables.core.parameters()) == sum(p.numel() for p in modules.core.parameters())
