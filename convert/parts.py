@@ -284,21 +284,6 @@ def _vocab_split(name: str, vocab: int, row_bytes: float, fixed: int, limit: int
     return [(f"{name}-{k + 1}of{len(ranges)}", r) for k, r in enumerate(ranges)]
 
 
-def part_parameters(args, target, parts: list[Part]) -> list[int]:
-    """The weights each of ``parts`` computes with (from a parameterless core: nothing is read)."""
-    from convert.models import family_of
-    from convert.stream import parameters_on_meta
-
-    with parameters_on_meta():
-        core = family_of(args).build_core(args, target)
-    layers = [sum(p.numel() for p in layer.parameters()) for layer in core.layers]
-
-    def rows(span) -> int:
-        return (span[1] - span[0]) * args.hidden_size if span else 0
-
-    return [sum(layers[i] for i in part.layer_indices) + rows(part.embedding) + rows(part.head) for part in parts]
-
-
 def part_bytes(part: Part, sizes: Sizes) -> int:
     """The planned bytes of ``part``."""
     total = sum(sizes.layers[i] for i in part.layer_indices) + (sizes.layer_constants if part.layer_indices else 0)
