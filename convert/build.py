@@ -292,7 +292,8 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
         with stage("load the embedding and the lm_head (identity hashes, drafter interface)"):
             tables = loader.load([tables_part(plan.args)])[0]
         result = loader.result
-        quantization = _quantization_record(plan.recipe.target.quantization, result, tables) if result else None
+        quantization = _quantization_record(plan.recipe.target.quantization, result, tables) if result is not None \
+            else None
         manifest = _finish_target(plan, out, source_files, tables, packages, parts, quantization, report)
         del tables
         whole = None

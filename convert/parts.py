@@ -323,7 +323,7 @@ def part_modules(modules, target, parts: list[Part]) -> list:
     the same weights, the part's own states."""
     from convert.models import family_of
     from convert.stream import parameters_on_meta
-    from convert.target import TORCH_DTYPES, TargetModules
+    from convert.target import modules_over
 
     core = modules.core
     args = core.args
@@ -338,10 +338,7 @@ def part_modules(modules, target, parts: list[Part]) -> list:
             piece = family.build_core(args, target, part)
         piece = piece.to(dtype).eval()
         _share_part(piece, core, part)
-        specs = family.function_specs(args, target, dtype, part)
-        states = {s.name: torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype]) for s in specs[0].states}
-        functions = {s.name: (family.FunctionModule(piece, s, states), s) for s in specs}
-        built.append(TargetModules(core=piece, functions=functions, contract=modules.contract))
+        built.append(modules_over(piece, args, target, dtype, part))
     return built
 
 

@@ -19,7 +19,7 @@ from convert.parts import Part, part_modules
 from convert.quantize import QuantizeResult
 from convert.sources import CheckpointReader
 from convert.stream import Streamer, release_free_memory, skeleton
-from convert.target import TORCH_DTYPES, TargetModules
+from convert.target import TargetModules, modules_over
 
 SHIP_DTYPE = torch.float16
 
@@ -30,17 +30,8 @@ class PartLoader:
     def __init__(self, plan, result: QuantizeResult | None):
         self.plan, self.result = plan, result
         self.reader = CheckpointReader(plan.snapshot.directory)
-        self.outline = self._modules(skeleton(plan.args, plan.recipe.target, SHIP_DTYPE, SHIP_DTYPE, "cpu"))
-
-    def _modules(self, core) -> TargetModules:
-        from convert.models import family_of
-
-        args, target = self.plan.args, self.plan.recipe.target
-        family = family_of(args)
-        specs = family.function_specs(args, target, SHIP_DTYPE)
-        states = {s.name: torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype]) for s in specs[0].states}
-        functions = {s.name: (family.FunctionModule(core, s, states), s) for s in specs}
-        return TargetModules(core=core, functions=functions, contract=family.host_contract(args, target))
+        self.outline = modules_over(skeleton(plan.args, plan.recipe.target, SHIP_DTYPE, SHIP_DTYPE, "cpu"), plan.args,
+                                    plan.recipe.target, SHIP_DTYPE)
 
     def load(self, parts: list[Part], compute: torch.dtype | None = None) -> list[TargetModules]:
         """The export modules of ``parts`` (one core shared by them), holding only those parts' weights;
@@ -64,7 +55,8 @@ class PartLoader:
         del quantized
         for p in core.parameters():
             p.requires_grad_(False)
-        pieces = part_modules(self._modules(core), plan.recipe.target, parts)
+        pieces = part_modules(modules_over(core, plan.args, plan.recipe.target, SHIP_DTYPE), plan.recipe.target,
+                              parts)
         return pieces if compute is None else [compute_copy(piece, compute, in_place=True) for piece in pieces]
 
     def units(self) -> list[Part]:

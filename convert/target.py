@@ -56,7 +56,14 @@ def build_modules(args, target: Target, tensors: dict[str, torch.Tensor], dtype:
     core.load_weights(tensors, layout)
     for p in core.parameters():
         p.requires_grad_(False)
-    specs = family.function_specs(args, target, dtype)
+    return modules_over(core, args, target, dtype)
+
+
+def modules_over(core: nn.Module, args, target: Target, dtype: torch.dtype, part=None) -> TargetModules:
+    """The function modules of the whole target (or of ``part``, ``convert/parts.py``) over ``core``, sharing one
+    set of fresh states."""
+    family = family_of(args)
+    specs = family.function_specs(args, target, dtype, part)
     states = {s.name: torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype]) for s in specs[0].states}
     functions = {s.name: (family.FunctionModule(core, s, states), s) for s in specs}
     return TargetModules(core=core, functions=functions, contract=family.host_contract(args, target))
