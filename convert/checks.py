@@ -20,8 +20,6 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import torch
 
@@ -65,48 +63,63 @@ def check_package(name: str, path, modules, calls: list | None = None, every_fun
     specs = [spec for _, spec in modules.functions.values()]
     every_function = calls is None if every_function is None else every_function
     weights = compress.quantized_weights(modules.core)
-    quantized = quantized_constants(name, path, weights, every_function) if weights else {}
-    forms = device_safe_forms(name, path, modules)
     if name == "coreai":
+        quantized = quantized_constants(name, path, weights, every_function) if weights else {}
+        forms = device_safe_forms(name, path, modules)
         with backends.load("coreai").open_session(path) as session:  # one ODIX lowering for both checks
             check_specs(session.specs(), specs, path.name)
             run = run_coreai(session, modules) if calls is None else replay_coreai(session, calls)
             return {**run, **quantized, **forms}
-    check_specs(backends.load(name).read_back(path), specs, path.name)
-    return {**coreml_constants(path, modules, every_function), **quantized, **forms}
+    found = backends.load(name).contents(path)  # one load of the program for every check below
+    quantized = quantized_constants(name, path, weights, every_function, found.compressed) if weights else {}
+    forms = device_safe_forms(name, path, modules, found.operation_types)
+    check_specs(found.specs, specs, path.name)
+    return {**coreml_constants(path, modules, every_function, found.weight_digests), **quantized, **forms}
 
 
-def device_safe_forms(name: str, path, modules) -> dict:
+def device_safe_forms(name: str, path, modules, types: dict[str, set[str]] | None = None) -> dict:
     """No function of the package holds an op the architecture replaced by a device-safe form (a hybrid target's
-    native silu and softplus: docs/hybrid.md), so no converter pass fused the safe form back into it."""
+    native silu and softplus: docs/hybrid.md), so no converter pass fused the safe form back into it. ``types``: the
+    package's op types by function, when already read."""
     unsafe = set(getattr(modules.core.args, "unsafe_ops", ()))
     if not unsafe:
         return {}
-    for function, types in backends.load(name).operation_types(path).items():
-        found = sorted(t for t in types if t in unsafe)
+    types = backends.load(name).operation_types(path) if types is None else types
+    for function, held in types.items():
+        found = sorted(t for t in held if t in unsafe)
         if found:
             raise PackageError(f"{path.name}: function {function} holds {found[0]} ops: a conversion pass fused a "
                                f"device-safe form back into the op it avoids ({', '.join(sorted(unsafe))})")
     return {"unsafe_ops_absent": ",".join(sorted(unsafe))}
 
 
-def quantized_constants(name: str, path, weights: dict[str, QuantizedWeight], every_function: bool = True) -> dict:
+def quantized_constants(name: str, path, weights: dict[str, QuantizedWeight], every_function: bool = True,
+                        shipped: dict[str, list[compress.ShippedWeight]] | None = None) -> dict:
     """Each quantized weight stored as quantized, bit for bit, in every function of the ``name`` package.
 
     Weights are found by content (codes and tables), so a weight stored under another name or shared by two
     layers still counts; one that is missing is reported with the closest stored weight and how it differs.
     A drafter's functions use different weights (``context_update`` needs no lm_head): with
     ``every_function=False`` each weight must be stored in some function, and every compressed weight any
-    function stores must be one of ``weights`` exactly.
+    function stores must be one of ``weights`` exactly. ``shipped``: the package's compressed weights, when already
+    read.
     """
-    shipped = backends.load(name).compressed_weights(path)
+    shipped = backends.load(name).compressed_weights(path) if shipped is None else shipped
     if not every_function:
         return _quantized_somewhere(path, weights, shipped)
+    fingerprints = {weight_name: compress.fingerprint(w) for weight_name, w in weights.items()}
+    compared: dict[tuple[str, int], str | None] = {}  # functions share stored weights: compare each pair once
     for function, found in shipped.items():
         stored = {compress.fingerprint(s.weight): s for s in found}
         for weight_name, expected in weights.items():
-            match = stored.get(compress.fingerprint(expected))
-            problem = _closest(expected, found) if match is None else compress.difference(expected, match)
+            match = stored.get(fingerprints[weight_name])
+            if match is None:
+                problem = _closest(expected, found)
+            else:
+                key = (weight_name, id(match.dense))
+                if key not in compared:
+                    compared[key] = compress.difference(expected, match)
+                problem = compared[key]
             if problem:
                 raise PackageError(f"{path.name}: function {function}: quantized weight {weight_name} is not stored "
                                    f"as quantized: {problem}")
@@ -251,15 +264,16 @@ def _compare(function, p0, got, ref, stats: dict) -> None:
                                    f"(relative), above the fp16 bound {FP16_OUTPUT_BOUND}")
 
 
-def coreml_constants(path, modules, every_function: bool = True) -> dict:
+def coreml_constants(path, modules, every_function: bool = True, digests: dict[str, set[str]] | None = None) -> dict:
     """Every 2-D weight of the modules, bit for bit, in every function of the package (``every_function=False``,
-    a drafter's: in some function, as its functions use different weights)."""
-    coreml = backends.load("coreml")
+    a drafter's: in some function, as its functions use different weights). ``digests``: the package's weight
+    digests by function (``coreml.Contents``), when already read."""
+    digests = backends.load("coreml").contents(path).weight_digests if digests is None else digests
     weights = {name: p for name, p in modules.core.named_parameters() if p.dim() == 2}
-    wanted = {_digest(p.detach().numpy()): name for name, p in weights.items()}
+    wanted = {compress.digest(p.detach().numpy()): name for name, p in weights.items()}
     stored_anywhere = set()
     for function in modules.functions:
-        shipped = {_digest(a) for a in coreml.function_constants(path, function).values()}
+        shipped = digests[function]
         stored_anywhere |= shipped
         missing = [name for digest, name in wanted.items() if digest not in shipped]
         if missing and every_function:
@@ -271,11 +285,6 @@ def coreml_constants(path, modules, every_function: bool = True) -> dict:
                            f"({len(missing)} of {len(wanted)} weights)")
     return {"weights_compared": len(wanted) * (len(modules.functions) if every_function else 1),
             "weights_bit_exact": True}
-
-
-def _digest(array: np.ndarray) -> str:
-    a = np.ascontiguousarray(array)
-    return hashlib.sha256(f"{a.dtype}:{a.shape}:".encode() + a.tobytes()).hexdigest()
 
 
 def replay_coreai(session, calls: list) -> dict:

@@ -26,6 +26,7 @@ and ``difference`` says how one differs from the ``QuantizedWeight`` that was me
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -242,14 +243,23 @@ def difference(expected: QuantizedWeight, shipped: ShippedWeight) -> str | None:
     return f"{shipped.where}: {problem} (decompressed by the format's own op)" if problem else None
 
 
-def fingerprint(weight: QuantizedWeight) -> tuple:
-    """Method, group size, shape and the bytes of codes and tables: equal exactly when the stored forms are."""
-    tables = tuple(_bytes(getattr(weight, field)) for field in _TABLES[weight.method])
-    return (weight.method, weight.group_size, weight.shape, _bytes(weight.codes), *tables)
+def fingerprint(weight: QuantizedWeight) -> str:
+    """A digest of the method, group size, shape and the bytes of codes and tables: equal exactly when the stored
+    forms are (a digest, not the bytes: a check holds one per weight of a part)."""
+    hashed = hashlib.sha256(f"{weight.method}:{weight.group_size}:{tuple(weight.shape)}".encode())
+    for field in ("codes", *_TABLES[weight.method]):
+        tensor = getattr(weight, field).contiguous()
+        hashed.update(f":{tensor.dtype}:{tuple(tensor.shape)}:".encode())
+        hashed.update(tensor.view(torch.uint8).numpy() if tensor.dtype != torch.uint8 else tensor.numpy())
+    return hashed.hexdigest()
 
 
-def _bytes(tensor: torch.Tensor) -> tuple[str, bytes]:
-    return str(tensor.dtype), tensor.contiguous().numpy().tobytes()
+def digest(array: np.ndarray) -> str:
+    """sha256 of an array's dtype, shape and bytes: how the checks match a weight to the stored one."""
+    a = np.ascontiguousarray(array)
+    hashed = hashlib.sha256(f"{a.dtype}:{a.shape}:".encode())
+    hashed.update(a.view(np.uint8))
+    return hashed.hexdigest()
 
 
 def _bitwise(expected: torch.Tensor, found: torch.Tensor, what: str) -> str | None:

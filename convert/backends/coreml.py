@@ -42,6 +42,7 @@ import subprocess
 import tempfile
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -256,38 +257,65 @@ def _tensor_spec(function_name: str, name: str, tensor_type) -> TensorSpec:
     return TensorSpec(name, tuple(int(d) for d in tensor_type.get_shape()), _FROM_MIL_DTYPES[mil_dtype])
 
 
-def function_constants(path: Path, function_name: str) -> dict[str, np.ndarray]:
-    """The weight tensors of one function as shipped, by the name of the MIL variable that carries them.
+@dataclass
+class Contents:
+    """What the build's checks read from a package, from one load of its program: every function's spec, op types,
+    the digest (``compress.digest``) of every weight it holds (plain constants as stored, compressed weights as
+    coremltools decompresses them) and its compressed weights."""
 
-    Covers the ops in ``_CONSTANT_READERS``: plain constants, and compressed weights as coremltools itself
-    decompresses them.
-    """
+    specs: dict[str, FunctionSpec]
+    operation_types: dict[str, set[str]]
+    weight_digests: dict[str, set[str]]
+    compressed: dict[str, list[compress.ShippedWeight]]
+
+
+def contents(path: Path) -> Contents:
+    """The package's ``Contents``. The functions of a multifunction package share their weights
+    (``save_multifunction`` stores equal constants once), so each distinct compressed weight is decompressed once
+    and its ``ShippedWeight``s in the other functions share that dense array: a part's check holds its program and
+    one dense copy of its compressed weights."""
+    spec, program = _load_program(path)
+    names = [f.name for f in spec.description.functions]
+    found = Contents({n: _function_spec(n, program.functions[n]) for n in names}, {}, {}, {})
+    dense: dict[str, tuple[np.ndarray, str]] = {}  # by fingerprint: (dense weight, its digest)
+    for name in names:
+        operations = program.functions[name].operations
+        found.operation_types[name] = {op.op_type for op in operations}
+        found.weight_digests[name], found.compressed[name] = set(), []
+        for op in operations:
+            if op.op_type in _COMPRESSED_READERS:
+                shipped = _shipped(op, dense)
+                found.compressed[name].append(shipped)
+                found.weight_digests[name].add(dense[compress.fingerprint(shipped.weight)][1])
+            elif op.op_type == "const" and (value := _plain_constant(op)) is not None:
+                found.weight_digests[name].add(compress.digest(value))
+    return found
+
+
+def function_constants(path: Path, function_name: str) -> dict[str, np.ndarray]:
+    """The weight tensors of one function as shipped, by the name of the MIL variable that carries them: plain
+    constants, and compressed weights as coremltools itself decompresses them."""
     _, program = _load_program(path)
     if function_name not in program.functions:
         raise PackageError(f"{path} has no function {function_name!r}; it has {sorted(program.functions)}")
     constants = {}
     for op in program.functions[function_name].operations:
-        reader = _CONSTANT_READERS.get(op.op_type)
-        value = reader(op) if reader else None
-        if value is not None:
+        if op.op_type in _COMPRESSED_READERS:
+            constants[op.outputs[0].name] = _decompressed(op)
+        elif op.op_type == "const" and (value := _plain_constant(op)) is not None:
             constants[op.outputs[0].name] = value
     return constants
 
 
 def operation_types(path: Path) -> dict[str, set[str]]:
     """The MIL op types each function of the package holds (after every conversion pass)."""
-    spec, program = _load_program(path)
-    return {f.name: {op.op_type for op in program.functions[f.name].operations} for f in spec.description.functions}
+    return contents(path).operation_types
 
 
 def compressed_weights(path: Path) -> dict[str, list[compress.ShippedWeight]]:
     """Every compressed weight of every function, by function: its codes and tables as stored, and the dense
     weight coremltools' own decompression makes of them."""
-    spec, program = _load_program(path)
-    return {
-        f.name: [_shipped(op) for op in program.functions[f.name].operations if op.op_type in _COMPRESSED_READERS]
-        for f in spec.description.functions
-    }
+    return contents(path).compressed
 
 
 def _plain_constant(op: Operation) -> np.ndarray | None:
@@ -298,14 +326,20 @@ def _plain_constant(op: Operation) -> np.ndarray | None:
     return None
 
 
-def _shipped(op: Operation) -> compress.ShippedWeight:
+def _shipped(op: Operation, dense: dict[str, tuple[np.ndarray, str]]) -> compress.ShippedWeight:
+    """The op's weight; its decompression from ``dense`` when an op with the same codes and tables was decompressed
+    before (else computed and added there)."""
     where = f"MIL op {op.name} ({op.op_type})"
     operands = {name: getattr(op, name) for name in _COMPRESSED_OPERANDS[op.op_type]}
     missing = [name for name, var in operands.items() if var is None or var.val is None]
     if missing:
         raise PackageError(f"{where}: operands {missing} are not constants; it is not a weight compressed here")
     weight = _COMPRESSED_READERS[op.op_type](where, *(var.val for var in operands.values()))
-    return compress.ShippedWeight(where, weight, _decompressed(op))
+    key = compress.fingerprint(weight)
+    if key not in dense:
+        array = _decompressed(op)
+        dense[key] = (array, compress.digest(array))
+    return compress.ShippedWeight(where, weight, dense[key][0])
 
 
 def _decompressed(op: Operation) -> np.ndarray:
@@ -331,10 +365,6 @@ _COMPRESSED_READERS: dict[str, Callable[..., QuantizedWeight]] = {
 _COMPRESSED_OPERANDS = {
     "constexpr_lut_to_dense": ("indices", "lut"),
     "constexpr_blockwise_shift_scale": ("data", "scale", "offset"),
-}
-_CONSTANT_READERS: dict[str, Callable[[Operation], np.ndarray | None]] = {
-    "const": _plain_constant,
-    **dict.fromkeys(_COMPRESSED_READERS, _decompressed),
 }
 
 
