@@ -10,7 +10,7 @@ recipe's thresholds are set so that any finite value passes: the bench measures 
 values. The child's resident memory is sampled every second (``VmRSS``) and its peak read at the end (``VmHWM``,
 ``getrusage``); each stage's peak is the largest sample between its start and end lines.
 
-    PYTHONPATH=. python3 -m bench.scale_build [--layers 28] [--method affine4] [--max-part-mb 1000]
+    PYTHONPATH=. python3 -m bench.scale_build [--layers 28] [--method affine4] [--max-part-mb MB]
                                               [--workdir DIR] [--json out.json] [--log build.log]
 """
 
@@ -33,14 +33,17 @@ from bench.scale import _corpus, _machine, write_checkpoint
 STAGE_LINE = re.compile(r"\u2713 (?P<title>.+?) \((?P<seconds>[0-9.]+) s\)\s*$")
 
 
-def recipe_text(checkpoint: Path, method: str, max_part_mb: float, samples: int, length: int, greedy: int,
+def recipe_text(checkpoint: Path, method: str, max_part_mb: float | None, samples: int, length: int, greedy: int,
                 backends: list[str]) -> str:
+    """The bench's recipe; ``max_part_mb`` None keeps the recipe's default (parts also sized from
+    ``target.max_host_memory_gb``, default 16)."""
     permissive = {"mean_kl_max": 1e9, "p99_kl_max": 1e9, "max_kl_max": 1e9, "top1_min": 0, "cosine_min": -1,
                   "greedy_match_min": 0, "tap_cosine_min": -1, "block_chain_real_flips_max": 1_000_000}
     return json.dumps({
         "name": "scale-build",
         "target": {"source": f"path:{checkpoint}", "graphs": {"prefill": 32, "decode": 1, "verify": 8},
-                   "context": 256, "max_part_mb": max_part_mb, "quantization": {"method": method},
+                   "context": 256, **({"max_part_mb": max_part_mb} if max_part_mb else {}),
+                   "quantization": {"method": method},
                    "gate": {"data": {"corpus": "path:corpus.txt", "samples": samples, "length": length},
                             "greedy_tokens": greedy, "thresholds": permissive}},
         "backends": backends,
@@ -97,7 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--method", default="affine4")
-    parser.add_argument("--max-part-mb", type=float, default=1000)
+    parser.add_argument("--max-part-mb", type=float, help="target.max_part_mb (default: the recipe's)")
     parser.add_argument("--gate-samples", type=int, default=2)
     parser.add_argument("--gate-length", type=int, default=64)
     parser.add_argument("--greedy", type=int, default=4)

@@ -32,8 +32,10 @@ from convert.packaging import package_formats
 from convert.parts import (
     MB,
     Part,
+    build_memory_bytes,
     coreai_target,
     manifest_parts,
+    memory_line,
     module_chain,
     part_calls,
     plan_parts,
@@ -95,9 +97,8 @@ class Plan:
 
     @property
     def peak_memory_bytes(self) -> int:
-        """Estimate: the checkpoint tensors, fp16 modules, an fp32 copy during export and conversion
-        buffers of about twice the package, plus the states and ~0.5 GB of libraries."""
-        return self.checkpoint_bytes + 2 * self.parameter_count * 5 + 2 * self.state_bytes + 512 * 2**20
+        """Estimate of the build's peak host memory (``convert/parts.py``: measured costs)."""
+        return build_memory_bytes(self.args, self.recipe.target, self.parts, self.specs)
 
 
 def make_plan(recipe_path: Path, output: str | None = None) -> Plan:
@@ -115,8 +116,26 @@ def make_plan(recipe_path: Path, output: str | None = None) -> Plan:
     checkpoint_bytes = sum(p.stat().st_size for p in snapshot.directory.glob("*.safetensors"))
     out = Path(output or recipe.output or Path("bundles") / recipe.name)
     drafter = plan_drafter(recipe, recipe_path, snapshot, args, SHIP_DTYPE) if recipe.drafter else None
-    return Plan(recipe, recipe_path, out, snapshot, args, layout, function_specs(args, recipe.target, SHIP_DTYPE),
+    plan = Plan(recipe, recipe_path, out, snapshot, args, layout, function_specs(args, recipe.target, SHIP_DTYPE),
                 checkpoint_bytes, plan_parts(args, recipe.target), drafter)
+    _check_host_memory(plan)
+    return plan
+
+
+def _check_host_memory(plan: Plan) -> None:
+    """A parted target's packaging fits ``target.max_host_memory_gb`` by construction (``plan_parts``); its streamed
+    gate holds every window's fp32 logits, which the gate data sets: refuse a gate that would not fit, before any
+    work."""
+    target = plan.recipe.target
+    budget = target.max_host_memory_gb * 1e9
+    if plan.parts[0].is_whole or plan.peak_memory_bytes <= budget:
+        return
+    data = target.gate.data
+    logits = 4 * data.samples * data.length * plan.args.vocab_size
+    raise InputError(f"{plan.recipe_path}: target.gate.data: the streamed gate over {data.samples} x {data.length} "
+                     f"tokens needs about {plan.peak_memory_bytes / 1e9:.1f} GB of host memory ({logits / 1e9:.1f} GB "
+                     f"of them every window's fp32 logits), over target.max_host_memory_gb "
+                     f"{target.max_host_memory_gb:g}; lower samples or length, or raise max_host_memory_gb")
 
 
 def shipped_modules(plan: Plan, cache: BuildCache | None = None,
@@ -532,7 +551,7 @@ def describe_plan(plan: Plan) -> list[str]:
         *parts_lines(args, recipe.target, plan.parts),
         f"  states: {plan.state_bytes / mib:.1f} MiB in all",
         *estimate_lines(args, recipe.target),
-        f"  estimated peak memory: {plan.peak_memory_bytes / mib:.0f} MiB",
+        memory_line(recipe.target, plan.peak_memory_bytes),
     ]
     if plan.drafter:
         lines += describe_drafter(plan)

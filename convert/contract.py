@@ -125,12 +125,14 @@ def _target_lines(pinned: dict, target, backends: list[str], where: str) -> list
     args = family.Args.from_config(pinned, where)
     specs = family.function_specs(args, target, torch.float16)
     total = sum(s.nbytes for s in specs[0].states) / 2**20
-    from convert.parts import plan_lines, plan_parts
+    from convert.parts import build_memory_bytes, memory_line, plan_lines, plan_parts
     from convert.quantize import estimate_lines
 
+    parts = plan_parts(args, target)
     return [*family.plan_lines(args, target), "  functions:", *function_lines(specs),
-            *size_lines(args.parameter_count, backends), *plan_lines(args, target, plan_parts(args, target)),
-            f"  states: {total:.1f} MiB in all", *estimate_lines(args, target)]
+            *size_lines(args.parameter_count, backends), *plan_lines(args, target, parts),
+            f"  states: {total:.1f} MiB in all", *estimate_lines(args, target),
+            memory_line(target, build_memory_bytes(args, target, parts, specs))]
 
 
 def _dflash2_lines(recipe: Recipe, recipe_path: Path, hidden: int, vocab: int, taps: list[int]) -> list[str]:

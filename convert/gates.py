@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import inspect
 import platform
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -309,6 +310,7 @@ def run_gates(
             ref = _reference_window(reference, window, taps, greedy_tokens, modules)
             cand = _candidate_window(candidate, window, taps, greedy_tokens, probe_accepts, generator)
             stats.add(index, ref, cand, thresholds.near_tie_margin)
+            stats.add_greedy(ref.greedy, cand.greedy)
             bar.advance(task)
     weights = str(next(modules.core.parameters()).dtype).removeprefix("torch.")
     return _report(stats, thresholds, data, f"export modules, weights as shipped ({weights}), computed in "
@@ -331,11 +333,16 @@ def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThr
     _check_inputs(outline, data, taps, greedy_tokens, probe_accepts)
     windows = data.tokens.tolist()
     references = streamed_reference(source, windows, taps, greedy_tokens)
-    candidates = streamed_candidate(loader, windows, taps, greedy_tokens, probe_accepts,
-                                    torch.Generator().manual_seed(data.identity.seed))
     stats = _Stats(taps)
-    for index, (ref, cand) in enumerate(zip(references, candidates, strict=True)):
-        stats.add(index, ref, cand, thresholds.near_tie_margin)
+
+    def consume(index: int, cand: _Window) -> None:  # a window's logits, reference and candidate, then freed
+        stats.add(index, references[index], cand, thresholds.near_tie_margin)
+        references[index].logits = references[index].taps = None
+
+    candidates = streamed_candidate(loader, windows, taps, greedy_tokens, probe_accepts,
+                                    torch.Generator().manual_seed(data.identity.seed), consume=consume)
+    for ref, cand in zip(references, candidates, strict=True):
+        stats.add_greedy(ref.greedy, cand.greedy)
     return _report(stats, thresholds, data, "export modules, weights as shipped (float16), computed in float32, "
                    "one layer at a time", greedy_tokens, start)
 
@@ -349,12 +356,14 @@ def _report(stats: _Stats, thresholds: GateThresholds, data: EvalData, candidate
 
 def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy_tokens: int,
                        probe_accepts: tuple[int, ...], generator: torch.Generator,
-                       compute_dtype: torch.dtype = torch.float32) -> list[_Window]:
+                       compute_dtype: torch.dtype = torch.float32, consume=None) -> list[_Window]:
     """``_candidate_window`` of every window, one piece of the target in memory at a time (``loader.units()``: the
     embedding, each decoder layer, the head, each a part with the part functions of ``convert/parts.py``). Steps 1-3
     depend on no output: each piece runs every window's calls, from a fresh state, on the rows the previous piece
-    returned, and keeps its state per window; each greedy token is one more pass, restoring and keeping those
-    states."""
+    returned, and keeps its state per window (on disk: a 27B's states are about 1 GB a window in fp32); each greedy
+    token is one more pass, restoring and keeping those states. ``consume(index, window)``: called with each window
+    once its logits, taps and probe are computed, which are then dropped (the returned windows keep their greedy
+    ids only); without it every window keeps everything."""
     from convert.host import TargetDriver
     from convert.parts import HIDDEN_OUT, link_inputs
 
@@ -366,59 +375,66 @@ def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy
     inputs = [[d.inputs(c.function, c.tokens, c.p0) for c in calls] for d, calls in zip(drivers, schedules,
                                                                                         strict=True)]
     units = loader.units()
-    saved: list[list[dict]] = [[{} for _ in units] for _ in windows]
     results: list[_Window | None] = [None] * len(windows)
 
-    def run(piece, function: str, given: dict, rows) -> dict[str, np.ndarray]:
-        return ModuleFunctions(piece).call(function, link_inputs(piece.functions[function][1], given, rows))
+    with tempfile.TemporaryDirectory(prefix="spec-convert-gate-") as scratch:
+        def run(piece, function: str, given: dict, rows) -> dict[str, np.ndarray]:
+            return ModuleFunctions(piece).call(function, link_inputs(piece.functions[function][1], given, rows))
 
-    def keep(piece, w: int, u: int) -> None:
-        saved[w][u] = {k: v.clone() for k, v in piece.states().items()}
+        def keep(piece, w: int, u: int) -> None:  # window w's states of piece u, for the next pass
+            torch.save(piece.states(), Path(scratch) / f"{w}-{u}.pt")
 
-    def load(unit):
-        return loader.load([unit], compute_dtype)[0]
+        def restore(piece, w: int, u: int) -> None:
+            for name, value in torch.load(Path(scratch) / f"{w}-{u}.pt").items():
+                piece.states()[name].copy_(value)
 
-    passes = greedy_tokens
-    with steps(f"numeric gate: the candidate, one piece at a time ({len(units)} pieces x {passes} passes)",
-               len(units) * passes, "loads") as advance:
-        rows = [[None] * len(calls) for calls in schedules]
-        tapped = [[{} for _ in calls] for calls in schedules]
-        for u, unit in enumerate(units):
-            piece = load(unit)
-            own = unit.own_taps(returned)
-            for w, calls in enumerate(schedules):
-                piece.reset()
-                outs = []
-                for c, call in enumerate(calls):
-                    got = run(piece, call.function, inputs[w][c], rows[w][c])
-                    rows[w][c] = got.get(HIDDEN_OUT, rows[w][c])
-                    if own:
-                        tapped[w][c].update(zip(own, np.split(got["taps"], len(own), axis=-1), strict=True))
-                    if unit.head is not None:
-                        outs.append(_rows_of(call, got, tapped[w][c], returned))
-                keep(piece, w, u)
-                if unit.head is not None:
-                    results[w] = _window_of(calls, outs, len(windows[w]), taps, returned, hidden)
-            del piece
-            advance()
-        for w in range(len(windows)):
-            results[w].greedy = [int(results[w].logits[-1].argmax())]
-        for step in range(1, greedy_tokens):
-            given = [drivers[w].inputs("decode", [results[w].greedy[-1]], len(windows[w]) + step - 1)
-                     for w in range(len(windows))]
-            rows = [None] * len(windows)
+        def load(unit):
+            return loader.load([unit], compute_dtype)[0]
+
+        passes = greedy_tokens
+        with steps(f"numeric gate: the candidate, one piece at a time ({len(units)} pieces x {passes} passes)",
+                   len(units) * passes, "loads") as advance:
+            rows = [[None] * len(calls) for calls in schedules]
+            tapped = [[{} for _ in calls] for calls in schedules]
             for u, unit in enumerate(units):
                 piece = load(unit)
-                for w in range(len(windows)):
-                    for name, value in piece.states().items():
-                        value.copy_(saved[w][u][name])
-                    got = run(piece, "decode", given[w], rows[w])
-                    keep(piece, w, u)
-                    rows[w] = got.get(HIDDEN_OUT, rows[w])
+                own = unit.own_taps(returned)
+                for w, calls in enumerate(schedules):
+                    piece.reset()
+                    outs = []
+                    for c, call in enumerate(calls):
+                        got = run(piece, call.function, inputs[w][c], rows[w][c])
+                        rows[w][c] = got.get(HIDDEN_OUT, rows[w][c])
+                        if own:
+                            tapped[w][c].update(zip(own, np.split(got["taps"], len(own), axis=-1), strict=True))
+                        if unit.head is not None:
+                            outs.append(_rows_of(call, got, tapped[w][c], returned))
+                    if greedy_tokens > 1:
+                        keep(piece, w, u)
                     if unit.head is not None:
-                        results[w].greedy.append(int(got["argmax_ids"][0, 0]))
+                        results[w] = _window_of(calls, outs, len(windows[w]), taps, returned, hidden)
+                        results[w].greedy = [int(results[w].logits[-1].argmax())]
+                        if consume is not None:
+                            consume(w, results[w])
+                            results[w].logits = results[w].taps = results[w].probe = None
                 del piece
                 advance()
+            for step in range(1, greedy_tokens):
+                given = [drivers[w].inputs("decode", [results[w].greedy[-1]], len(windows[w]) + step - 1)
+                         for w in range(len(windows))]
+                rows = [None] * len(windows)
+                for u, unit in enumerate(units):
+                    piece = load(unit)
+                    for w in range(len(windows)):
+                        restore(piece, w, u)
+                        got = run(piece, "decode", given[w], rows[w])
+                        if step + 1 < greedy_tokens:
+                            keep(piece, w, u)
+                        rows[w] = got.get(HIDDEN_OUT, rows[w])
+                        if unit.head is not None:
+                            results[w].greedy.append(int(got["argmax_ids"][0, 0]))
+                    del piece
+                    advance()
     return results
 
 
@@ -712,6 +728,7 @@ class _Stats:
         self.probed = 0
 
     def add(self, index: int, ref: _Window, cand: _Window, margin: float) -> None:
+        """A window's logits, taps and probe (its greedy ids: ``add_greedy``)."""
         ref_logp = torch.log_softmax(ref.logits.double(), -1)
         cand_logp = torch.log_softmax(cand.logits.double(), -1)
         self.kl.append((ref_logp.exp() * (ref_logp - cand_logp)).sum(-1).clamp(min=0))
@@ -719,14 +736,15 @@ class _Stats:
         self.cosine.append(torch.cosine_similarity(ref.logits.double(), cand.logits.double(), dim=-1))
         for t, values in self.tap_cosine.items():
             values.append(torch.cosine_similarity(ref.taps[t].double(), cand.taps[t].double(), dim=-1))
-        pairs = enumerate(zip(ref.greedy, cand.greedy, strict=True))
-        matched = next((i for i, (a, b) in pairs if a != b), len(ref.greedy))
-        self.greedy.append(matched / len(ref.greedy))
         for p0, block, chain in cand.probe:
             self.probed += block.shape[0]
             for f in classify_flips(block, chain, margin):
                 self.flips.append(Flip(sample=index, position=p0 + f.row, block_id=f.block_id, chain_id=f.chain_id,
                                        gap=f.gap, near_tie=f.near_tie))
+
+    def add_greedy(self, ref: list[int], cand: list[int]) -> None:
+        matched = next((i for i, (a, b) in enumerate(zip(ref, cand, strict=True)) if a != b), len(ref))
+        self.greedy.append(matched / len(ref))
 
     def metrics(self, th: GateThresholds) -> list[Metric]:
         kl = torch.cat(self.kl)

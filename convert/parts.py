@@ -36,6 +36,17 @@ from convert.backends.base import FunctionSpec, TensorSpec, size_text
 from convert.errors import InputError
 
 MB = 10**6
+GB = 10**9
+# Host memory of a build, measured (docs/benchmarks.md, "A build larger than memory"; sampled VmRSS): the process
+# holds about BASE_BYTES before it loads a part (torch, coremltools and transformers); above that, converting a part
+# to Core ML and checking it take up to PACKAGING_BYTES_PER_LAYER_WEIGHT bytes per weight of its decoder layers
+# (13.3 measured at the 27B width) and PACKAGING_BYTES_PER_TABLE_WEIGHT per weight of its embedding or head rows (the
+# fp16 and fp32 tracing copies, the MIL program's constants, the converter's passes). A whole target built in memory
+# holds about WHOLE_BYTES_PER_PARAMETER per parameter (the checkpoint, the fp16 modules, an fp32 copy, conversion).
+BASE_BYTES = 1_200_000_000
+PACKAGING_BYTES_PER_LAYER_WEIGHT = 14
+PACKAGING_BYTES_PER_TABLE_WEIGHT = 28
+WHOLE_BYTES_PER_PARAMETER = 12
 HIDDEN_OUT = "hidden_states_out"  # a part's rows for the next part (Core ML refuses one name for an input and output)
 ROW_ALIGN = 64  # vocabulary splits fall on multiples of this many rows (and of a lut4 table's rows)
 
@@ -196,6 +207,8 @@ class Sizes:
     norm: int
     head_row: float
     row_align: int
+    row_weights: int  # weights of one vocabulary row of the embedding or the head (the hidden size)
+    layer_weights: tuple[int, ...]
 
     def total(self, vocab: int, tied: bool) -> int:
         head = self.norm + (0 if tied else self.head_row * vocab)
@@ -226,8 +239,9 @@ def piece_sizes(args, target) -> Sizes:
     constants = sum(b.numel() * (2 if b.is_floating_point() else b.element_size()) for b in core.buffers())
     align = math.lcm(ROW_ALIGN, quant.resolved_group_size if quant.format == "lut4" else 1)
     layers = tuple(weight_bytes(f"layers.{i}") for i in range(len(core.layers)))
+    layer_weights = tuple(sum(p.numel() for p in layer.parameters()) for layer in core.layers)
     return Sizes(weight_bytes("embed_tokens") / vocab, layers, constants, weight_bytes("norm"),
-                 weight_bytes("lm_head") / vocab, align)
+                 weight_bytes("lm_head") / vocab, align, args.hidden_size, layer_weights)
 
 
 def matrix_bytes(method: str | None, group: int, shape: tuple[int, int]) -> int:
@@ -241,41 +255,106 @@ def matrix_bytes(method: str | None, group: int, shape: tuple[int, int]) -> int:
     return 2 * rows * columns
 
 
+def parted_build_bytes(args, target, parts: list[Part], window_cache_bytes: int) -> int:
+    """Host memory of building a parted target, streamed: the largest of packaging its largest part, the streamed
+    reference (its fp32 lm_head, every window's fp32 logits and caches, ``window_cache_bytes`` each, a decoder
+    layer) and the streamed candidate (the reference's logits, its largest piece in fp16 and fp32, one window's
+    log-probabilities in fp64; the states between passes are on disk)."""
+    sizes = piece_sizes(args, target)
+    data = target.gate.data
+    table, logits = args.vocab_size * sizes.row_weights, 4 * data.samples * data.length * args.vocab_size
+    largest_layer = max(sizes.layer_weights)
+    # a decoder layer's fp32 weights and what its forward holds: 4.4 bytes a weight measured at the 27B width
+    reference = 4 * table + logits + data.samples * window_cache_bytes + 5 * largest_layer
+    candidate = logits + 6 * max(table, largest_layer) + 16 * data.length * args.vocab_size
+    return BASE_BYTES + max(max(packaging_bytes(p, sizes) for p in parts), reference, candidate)
+
+
+def build_memory_bytes(args, target, parts: list[Part], specs: list[FunctionSpec]) -> int:
+    """Estimate of a build's peak host memory: in memory for a whole target, streamed for a parted one (one gate
+    window's reference cache: every state in fp32, the KV caches only as long as the window)."""
+    states = specs[0].states
+    if parts[0].is_whole:
+        return whole_build_bytes(args.parameter_count) + 2 * sum(s.nbytes for s in states)
+    grown = min(1.0, (target.gate.data.length + target.gate.greedy_tokens) / target.context)
+    window = sum(2 * s.nbytes * (grown if s.name in ("key_cache", "value_cache") else 1) for s in states)
+    return parted_build_bytes(args, target, parts, int(window))
+
+
+def memory_line(target, peak: int) -> str:
+    return (f"  estimated peak host memory: {peak / GB:.1f} GB (target.max_host_memory_gb "
+            f"{target.max_host_memory_gb:g})")
+
+
+def packaging_room(target) -> int:
+    """The bytes packaging a part may take above the base for the build to stay within ``target.max_host_memory_gb``."""
+    return int(target.max_host_memory_gb * GB - BASE_BYTES)
+
+
+def whole_build_bytes(parameters: int) -> int:
+    """Host memory of building a target whole, in memory (the path of a target that is one part)."""
+    return BASE_BYTES + WHOLE_BYTES_PER_PARAMETER * parameters
+
+
 def plan_parts(args, target) -> list[Part]:
-    """The parts of a target under ``target.max_part_mb``: the whole core when it fits, else the embedding, chunks of
-    consecutive layers and the head, the tables split along the vocabulary where one part would be over the limit."""
-    limit = int(target.max_part_mb * MB)
+    """The parts of a target: the whole core when it fits ``target.max_part_mb`` and its build in memory fits
+    ``target.max_host_memory_gb``; else the embedding, chunks of consecutive layers and the head, the tables split
+    along the vocabulary, so that no part is over ``max_part_mb`` and packaging none takes more than
+    ``packaging_room``."""
+    limit, room = int(target.max_part_mb * MB), packaging_room(target)
+    if room <= 0:
+        raise InputError(f"target.max_host_memory_gb: {target.max_host_memory_gb:g} GB is below the "
+                         f"{BASE_BYTES / GB:g} GB a build takes before it loads any weight; raise it")
     sizes = piece_sizes(args, target)
     vocab, layers = args.vocab_size, len(sizes.layers)
-    if sizes.total(vocab, args.tie_word_embeddings) <= limit:
+    if sizes.total(vocab, args.tie_word_embeddings) <= limit and \
+            whole_build_bytes(args.parameter_count) <= target.max_host_memory_gb * GB:
         return [Part.whole(args)]
-    parts = [Part(name, vocab, embedding=rows) for name, rows in _vocab_split("embed", vocab, sizes.embedding_row, 0,
-                                                                              limit, sizes.row_align)]
+    row_cost = PACKAGING_BYTES_PER_TABLE_WEIGHT * sizes.row_weights
+    parts = [Part(name, vocab, embedding=rows) for name, rows in _vocab_split(
+        "embed", vocab, sizes.embedding_row, 0, limit, sizes.row_align, row_cost, room)]
     first = 0
     while first < layers:
-        end, room = first, limit - sizes.layer_constants
-        while end < layers and sizes.layers[end] <= room:
-            room -= sizes.layers[end]
+        end, free, memory = first, limit - sizes.layer_constants, room
+        while end < layers and sizes.layers[end] <= free and _layer_cost(sizes, end) <= memory:
+            free -= sizes.layers[end]
+            memory -= _layer_cost(sizes, end)
             end += 1
         if end == first:
+            if _layer_cost(sizes, first) > room:
+                raise InputError(f"target.max_host_memory_gb: {target.max_host_memory_gb:g} GB cannot package "
+                                 f"decoder layer {first} (about {size_text(_layer_cost(sizes, first))} above the "
+                                 f"{BASE_BYTES / GB:g} GB base); raise it")
             raise InputError(f"target.max_part_mb: {target.max_part_mb:g} MB is below decoder layer {first}'s "
                              f"{size_text(sizes.layers[first] + sizes.layer_constants)}; raise it (a part holds "
                              "whole layers)")
         parts.append(Part(f"layers-{first}-{end - 1}", vocab, layers=(first, end)))
         first = end
-    parts += [Part(name, vocab, head=rows) for name, rows in _vocab_split("head", vocab, sizes.head_row, sizes.norm,
-                                                                         limit, sizes.row_align)]
+    parts += [Part(name, vocab, head=rows) for name, rows in _vocab_split(
+        "head", vocab, sizes.head_row, sizes.norm, limit, sizes.row_align, row_cost, room)]
     return parts
 
 
-def _vocab_split(name: str, vocab: int, row_bytes: float, fixed: int, limit: int,
-                 align: int) -> list[tuple[str, tuple[int, int]]]:
-    """Row ranges of a [vocab, hidden] table, each under ``limit`` with ``fixed`` bytes beside it, in as few equal
-    parts (multiples of ``align`` rows but the last) as it takes."""
-    fits = int((limit - fixed) // row_bytes) // align * align
+def _layer_cost(sizes: Sizes, layer: int) -> int:
+    return PACKAGING_BYTES_PER_LAYER_WEIGHT * sizes.layer_weights[layer]
+
+
+def packaging_bytes(part: Part, sizes: Sizes) -> int:
+    """Host memory packaging ``part`` takes above the base (the measured costs per weight)."""
+    rows = sum(held[1] - held[0] for held in (part.embedding, part.head) if held)
+    return sum(_layer_cost(sizes, i) for i in part.layer_indices) + \
+        PACKAGING_BYTES_PER_TABLE_WEIGHT * rows * sizes.row_weights
+
+
+def _vocab_split(name: str, vocab: int, row_bytes: float, fixed: int, limit: int, align: int, row_cost: int,
+                 room: int) -> list[tuple[str, tuple[int, int]]]:
+    """Row ranges of a [vocab, hidden] table, each under ``limit`` with ``fixed`` bytes beside it and packaged within
+    ``room`` (``row_cost`` a row), in as few equal parts (multiples of ``align`` rows but the last) as it takes."""
+    fits = min(int((limit - fixed) // row_bytes), room // row_cost) // align * align
     if fits <= 0:
-        raise InputError(f"target.max_part_mb: {limit / MB:g} MB cannot hold {align} rows of the {name} table "
-                         f"({size_text(int(align * row_bytes))}); raise it")
+        raise InputError(f"target.max_part_mb / max_host_memory_gb: {limit / MB:g} MB and {size_text(room)} of "
+                         f"packaging room cannot hold {align} rows of the {name} table "
+                         f"({size_text(int(align * row_bytes))}); raise them")
     count = math.ceil(vocab / fits)
     step = math.ceil(vocab / count / align) * align
     ranges = [(lo, min(lo + step, vocab)) for lo in range(0, vocab, step)]
@@ -299,7 +378,8 @@ def plan_lines(args, target, parts: list[Part]) -> list[str]:
     if len(parts) == 1:
         return []
     sizes = piece_sizes(args, target)
-    lines = [f"  parts: {len(parts)} (target.max_part_mb {target.max_part_mb:g}), chained by the host in this order:"]
+    lines = [f"  parts: {len(parts)} (target.max_part_mb {target.max_part_mb:g}, target.max_host_memory_gb "
+             f"{target.max_host_memory_gb:g}), chained by the host in this order:"]
     for part in parts:
         held = []
         if part.embedding:
@@ -310,7 +390,8 @@ def plan_lines(args, target, parts: list[Part]) -> list[str]:
             held.append(f"taps {list(part.own_taps(target.taps))}")
         if part.head:
             held.append(f"norm + lm_head rows {part.head[0]}..{part.head[1] - 1}")
-        lines.append(f"    {part.name}: {', '.join(held)}: {size_text(part_bytes(part, sizes))}")
+        lines.append(f"    {part.name}: {', '.join(held)}: {size_text(part_bytes(part, sizes))} (packaging about "
+                     f"{(BASE_BYTES + packaging_bytes(part, sizes)) / GB:.1f} GB)")
     return lines
 
 

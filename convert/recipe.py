@@ -112,6 +112,9 @@ class Target(Strict):
         2000, gt=0, description="no package over this many MB (10^6 bytes): a bigger target ships as parts "
         "(embedding, layer chunks, head; convert/parts.py). forge keeps parts under 2 GB; about 1 GB is Core ML's "
         "practice on iOS")
+    max_host_memory_gb: float = Field(
+        16, gt=0, description="host memory the build may take (10^9 bytes): a target whose build in memory would "
+        "take more is built part by part, streamed, with parts small enough to package within it (convert/parts.py)")
     gate: Gate = Gate()
     contract: dict[str, Any] = Field(
         default_factory=dict, description="config.json values the checkpoint must have (dotted keys for nested ones)"

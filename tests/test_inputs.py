@@ -78,7 +78,7 @@ def test_good_recipe_dry_run_plans_without_weights(workdir):
 def test_dry_run_prints_plan(workdir):
     result = run_dry(workdir, GOOD)
     assert result.exit_code == 0, result.output
-    for needle in ["prefill", "decode", "verify", "[1, 16]", "[3, 2, 64, 24]", "parameters:", "peak memory"]:
+    for needle in ["prefill", "decode", "verify", "[1, 16]", "[3, 2, 64, 24]", "parameters:", "peak host memory"]:
         assert needle in result.output
     assert not (workdir / "out").exists()
 

@@ -3,12 +3,15 @@ whole target computes."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 from checkpoints import write_checkpoint as write_dense
 from qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
+from convert import parts as parts_module
 from convert.compress import apply_quantized
 from convert.errors import InputError
 from convert.export import compute_copy
@@ -146,3 +149,31 @@ def test_a_layer_over_the_limit_is_refused_by_name(tmp_path):
     sizes = piece_sizes(args, _target(1e6, None))
     with pytest.raises(InputError, match="target.max_part_mb: .* below decoder layer 0"):
         plan_parts(args, _target(sizes.layers[0] / 2e6, None))
+
+
+def test_parts_are_sized_for_packaging_within_the_host_memory_budget(tmp_path):
+    write_hybrid(tmp_path / "h", seed=1, num_hidden_layers=4)
+    args = read_args(read_json(tmp_path / "h" / "config.json"))
+    sizes = piece_sizes(args, _target(2000, None))
+    layer = parts_module.PACKAGING_BYTES_PER_LAYER_WEIGHT * max(sizes.layer_weights)
+    table = parts_module.PACKAGING_BYTES_PER_TABLE_WEIGHT * args.vocab_size * args.hidden_size
+    room = 1.5 * layer  # packaging room for one and a half decoder layers
+    assert table > 2 * room  # and less than half a vocabulary table
+    target = _target(2000, None).model_copy(update={"max_host_memory_gb": (parts_module.BASE_BYTES + room) / 1e9})
+    assert abs(parts_module.packaging_room(target) - room) <= 1
+    parts = plan_parts(args, target)
+    assert len(parts) > 1  # 2000 MB alone would hold the whole target
+    assert all(parts_module.packaging_bytes(p, sizes) <= room for p in parts), [p.name for p in parts]
+    assert [len(p.layer_indices) for p in parts if p.layer_indices] == [1] * args.num_hidden_layers
+    row_cost = parts_module.PACKAGING_BYTES_PER_TABLE_WEIGHT * args.hidden_size
+    rows = int(room // row_cost) // parts_module.ROW_ALIGN * parts_module.ROW_ALIGN
+    assert len([p for p in parts if p.embedding]) == len([p for p in parts if p.head]) == \
+        math.ceil(args.vocab_size / rows) >= 3
+
+
+def test_a_host_memory_budget_below_the_base_is_refused_by_name(tmp_path):
+    write_dense(tmp_path / "d", num_hidden_layers=2)
+    args = read_args(read_json(tmp_path / "d" / "config.json"))
+    target = _target(2000, None).model_copy(update={"max_host_memory_gb": 1})
+    with pytest.raises(InputError, match="target.max_host_memory_gb: 1 GB is below"):
+        plan_parts(args, target)

@@ -35,11 +35,13 @@ def test_dflash2_27b_plans_from_its_contract():
     assert "parameters: 26,895,998,464" in out and "about 50.10 GiB of fp16 weights each" in out  # the target
     # the measured cost model: 48 x 18.2 s + 16 x 16.3 s + 5.0 s + 3.6 s at 128 x 2048 tokens = 19.05 min
     assert "estimated quantize time (lut4-gptq, 128 x 2048 calibration tokens): 19 min on one H200" in out
-    # parts under the default 2000 MB at lut4 (groups of 16): 10 layers of 383.2 M / 372.2 M weights per chunk
-    assert "parts: 9 (target.max_part_mb 2000), chained by the host in this order:" in out
-    assert "embed: embedding rows 0..248319: 606.72 MiB" in out
-    assert "layers-0-9: layers 0..9, taps [5]: 1.78 GiB" in out and "layers-60-63: layers 60..63, taps [61]" in out
-    assert "head: norm + lm_head rows 0..248319: 606.73 MiB" in out
+    # parts under the default 2000 MB and packaged within the default 16 GB (convert/parts.py's measured cost per
+    # weight): a vocabulary table's rows in 3 parts, 2 decoder layers (2 x ~383 M weights) a part
+    assert "parts: 38 (target.max_part_mb 2000, target.max_host_memory_gb 16), chained by the host" in out
+    assert "embed-1of3: embedding rows 0..82815: 202.35 MiB (packaging about 13.1 GB)" in out
+    assert "layers-4-5: layers 4..5, taps [5]: 368.38 MiB (packaging about 11.9 GB)" in out
+    assert "layers-62-63: layers 62..63: 362.36 MiB" in out
+    assert "head-3of3: norm + lm_head rows 165632..248319: 202.04 MiB" in out
 
 
 def test_the_quantize_estimate_of_round_to_nearest_is_the_cpu_measurement(tmp_path):

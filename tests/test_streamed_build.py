@@ -144,3 +144,16 @@ def test_the_manifest_records_of_a_streamed_build_are_the_whole_targets(built):
     for name in ("embed_tokens", "lm_head"):
         assert torch.equal(getattr(tables.core, name).weight, getattr(modules.core, name).weight)
     assert sum(p.numel() for p in tables.core.parameters()) == sum(p.numel() for p in modules.core.parameters())
+
+
+def test_a_streamed_gate_over_the_host_memory_budget_is_refused_before_any_work(tmp_path):
+    recipe = _recipe(tmp_path, "tiny_qwen3_5", "affine4", "[5, 1]")
+    plan = make_plan(recipe)
+    assert not plan.parts[0].is_whole and plan.peak_memory_bytes <= 16e9
+    # the reference holds every window's fp32 logits: enough windows put the gate over the budget
+    windows = int(16e9 / (4 * 256 * plan.args.vocab_size)) + 1
+    recipe.write_text(recipe.read_text().replace("data: {samples: 16, length: 256}",
+                                                 f"data: {{samples: {windows}, length: 256}}"))
+    with pytest.raises(build.InputError, match=r"target.gate.data: the streamed gate over \d+ x 256 tokens needs "
+                       r"about 1[6-9]\.\d GB .*over target.max_host_memory_gb 16; lower samples or length"):
+        make_plan(recipe)
