@@ -30,7 +30,9 @@ from convert.host import TargetDriver
 from convert.models import Layout, family_for, family_of
 from convert.packaging import package_formats
 from convert.parts import (
+    BASE_BYTES,
     MB,
+    WHOLE_BYTES_PER_PARAMETER,
     Part,
     build_memory_bytes,
     coreai_target,
@@ -97,8 +99,17 @@ class Plan:
 
     @property
     def peak_memory_bytes(self) -> int:
-        """Estimate of the build's peak host memory (``convert/parts.py``: measured costs)."""
-        return build_memory_bytes(self.args, self.recipe.target, self.parts, self.specs)
+        """Estimate of the build's peak host memory (``convert/parts.py``: measured costs), the drafter stage's
+        included."""
+        return max(build_memory_bytes(self.args, self.recipe.target, self.parts, self.specs), self.drafter_stage_bytes)
+
+    @property
+    def drafter_stage_bytes(self) -> int:
+        """Host memory of the drafter stage (0 without a drafter): it runs the whole target, fp16 and an fp32 copy
+        (calibration, acceptance, the A/B), beside the drafter's own whole build."""
+        if not self.drafter:
+            return 0
+        return BASE_BYTES + 6 * self.parameter_count + WHOLE_BYTES_PER_PARAMETER * self.drafter.args.parameter_count
 
 
 def make_plan(recipe_path: Path, output: str | None = None) -> Plan:
@@ -130,6 +141,12 @@ def _check_host_memory(plan: Plan) -> None:
     budget = target.max_host_memory_gb * 1e9
     if plan.parts[0].is_whole or plan.peak_memory_bytes <= budget:
         return
+    if plan.drafter_stage_bytes > budget:
+        raise InputError(f"{plan.recipe_path}: drafter: the drafter stage runs the whole target in memory (fp16 and "
+                         f"an fp32 copy: about {plan.drafter_stage_bytes / 1e9:.0f} GB), over "
+                         f"target.max_host_memory_gb {target.max_host_memory_gb:g}; build the target alone here (a "
+                         "recipe without the drafter), or the pair on a machine with that memory and a "
+                         "max_host_memory_gb to match")
     data = target.gate.data
     logits = 4 * data.samples * data.length * plan.args.vocab_size
     raise InputError(f"{plan.recipe_path}: target.gate.data: the streamed gate over {data.samples} x {data.length} "
@@ -552,6 +569,8 @@ def describe_plan(plan: Plan) -> list[str]:
         f"  states: {plan.state_bytes / mib:.1f} MiB in all",
         *estimate_lines(args, recipe.target),
         memory_line(recipe.target, plan.peak_memory_bytes),
+        *([f"  estimated drafter stage: {plan.drafter_stage_bytes / 1e9:.1f} GB (it runs the whole target in "
+           "fp16 and fp32)"] if plan.drafter else []),
     ]
     if plan.drafter:
         lines += describe_drafter(plan)

@@ -157,3 +157,22 @@ def test_a_streamed_gate_over_the_host_memory_budget_is_refused_before_any_work(
     with pytest.raises(build.InputError, match=r"target.gate.data: the streamed gate over \d+ x 256 tokens needs "
                        r"about 1[6-9]\.\d GB .*over target.max_host_memory_gb 16; lower samples or length"):
         make_plan(recipe)
+
+
+def test_a_drafter_stage_over_the_host_memory_budget_is_refused_by_name(tmp_path):
+    text = (ROOT / "recipes" / "tiny_qwen3_5_dflash2.yaml").read_text()
+    text = text.replace("path:../fixtures", f"path:{ROOT / 'fixtures'}").replace(
+        "  context: 512\n", "  context: 512\n  max_part_mb: 3\n").replace(
+        "data: {samples: 16, length: 256}", "data: {samples: 2, length: 64}")  # a gate small beside the target
+    recipe = tmp_path / "pair.yaml"
+    recipe.write_text(text)
+    plan = make_plan(recipe)
+    target_alone = build.build_memory_bytes(plan.args, plan.recipe.target, plan.parts, plan.specs)
+    # the drafter stage runs the whole target, fp16 and fp32 (6 bytes a parameter), beside the drafter's build
+    assert plan.drafter_stage_bytes == build.BASE_BYTES + 6 * plan.parameter_count + \
+        build.WHOLE_BYTES_PER_PARAMETER * plan.drafter.args.parameter_count > target_alone
+    budget = (target_alone + plan.drafter_stage_bytes) / 2 / 1e9
+    recipe.write_text(text.replace("  max_part_mb: 3\n", f"  max_part_mb: 3\n  max_host_memory_gb: {budget}\n"))
+    with pytest.raises(build.InputError, match=r"drafter: the drafter stage runs the whole target in memory .*over "
+                       r"target.max_host_memory_gb .*; build the target alone here"):
+        make_plan(recipe)
