@@ -30,6 +30,7 @@ from convert.models.qwen3 import LINEAR_GROUPS, CausalRunner
 from quant.affine import quantize_affine
 from quant.calibrate import (
     capture_hessians,
+    each_linear,
     encode,
     fixture_corpus_text,
     quantize_sequential,
@@ -165,7 +166,8 @@ def fixture_part(opts, device: torch.device) -> dict:
         core = fresh_core(args, tensors, opts.length, device)
         refits = opts.lut_refits if method == "lut4" else 0
         t0 = time.perf_counter()
-        gptq_q = quantize_sequential(core, calibration.tokens, gptq_callback(method, group_size, refits)).quantized
+        callback = each_linear(gptq_callback(method, group_size, refits))
+        gptq_q = quantize_sequential(core, calibration.tokens, callback).quantized
         result["seconds"][method] = time.perf_counter() - t0
         for name, w in weights.items():
             result["layers"][name][method] = {

@@ -42,7 +42,7 @@ from convert.sources import CheckpointReader, sha256_file
 from convert.stream import Streamer, checkpoint_key, skeleton
 from quant.affine import quantize_affine
 from quant.calibrate import CalibrationSet, quantize_layer, sample_calibration
-from quant.gptq import HessianAccumulator, gptq_quantize
+from quant.gptq import HessianAccumulator, gptq_quantize, gptq_quantize_shared
 from quant.lut import quantize_lut
 from quant.types import GROUP_TENSORS, QuantizedWeight
 
@@ -411,13 +411,20 @@ def _compute(core, streamer: Streamer, unit: Unit, quant: Quantization, x, runne
         layer = streamer.fill(unit.prefix)
         index = int(unit.prefix.split(".")[1])
 
-        def quantize_linear(name: str, weight: torch.Tensor, hessian: torch.Tensor) -> QuantizedWeight | None:
-            if name.removeprefix("model.") in keep:
-                return None
-            return _to_cpu(gptq_quantize(weight, hessian, method, group, lut_refits=quant.lut_refits, name=name))
+        def quantize_linears(names: list[str], weights: list[torch.Tensor],
+                             hessian: torch.Tensor) -> list[QuantizedWeight | None]:
+            """The linears sharing ``hessian`` in one stacked sweep (``gptq_quantize_shared``), the kept ones not."""
+            chosen = [k for k, name in enumerate(names) if name.removeprefix("model.") not in keep]
+            results: list[QuantizedWeight | None] = [None] * len(names)
+            if chosen:
+                stacked = gptq_quantize_shared([weights[k] for k in chosen], hessian, method, group,
+                                               lut_refits=quant.lut_refits, names=[names[k] for k in chosen])
+                for k, qw in zip(chosen, stacked, strict=True):
+                    results[k] = _to_cpu(qw)
+            return results
 
         family = family_of(core.args)
-        done = quantize_layer(layer, index, family.linear_groups(core, layer), x, runner, quantize_linear,
+        done = quantize_layer(layer, index, family.linear_groups(core, layer), x, runner, quantize_linears,
                               blocks=family.cached_blocks(core, layer), outputs=forward)
         if forward:
             done, result["__outputs__"] = done

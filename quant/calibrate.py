@@ -39,6 +39,13 @@ from quant.types import QuantizedWeight
 
 # (transformers name without ".weight", weight [out, in], Hessian [in, in]) -> quantized weight, or None to keep it
 QuantizeLinear = Callable[[str, torch.Tensor, torch.Tensor], "QuantizedWeight | None"]
+# the same for linears that share one Hessian (they read one input): names, weights -> one result per name
+QuantizeLinears = Callable[[list[str], list[torch.Tensor], torch.Tensor], "list[QuantizedWeight | None]"]
+
+
+def each_linear(quantize: QuantizeLinear) -> QuantizeLinears:
+    """A ``QuantizeLinears`` that quantizes the linears sharing a Hessian one by one."""
+    return lambda names, weights, hessian: [quantize(n, w, hessian) for n, w in zip(names, weights, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -289,7 +296,8 @@ class SequentialResult:
 
 @torch.no_grad()
 def quantize_layer(layer: torch.nn.Module, index: int, groups: tuple[tuple[str, ...], ...], x: torch.Tensor,
-                   runner: Callable, quantize_linear: QuantizeLinear, *, blocks: tuple[tuple[str, str], ...] = (),
+                   runner: Callable, quantize_linears: QuantizeLinears, *,
+                   blocks: tuple[tuple[str, str], ...] = (),
                    outputs: bool = False,
                    ) -> dict[str, QuantizedWeight] | tuple[dict[str, QuantizedWeight], torch.Tensor]:
     """Quantize decoder layer ``index``'s linears in place, group by group over its inputs ``x``: each group's
@@ -302,13 +310,16 @@ def quantize_layer(layer: torch.nn.Module, index: int, groups: tuple[tuple[str, 
     quantized = {}
     for names in groups:
         accumulators = capture_hessians(layer, names, x, runner, caches)
-        for name, acc in accumulators.items():
-            full_name = f"model.layers.{index}.{name}"
-            linear = layer.get_submodule(name)
-            qw = quantize_linear(full_name, linear.weight, acc.hessian())
-            if qw is not None:
-                linear.weight.copy_(qw.dequantize().to(linear.weight.dtype))
-                quantized[full_name] = qw
+        shared = all(accumulators[n] is accumulators[names[0]] for n in names)
+        for sharing in [list(names)] if shared else [[n] for n in names]:
+            full_names = [f"model.layers.{index}.{name}" for name in sharing]
+            linears = [layer.get_submodule(name) for name in sharing]
+            results = quantize_linears(full_names, [linear.weight for linear in linears],
+                                       accumulators[sharing[0]].hessian())
+            for full_name, linear, qw in zip(full_names, linears, results, strict=True):
+                if qw is not None:
+                    linear.weight.copy_(qw.dequantize().to(linear.weight.dtype))
+                    quantized[full_name] = qw
     if not outputs:
         return quantized
     return quantized, layer_outputs(layer, x, runner, caches)
@@ -316,7 +327,7 @@ def quantize_layer(layer: torch.nn.Module, index: int, groups: tuple[tuple[str, 
 
 @torch.no_grad()
 def quantize_sequential(core: torch.nn.Module, tokens: torch.Tensor,
-                        quantize_linear: QuantizeLinear) -> SequentialResult:
+                        quantize_linears: QuantizeLinears) -> SequentialResult:
     """Quantize every decoder-layer linear of an export ``core`` in place, layer by layer, on calibration ``tokens``
     [n, L]; the core's architecture family says how a layer runs over a sample and which linears it quantizes.
     (The whole core in memory: the build streams the same loop from the checkpoint, ``convert/quantize.py``.)"""
@@ -325,7 +336,7 @@ def quantize_sequential(core: torch.nn.Module, tokens: torch.Tensor,
     x = core.embed_tokens(tokens.to(core.embed_tokens.weight.device).long())
     quantized = {}
     for i, layer in enumerate(core.layers):
-        done, x = quantize_layer(layer, i, family.linear_groups(core, layer), x, runner, quantize_linear,
+        done, x = quantize_layer(layer, i, family.linear_groups(core, layer), x, runner, quantize_linears,
                                  blocks=family.cached_blocks(core, layer), outputs=True)
         quantized.update(done)
     return SequentialResult(quantized=quantized, hidden=x)

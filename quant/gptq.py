@@ -220,9 +220,38 @@ def gptq_quantize(
     then up to ``lut_refits`` times it is refitted (weighted by diag H) on the values the sweep rounded and the
     sweep is run again, kept while the output error falls. ``name`` (the layer) is used in errors.
     """
-    check_shapes(weight, hessian, method, group_size, name)
-    device = weight.device
-    original = weight.detach().float()
+    return gptq_quantize_shared([weight], hessian, method, group_size, block_size=block_size, act_order=act_order,
+                                percdamp=percdamp, weighted_lut=weighted_lut, lut_refits=lut_refits,
+                                names=[name])[0]
+
+
+def gptq_quantize_shared(
+    weights: Sequence[torch.Tensor],
+    hessian: torch.Tensor,
+    method: Method,
+    group_size: int,
+    *,
+    block_size: int = BLOCK_SIZE,
+    act_order: bool = True,
+    percdamp: float = PERCDAMP,
+    weighted_lut: bool = True,
+    lut_refits: int = 0,
+    names: Sequence[str] | None = None,
+) -> list[QuantizedWeight]:
+    """``gptq_quantize`` of each of ``weights``, linears that read one input and so share ``hessian`` (q/k/v,
+    gate/up, a GDN's in_proj_qkv/z), in one sweep over their rows stacked.
+
+    GPTQ treats the rows of a weight independently (the column order, the damping and the inverse factor come from
+    the Hessian alone; affine4's groups and lut4's tables are row-local), so the stacked sweep computes each
+    weight's codes as its own sweep would, with one set of per-column kernels for all of them: the sweep is bound by
+    launches on a GPU. lut4 refits are decided per weight, as in their own runs.
+    """
+    names = list(names or [f"weight{k}" for k in range(len(weights))])
+    for weight, name in zip(weights, names, strict=True):
+        check_shapes(weight, hessian, method, group_size, name)
+    device = weights[0].device
+    rows = [w.shape[0] for w in weights]
+    original = torch.cat([w.detach().float() for w in weights])
     hessian = hessian.detach().to(device=device, dtype=torch.float32)
     work_h = hessian.clone()
     dead = work_h.diagonal() == 0
@@ -237,38 +266,57 @@ def gptq_quantize(
         work_h = work_h[perm][:, perm]
     else:
         perm = torch.arange(work_w.shape[1], device=device)
-    factor, damping, retries = inverse_factor(work_h, percdamp, name)
+    factor, damping, retries = inverse_factor(work_h, percdamp, ", ".join(names))
     factor /= factor.diagonal().clone()[:, None]
     order, inverse_perm = perm.tolist(), torch.argsort(perm)
 
-    def run(params: dict) -> tuple[QuantizedWeight, torch.Tensor, float]:
+    def split(tensor: torch.Tensor, per_row: int = 1) -> tuple[torch.Tensor, ...]:
+        return tensor.split([r // per_row for r in rows])
+
+    def parts(params: dict) -> list[dict]:
+        return [dict(zip(params, values, strict=True)) for values in zip(
+            *(split(v, group_size if k == "lut" else 1) for k, v in params.items()), strict=True)]
+
+    def run(params: dict) -> list[tuple[QuantizedWeight, torch.Tensor, float]]:
         targets = work_w[:, perm]
         codes = sweep(targets, factor, make_rounder(method, params, group_size), order, block_size)
-        qw = QuantizedWeight(method, codes[:, inverse_perm], group_size, **params)
-        return qw, targets[:, inverse_perm], output_error(original - qw.dequantize(), hessian)
+        results = []
+        for c, t, w, own in zip(split(codes[:, inverse_perm]), split(targets[:, inverse_perm]), split(original),
+                                parts(params), strict=True):
+            qw = QuantizedWeight(method, c, group_size, **own)
+            results.append((qw, t, output_error(w - qw.dequantize(), hessian)))
+        return results
 
-    qw, targets, error = run(params)
-    kept = 0
+    best = run(params)
+    kept, active = [0] * len(weights), [True] * len(weights)
     for _ in range(lut_refits if method == "lut4" else 0):
-        candidate, candidate_targets, candidate_error = run(fit_params(method, targets, group_size, hessian.diagonal()))
-        if candidate_error >= error:
+        targets = torch.cat([t for _, t, _ in best])
+        candidates = run(fit_params(method, targets, group_size, hessian.diagonal()))
+        for k, candidate in enumerate(candidates):
+            if active[k] and candidate[2] < best[k][2]:
+                best[k], kept[k] = candidate, kept[k] + 1
+            else:
+                active[k] = False
+        if not any(active):
             break
-        qw, targets, error, kept = candidate, candidate_targets, candidate_error, kept + 1
 
-    rtn = QuantizedWeight(method, round_to_nearest(method, original, params, group_size), group_size, **params)
-    rtn_error = output_error(original - rtn.dequantize(), hessian)
-    qw.stats.update(
-        {
-            "gptq_output_error": error,
-            "rtn_output_error": rtn_error,
-            "error_ratio": error / rtn_error if rtn_error else None,
-            "weight_mse": float((qw.dequantize().float() - original).pow(2).mean()),
-            "damping": damping,
-            "cholesky_retries": retries,
-            "dead_columns": int(dead.sum()),
-            "act_order": act_order,
-            "block_size": block_size,
-            "lut_refits_kept": kept,
-        }
-    )
-    return qw
+    results = []
+    for (qw, _, error), w, own, refits in zip(best, split(original), parts(params), kept, strict=True):
+        rtn = QuantizedWeight(method, round_to_nearest(method, w, own, group_size), group_size, **own)
+        rtn_error = output_error(w - rtn.dequantize(), hessian)
+        qw.stats.update(
+            {
+                "gptq_output_error": error,
+                "rtn_output_error": rtn_error,
+                "error_ratio": error / rtn_error if rtn_error else None,
+                "weight_mse": float((qw.dequantize().float() - w).pow(2).mean()),
+                "damping": damping,
+                "cholesky_retries": retries,
+                "dead_columns": int(dead.sum()),
+                "act_order": act_order,
+                "block_size": block_size,
+                "lut_refits_kept": refits,
+            }
+        )
+        results.append(qw)
+    return results

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from convert.models.qwen3 import LINEAR_GROUPS, CausalRunner, Qwen3Args, Qwen3Core
 from convert.sources import load_tensors
-from quant.calibrate import encode, fixture_corpus_text, quantize_sequential, sample_calibration
+from quant.calibrate import each_linear, encode, fixture_corpus_text, quantize_sequential, sample_calibration
 from quant.gptq import HessianAccumulator, gptq_quantize
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "stdlib-qwen3"
@@ -103,7 +103,7 @@ def test_capture_without_quantization_equals_the_core_forward(tensors):
     core = fixture_core(tensors)
     tokens = torch.randint(4, 8192, (3, LENGTH), generator=torch.Generator().manual_seed(0))
     seen = []
-    result = quantize_sequential(core, tokens, lambda name, w, h: seen.append(name))
+    result = quantize_sequential(core, tokens, each_linear(lambda name, w, h: seen.append(name)))
     assert torch.equal(result.hidden, plain_forward(core, tokens))
     assert result.quantized == {}
     per_layer = [f"model.layers.0.{n}" for group in LINEAR_GROUPS for n in group]
@@ -121,7 +121,7 @@ def test_quantized_layers_feed_the_next_ones(tensors):
         captured[name] = h
         return gptq_quantize(w, h, "affine4", 64, name=name)
 
-    result = quantize_sequential(core, tokens, quantize)
+    result = quantize_sequential(core, tokens, each_linear(quantize))
     assert len(result.quantized) == 7 * core.args.num_hidden_layers
     for name, qw in result.quantized.items():
         assert torch.equal(core.get_submodule(name.removeprefix("model.")).weight, qw.dequantize().float())

@@ -292,13 +292,13 @@ def test_causal_conv_is_the_windowed_sum():
 def test_calibration_runs_the_gdn_layers_and_keeps_the_small_linears(tmp_path):
     """GPTQ's layer-sequential capture over a hybrid core: the layers' outputs equal a prefill of each sample, the
     linears come in each layer kind's groups, and in_proj_a / in_proj_b are never handed to the quantizer."""
-    from quant.calibrate import quantize_sequential
+    from quant.calibrate import each_linear, quantize_sequential
 
     write_checkpoint(tmp_path / "ckpt")
     args, modules = modules_for(tmp_path / "ckpt", (3,), prefill=24)
     tokens = torch.randint(4, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     seen = []
-    result = quantize_sequential(modules.core, tokens, lambda name, w, h: seen.append(name))
+    result = quantize_sequential(modules.core, tokens, each_linear(lambda name, w, h: seen.append(name)))
     driver = module_driver(modules)
     for sample, hidden in zip(tokens.tolist(), result.hidden, strict=True):
         driver.reset()

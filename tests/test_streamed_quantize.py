@@ -26,7 +26,7 @@ from convert.recipe import Calibration, Graphs, Quantization, Target
 from convert.sources import load_tensors, read_json
 from convert.target import build_modules
 from quant import calibrate
-from quant.calibrate import quantize_layer, quantize_sequential
+from quant.calibrate import each_linear, quantize_layer, quantize_sequential
 from quant.gptq import HessianAccumulator, gptq_quantize
 from quant.lut import quantize_lut
 
@@ -63,7 +63,7 @@ def in_memory(directory: Path, quant: Quantization) -> dict:
         return None if name.endswith(small) else gptq_quantize(weight, hessian, method, group, name=name)
 
     tokens = _calibration_set(quant, directory, directory.parent).tokens
-    result = quantize_sequential(work, tokens, gptq)
+    result = quantize_sequential(work, tokens, each_linear(gptq))
     weights = {name.removeprefix("model."): qw for name, qw in result.quantized.items()}
     accumulator = HessianAccumulator(args.hidden_size)
     with torch.no_grad():
@@ -145,7 +145,7 @@ def test_the_block_caches_give_the_recomputing_passes_bytes_and_skip_the_blocks(
             for what, name in (("mixer", mixer), ("mlp", mlp)):
                 layer.get_submodule(name).register_forward_pre_hook(lambda *_, what=what: entered.update(
                     {what: entered[what] + 1}))
-            quantized, x = quantize_layer(layer, i, family.linear_groups(work, layer), x, runner, gptq,
+            quantized, x = quantize_layer(layer, i, family.linear_groups(work, layer), x, runner, each_linear(gptq),
                                           blocks=pair[1:] if mlp_only else pair, outputs=True)
             results.append((quantized, x))
         runs = tokens.shape[0] * len(work.layers)
