@@ -114,15 +114,20 @@ def run(directory: Path, config: dict, method: str, samples: int, length: int, d
     units, sweeps = {}, []
     import convert.quantize as stage
 
-    def timed_gptq(*a, **k):  # the GPTQ solve of one matrix (fit, sweep, refits), apart from the calibration passes
-        begin = time.perf_counter()
-        qw = gptq(*a, **k)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        sweeps.append(time.perf_counter() - begin)
-        return qw
+    def timed(solve):  # a GPTQ solve (fit, sweep, refits) of one matrix or a stack, apart from the calibration passes
+        def run(*a, **k):
+            begin = time.perf_counter()
+            result = solve(*a, **k)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            sweeps.append(time.perf_counter() - begin)
+            return result
 
-    gptq, stage.gptq_quantize = stage.gptq_quantize, timed_gptq
+        return run
+
+    solvers = {name: getattr(stage, name) for name in ("gptq_quantize", "gptq_quantize_shared")}
+    for name, solve in solvers.items():
+        setattr(stage, name, timed(solve))
 
     def observe(unit: str, seconds: float) -> None:
         gpu = torch.cuda.max_memory_allocated() if device == "cuda" else 0
@@ -143,7 +148,8 @@ def run(directory: Path, config: dict, method: str, samples: int, length: int, d
     result = quantize_checkpoint(directory, args, target, Layout(), quant, directory.parent,
                                  cache=BuildCache(enabled=False), device=device, observe=observe)
     total = time.perf_counter() - start
-    stage.gptq_quantize = gptq
+    for name, solve in solvers.items():
+        setattr(stage, name, solve)
     kinds = {}
     for i, kind in enumerate(args.layer_types):
         kinds.setdefault(kind, []).append(units[f"layers.{i}"]["seconds"])
