@@ -1,9 +1,11 @@
-"""Benchmark: GPTQ of linears that share a Hessian, stacked in one sweep against each in its own, at the 27B widths.
+"""Benchmark: the GPTQ sweep at the 27B widths: stacked linears that share a Hessian against each in its own sweep,
+and the CUDA-graph sweep against the eager one.
 
 The matrices of a Qwen3.8-27B layer that read one input (attention q/k/v: 6144, 1024 and 1024 rows; a Gated
-DeltaNet's in_proj_qkv / in_proj_z: 10240 and 6144; the MLP's gate / up: 17408 each; 5120 columns) are quantized
-under one seeded Hessian by ``gptq_quantize_shared`` and by ``gptq_quantize`` one at a time; prints both times and
-whether codes and tables are bit for bit equal. The first row includes the device's warm-up.
+DeltaNet's in_proj_qkv / in_proj_z: 10240 and 6144; the MLP's gate / up: 17408 each; 5120 columns) and down_proj
+(5120 x 17408) are quantized under seeded Hessians by ``gptq_quantize_shared``, eager (``CUDA_GRAPHS`` off) and
+graphed, and by ``gptq_quantize`` one at a time; prints the times and whether codes and tables are bit for bit
+equal. The first row includes the device's warm-up.
 
     PYTHONPATH=. python3 -m bench.gptq_stacked [--device cuda]
 """
@@ -15,10 +17,10 @@ import time
 
 import torch
 
-from quant.gptq import gptq_quantize, gptq_quantize_shared
+from quant import gptq
 
-STACKS = ((6144, 1024, 1024), (10240, 6144), (17408, 17408))
-COLUMNS = 5120
+STACKS = (((6144, 1024, 1024), 5120), ((10240, 6144), 5120), ((17408, 17408), 5120), ((5120,), 17408))
+SAMPLES = 8192
 
 
 def main() -> None:
@@ -32,21 +34,27 @@ def main() -> None:
         return time.perf_counter()
 
     generator = torch.Generator(device).manual_seed(0)
-    x = torch.randn(8192, COLUMNS, generator=generator, device=device)
-    hessian = 2 * x.T @ x / x.shape[0]
-    for rows in STACKS:
-        weights = [0.02 * torch.randn(r, COLUMNS, generator=generator, device=device) for r in rows]
-        for method, group in (("lut4", 16), ("affine4", 128)):
-            start = synchronized()
-            stacked = gptq_quantize_shared(weights, hessian, method, group)
-            middle = synchronized()
-            alone = [gptq_quantize(w, hessian, method, group) for w in weights]
-            end = synchronized()
+    hessians = {}
+    for rows, columns in STACKS:
+        if columns not in hessians:
+            x = torch.randn(SAMPLES, columns, generator=generator, device=device)
+            hessians[columns] = 2 * x.T @ x / SAMPLES
+        hessian = hessians[columns]
+        weights = [0.02 * torch.randn(r, columns, generator=generator, device=device) for r in rows]
+        for method, group in (("lut4", 16), ("affine4", 64)):
             fields = ("codes", "lut") if method == "lut4" else ("codes", "scale", "zero_point")
-            equal = all(torch.equal(getattr(a, f), getattr(s, f)) for a, s in zip(alone, stacked, strict=True)
-                        for f in fields)
-            print(f"{method} rows {rows}: stacked {middle - start:.2f} s, alone {end - middle:.2f} s, "
-                  f"bit-equal {equal}", flush=True)
+            times, results = {}, {}
+            for name, graphs, stacked in (("eager", False, True), ("graphed", True, True), ("alone", True, False)):
+                gptq.CUDA_GRAPHS = graphs
+                start = synchronized()
+                results[name] = gptq.gptq_quantize_shared(weights, hessian, method, group) if stacked else \
+                    [gptq.gptq_quantize(w, hessian, method, group) for w in weights]
+                times[name] = synchronized() - start
+            gptq.CUDA_GRAPHS = True
+            equal = all(torch.equal(getattr(a, f), getattr(b, f)) for other in ("graphed", "alone")
+                        for a, b in zip(results["eager"], results[other], strict=True) for f in fields)
+            print(f"{method} rows {rows} x {columns}: stacked eager {times['eager']:.2f} s, stacked graphed "
+                  f"{times['graphed']:.2f} s, one by one graphed {times['alone']:.2f} s; bit-equal {equal}", flush=True)
 
 
 if __name__ == "__main__":

@@ -117,10 +117,10 @@ class Measured:
 # layers.
 COST_MODEL = (
     Measured("one H200", 128 * 2048, {
-        "lut4-gptq": {"linear_attention": (18.2, 7.2), "full_attention": (16.3, 7.6), "lm_head": (5.0, 3.4),
-                      "embed_tokens": (3.6, 0.0)},
-        "affine4-gptq": {"linear_attention": (19.7, 7.9), "full_attention": (18.1, 9.2), "lm_head": (3.5, 1.9),
-                         "embed_tokens": (1.5, 0.0)}}),
+        "lut4-gptq": {"linear_attention": (16.1, 4.3), "full_attention": (13.4, 4.5), "lm_head": (5.2, 3.4),
+                      "embed_tokens": (3.7, 0.0)},
+        "affine4-gptq": {"linear_attention": (14.6, 3.9), "full_attention": (12.8, 4.2), "lm_head": (3.6, 1.9),
+                         "embed_tokens": (1.7, 0.0)}}),
     Measured("2 CPU cores", 8 * 512, {
         "affine4": {"linear_attention": (22.9, 0.0), "full_attention": (21.3, 0.0), "lm_head": (68.0, 0.0),
                     "embed_tokens": (83.0, 0.0)},

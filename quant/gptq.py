@@ -18,19 +18,30 @@ Output errors in the stats are mean squared output errors per calibration token,
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
-from quant.affine import check_group_size, fit_affine, round_affine
+from quant.affine import LEVELS, check_group_size, fit_affine, round_affine
 from quant.types import Method, QuantizedWeight
 
 BLOCK_SIZE = 128
 PERCDAMP = 0.01
 DAMPING_GROWTH = 10.0
 MAX_DAMPING_TRIES = 5  # 0.01, 0.1, 1, 10, 100 x mean(diag H)
+CUDA_GRAPHS = True  # the sweep replays a captured block on CUDA (bench/gptq_stacked.py compares it with eager)
 
-# (weight column [out, 1] fp32, its original column index) -> (codes [out, 1] of an integer dtype, shipped values)
-ColumnRounder = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class ColumnRounder(Protocol):
+    """Rounds the sweep's columns one block at a time: ``load`` takes the original indices of a block's columns (in
+    sweep order), then a call takes the column at position ``i`` of that block, weight [out, 1] fp32, and returns its
+    codes [out, 1] (an integer dtype) and shipped values. ``load`` copies what the calls read into fixed buffers, so
+    a block's calls can be captured once as a CUDA graph and replayed for every block."""
+
+    def load(self, columns: Sequence[int]) -> None: ...
+
+    def __call__(self, w: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class GPTQError(RuntimeError):
@@ -103,44 +114,94 @@ def sweep(weight: torch.Tensor, factor: torch.Tensor, rounder: ColumnRounder, or
 
     ``factor`` is the upper Cholesky factor of the inverse Hessian with each row divided by its diagonal entry:
     a column's rounding error ``w - q`` times its row is its update of the later columns (and turns the column
-    itself into ``q``). Per column the loop issues the rounder's kernels and three more, with views prepared per
-    block: it is the part of GPTQ that launch overhead dominates on a GPU.
+    itself into ``q``). Per column the loop issues the rounder's kernels and three more: the part of GPTQ that
+    launch overhead dominates on a GPU, so there a full block's column loop is captured once as a CUDA graph over
+    fixed buffers and replayed for every full block (the same kernels on the same values: the same bits).
 
     Returns the codes [out, in] in the same (permuted) column order; ``weight`` ends holding, for every column,
     the error-compensated values that were rounded (what a LUT refit is fitted on).
     """
     out, columns = weight.shape
     codes = torch.empty(out, columns, dtype=torch.uint8, device=weight.device)
+    block = torch.empty(out, block_size, dtype=weight.dtype, device=weight.device)
+    errors, block_codes = torch.empty_like(block), torch.empty_like(codes[:, :block_size])
+    rows = torch.empty(block_size, block_size, dtype=factor.dtype, device=factor.device)
+    replay = None
     for i1 in range(0, columns, block_size):
         i2 = min(i1 + block_size, columns)
-        block = weight[:, i1:i2].clone()
-        errors = torch.empty_like(block)
-        rows = factor[i1:i2, i1:i2].split(1, dim=0)
-        block_columns, error_columns = block.split(1, dim=1), errors.split(1, dim=1)
-        code_columns = codes[:, i1:i2].split(1, dim=1)
-        for i in range(i2 - i1):
-            column_codes, q = rounder(block_columns[i], order[i1 + i])
-            code_columns[i].copy_(column_codes)
-            torch.sub(block_columns[i], q, out=error_columns[i])
-            block.addmm_(error_columns[i], rows[i], alpha=-1)
-        weight[:, i1:i2] = block + errors
-        weight[:, i2:].addmm_(errors, factor[i1:i2, i2:], alpha=-1)
+        width = i2 - i1
+        given = (weight[:, i1:i2], factor[i1:i2, i1:i2], order[i1:i2])
+        _fill(block, rows, rounder, *given)
+        if width < block_size or not (weight.is_cuda and CUDA_GRAPHS):
+            _sweep_block(block[:, :width], errors[:, :width], block_codes[:, :width], rows[:width, :width], rounder)
+        else:
+            if replay is None:  # the capture's warm-up ran on the buffers: fill them again
+                replay = _captured(lambda: _sweep_block(block, errors, block_codes, rows, rounder))
+                _fill(block, rows, rounder, *given)
+            replay()
+        codes[:, i1:i2] = block_codes[:, :width]
+        weight[:, i1:i2] = block[:, :width] + errors[:, :width]
+        weight[:, i2:].addmm_(errors[:, :width], factor[i1:i2, i2:], alpha=-1)
     return codes
 
 
-def affine_rounder(scale: torch.Tensor, zero_point: torch.Tensor, group_size: int) -> ColumnRounder:
-    scale32, zero32 = scale.float(), zero_point.float()
-    scale16, zero16 = scale.half().split(1, dim=1), zero_point.half().split(1, dim=1)  # per group [out, 1]
-
-    def round_column(w: torch.Tensor, col: int):
-        codes = round_affine(w, scale32, zero32, group_size, col)
-        g = col // group_size
-        return codes, (codes - zero16[g]).mul_(scale16[g])  # the shipped fp16 arithmetic
-
-    return round_column
+def _fill(block: torch.Tensor, rows: torch.Tensor, rounder: ColumnRounder, columns: torch.Tensor,
+          factor: torch.Tensor, order: Sequence[int]) -> None:
+    """The sweep's fixed buffers for one block: its columns, its rows of the factor, its columns' rounding tables."""
+    width = columns.shape[1]
+    block[:, :width].copy_(columns)
+    rows[:width, :width].copy_(factor)
+    rounder.load(order)
 
 
-def lut_rounder(lut: torch.Tensor, group_size: int) -> ColumnRounder:
+def _sweep_block(block: torch.Tensor, errors: torch.Tensor, codes: torch.Tensor, rows: torch.Tensor,
+                 rounder: ColumnRounder) -> None:
+    """One block's columns in order: round, record the error, spread it over the block's later columns."""
+    block_columns, error_columns = block.split(1, dim=1), errors.split(1, dim=1)
+    code_columns, factor_rows = codes.split(1, dim=1), rows.split(1, dim=0)
+    for i in range(block.shape[1]):
+        column_codes, q = rounder(block_columns[i], i)
+        code_columns[i].copy_(column_codes)
+        torch.sub(block_columns[i], q, out=error_columns[i])
+        block.addmm_(error_columns[i], factor_rows[i], alpha=-1)
+
+
+def _captured(run) -> Callable[[], None]:
+    """``run`` captured as a CUDA graph (after a warm-up on a side stream, as capture needs); returns its replay.
+    The warm-up computes on the buffers: the caller fills them again before replaying."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph.replay
+
+
+class AffineRounder:
+    """Nearest affine4 code of each weight under its column's group scale and zero point (``round_affine``'s
+    arithmetic), and the shipped fp16 value ``(code - zero_point) * scale``."""
+
+    def __init__(self, scale: torch.Tensor, zero_point: torch.Tensor, group_size: int, block_size: int = BLOCK_SIZE):
+        self.group_size = group_size
+        self.tables = (scale.float(), zero_point.float(), scale.half(), zero_point.half())
+        self.buffers = tuple(t.new_empty(t.shape[0], block_size) for t in self.tables)
+        self.columns = [tuple(b[:, i : i + 1] for b in self.buffers) for i in range(block_size)]
+
+    def load(self, columns: Sequence[int]) -> None:
+        groups = torch.tensor([c // self.group_size for c in columns], device=self.tables[0].device)
+        for table, buffer in zip(self.tables, self.buffers, strict=True):
+            buffer[:, : len(columns)].copy_(table.index_select(1, groups))
+
+    def __call__(self, w: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        scale32, zero32, scale16, zero16 = self.columns[i]
+        codes = torch.round(w / scale32).add_(zero32).clamp_(0, LEVELS).to(torch.uint8)
+        return codes, (codes - zero16).mul_(scale16)  # the shipped fp16 arithmetic
+
+
+class LutRounder:
     """Nearest entry of each row's table, as ``round_lut`` picks it, in four kernels per column.
 
     ``round_lut`` prepares the sorted table on every call, which per column of the sweep would be most of its
@@ -148,20 +209,23 @@ def lut_rounder(lut: torch.Tensor, group_size: int) -> ColumnRounder:
     entries of every row ascending, the midpoints between them (exact in float64), and for every sorted slot the
     code ``round_lut`` itself gives that entry (the lowest index among equal entries).
     A weight takes the slot of the midpoints below it, so one exactly halfway takes the smaller entry, as in
-    ``round_lut`` (``tests/test_gptq.py`` checks the two agree).
+    ``round_lut`` (``tests/test_gptq.py`` checks the two agree). Every column reads the same tables.
     """
-    from quant.lut import round_lut
 
-    ordered = lut.double().repeat_interleave(group_size, dim=0).sort(dim=1).values  # [out, 16]
-    midpoints = ((ordered[:, 1:] + ordered[:, :-1]) / 2).contiguous()
-    slot_codes = round_lut(ordered, lut, group_size)
-    slot_values = ordered.float()
+    def __init__(self, lut: torch.Tensor, group_size: int):
+        from quant.lut import round_lut
 
-    def round_column(w: torch.Tensor, col: int):
-        slots = torch.searchsorted(midpoints, w.double())
-        return slot_codes.gather(1, slots), slot_values.gather(1, slots)
+        ordered = lut.double().repeat_interleave(group_size, dim=0).sort(dim=1).values  # [out, 16]
+        self.midpoints = ((ordered[:, 1:] + ordered[:, :-1]) / 2).contiguous()
+        self.slot_codes = round_lut(ordered, lut, group_size)
+        self.slot_values = ordered.float()
 
-    return round_column
+    def load(self, columns: Sequence[int]) -> None:
+        pass
+
+    def __call__(self, w: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = torch.searchsorted(self.midpoints, w.double())
+        return self.slot_codes.gather(1, slots), self.slot_values.gather(1, slots)
 
 
 def fit_params(method: Method, weight: torch.Tensor, group_size: int, importance: torch.Tensor | None) -> dict:
@@ -174,10 +238,10 @@ def fit_params(method: Method, weight: torch.Tensor, group_size: int, importance
     return {"lut": fit_lut(weight, group_size, importance=importance)}
 
 
-def make_rounder(method: Method, params: dict, group_size: int) -> ColumnRounder:
+def make_rounder(method: Method, params: dict, group_size: int, block_size: int) -> ColumnRounder:
     if method == "affine4":
-        return affine_rounder(params["scale"], params["zero_point"], group_size)
-    return lut_rounder(params["lut"], group_size)
+        return AffineRounder(params["scale"], params["zero_point"], group_size, block_size)
+    return LutRounder(params["lut"], group_size)
 
 
 def round_to_nearest(method: Method, weight: torch.Tensor, params: dict, group_size: int) -> torch.Tensor:
@@ -279,7 +343,7 @@ def gptq_quantize_shared(
 
     def run(params: dict) -> list[tuple[QuantizedWeight, torch.Tensor, float]]:
         targets = work_w[:, perm]
-        codes = sweep(targets, factor, make_rounder(method, params, group_size), order, block_size)
+        codes = sweep(targets, factor, make_rounder(method, params, group_size, block_size), order, block_size)
         results = []
         for c, t, w, own in zip(split(codes[:, inverse_perm]), split(targets[:, inverse_perm]), split(original),
                                 parts(params), strict=True):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quant.affine import fit_affine, quantize_affine, round_affine
-from quant.gptq import GPTQError, HessianAccumulator, gptq_quantize, lut_rounder, output_error
+from quant.gptq import GPTQError, HessianAccumulator, LutRounder, gptq_quantize, output_error
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -125,7 +125,7 @@ def test_lut_column_rounding_is_round_luts():
     midpoints = (ordered[:, 1:] + ordered[:, :-1]) / 2
     columns = [torch.randn(32, 1, generator=g), ordered[:, 3:4], midpoints[:, 6:7], midpoints[:, 0:1] - 1e-9]
     columns = [c.contiguous() for c in columns]
-    round_column = lut_rounder(lut, 8)
+    round_column = LutRounder(lut, 8)
     for w in columns:
         codes, values = round_column(w, 0)  # float64 here: ties exactly at the midpoints
         expected = round_lut(w, lut, 8)
