@@ -402,10 +402,9 @@ def _compute(core, streamer: Streamer, unit: Unit, quant: Quantization, x, runne
         for sample in x:
             accumulator.add(core.norm(sample))
         streamer.free("norm")
-        head = streamer.fill("lm_head")
-        result["lm_head"] = _to_cpu(gptq_quantize(head.weight, accumulator.hessian(), method, group,
-                                                  lut_refits=quant.lut_refits, name="lm_head"))
-        streamer.free("lm_head")
+        hessian = accumulator.hessian()
+        result["lm_head"] = _in_row_chunks(streamer, "lm_head", group, lambda w: _to_cpu(gptq_quantize(
+            w, hessian, method, group, lut_refits=quant.lut_refits, name="lm_head")))
         return result
     if unit.gptq:
         layer = streamer.fill(unit.prefix)
@@ -437,29 +436,42 @@ def _compute(core, streamer: Streamer, unit: Unit, quant: Quantization, x, runne
 
 
 def _round_streamed(streamer: Streamer, name: str, method: str, group: int) -> QuantizedWeight:
-    """Round-to-nearest of module ``name``'s weight, read and rounded in row chunks of about ``CHUNK_ELEMENTS``
-    (a multiple of the lut4 row group, so every group stays whole and the codes are the whole table's)."""
+    """Round-to-nearest of module ``name``'s weight (``_in_row_chunks``)."""
+    return _in_row_chunks(streamer, name, group, lambda w: _to_cpu(round_to_nearest(method, w, group)))
+
+
+def _in_row_chunks(streamer: Streamer, name: str, group: int, quantize) -> QuantizedWeight:
+    """``quantize`` of module ``name``'s weight, read and quantized in row chunks of about ``CHUNK_ELEMENTS`` (a
+    multiple of the lut4 row group) when it is larger: both formats' groups are row-local and GPTQ treats rows
+    independently under one Hessian, so the codes are the whole table's (GPTQ's lut4 refits are decided per chunk)."""
     meta = streamer.core.get_submodule(name).weight
     rows, columns = meta.shape
     step = rows if rows * columns <= CHUNK_ELEMENTS else max(group, CHUNK_ELEMENTS // columns // group * group)
     if step >= rows:
         streamer.fill(name)
         try:
-            return _to_cpu(round_to_nearest(method, streamer.core.get_submodule(name).weight, group))
+            return quantize(streamer.core.get_submodule(name).weight)
         finally:
             streamer.free(name)
-    parts = [_to_cpu(round_to_nearest(method, streamer.rows(f"{name}.weight", i, min(i + step, rows)), group))
-             for i in range(0, rows, step)]
-    return concat_rows(parts)
+    return concat_rows([quantize(streamer.rows(f"{name}.weight", i, min(i + step, rows)))
+                        for i in range(0, rows, step)])
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """One weight from row chunks quantized alone (their ``weight_mse`` averaged by rows)."""
+    """One weight from row chunks quantized alone (their ``weight_mse`` averaged by rows, GPTQ's output errors
+    summed, the most lut4 refits any chunk kept)."""
     first = parts[0]
     fields = {f: torch.cat([getattr(p, f) for p in parts]) for f in GROUP_TENSORS if getattr(first, f) is not None}
     qw = QuantizedWeight(first.method, torch.cat([p.codes for p in parts]), first.group_size, **fields)
     rows = sum(p.codes.shape[0] for p in parts)
+    qw.stats.update(first.stats)  # GPTQ's damping, retries, dead columns and settings: one Hessian for every chunk
     qw.stats["weight_mse"] = sum(p.stats["weight_mse"] * p.codes.shape[0] for p in parts) / rows
+    if "gptq_output_error" in first.stats:  # output errors add up over rows
+        for key in ("gptq_output_error", "rtn_output_error"):
+            qw.stats[key] = sum(p.stats[key] for p in parts)
+        rtn = qw.stats["rtn_output_error"]
+        qw.stats["error_ratio"] = qw.stats["gptq_output_error"] / rtn if rtn else None
+        qw.stats["lut_refits_kept"] = max(p.stats["lut_refits_kept"] for p in parts)
     return qw
 
 

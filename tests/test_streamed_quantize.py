@@ -104,6 +104,25 @@ def test_streamed_gptq_gives_the_in_memory_loops_bytes(tmp_path, kind, method):
 
 
 @pytest.mark.parametrize("kind, method", [("dense", "affine4-gptq"), ("hybrid", "lut4-gptq")])
+def test_tables_in_row_chunks_give_the_whole_tables_bytes(tmp_path, monkeypatch, kind, method):
+    """A table larger than CHUNK_ELEMENTS (a 27B's lm_head) is read, GPTQ'd or rounded in row chunks: the same codes
+    and tables as the whole table's, and GPTQ's output errors add up over the chunks."""
+    import convert.quantize as stage
+
+    directory = write(tmp_path / "ckpt", kind)
+    args = read_args(read_json(directory / "config.json"))
+    quant = quantization(method)
+    monkeypatch.setattr(stage, "CHUNK_ELEMENTS", args.vocab_size * args.hidden_size // 5)  # 5 or 6 chunks
+    result = streamed(directory, quant)
+    want = in_memory(directory, quant)
+    assert_same(result.weights, want)
+    head, whole = result.weights["lm_head"].stats, want["lm_head"].stats
+    for key in ("gptq_output_error", "rtn_output_error", "error_ratio"):
+        assert head[key] == pytest.approx(whole[key], rel=1e-4), key
+    assert head["damping"] == whole["damping"] and head["dead_columns"] == whole["dead_columns"]
+
+
+@pytest.mark.parametrize("kind, method", [("dense", "affine4-gptq"), ("hybrid", "lut4-gptq")])
 def test_the_block_caches_give_the_recomputing_passes_bytes_and_skip_the_blocks(tmp_path, monkeypatch, kind, method):
     """Each layer quantized with its blocks' last-linear inputs kept (``BlockCache``: the mixer's and the MLP's,
     under the default CPU budget), with the mixer's only (a budget that admits it and not the MLP's too), with the
