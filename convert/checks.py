@@ -110,7 +110,7 @@ def quantized_constants(name: str, path, weights: dict[str, QuantizedWeight], ev
     fingerprints = {weight_name: compress.fingerprint(w) for weight_name, w in weights.items()}
     compared: dict[tuple[str, int], str | None] = {}  # functions share stored weights: compare each pair once
     for function, found in shipped.items():
-        stored = {compress.fingerprint(s.weight): s for s in found}
+        stored = {s.fingerprint: s for s in found}
         for weight_name, expected in weights.items():
             match = stored.get(fingerprints[weight_name])
             if match is None:
@@ -131,7 +131,7 @@ def _quantized_somewhere(path, weights: dict[str, QuantizedWeight], shipped: dic
     seen, compared = set(), 0
     for function, found in shipped.items():
         for stored in found:
-            name = expected.get(compress.fingerprint(stored.weight))
+            name = expected.get(stored.fingerprint)
             problem = None if name is None else compress.difference(weights[name], stored)
             if name is None or problem:
                 detail = problem or f"{stored.where}: no quantized weight has these codes and tables"

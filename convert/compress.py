@@ -173,12 +173,13 @@ def add_coreml_compression(module: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class ShippedWeight:
-    """A compressed weight read back from a package: where it is, its codes and tables as stored, and the
-    dense weight the format's own decompression makes of them."""
+    """A compressed weight read back from a package: where it is, its codes and tables as stored, the dense weight
+    the format's own decompression makes of them, and ``fingerprint(weight)`` (the checks match weights by it)."""
 
     where: str
     weight: QuantizedWeight
     dense: np.ndarray
+    fingerprint: str
 
 
 def from_lut_to_dense(where: str, indices: np.ndarray, lut: np.ndarray) -> QuantizedWeight:

@@ -286,7 +286,7 @@ def contents(path: Path) -> Contents:
             if op.op_type in _COMPRESSED_READERS:
                 shipped = _shipped(op, dense)
                 found.compressed[name].append(shipped)
-                found.weight_digests[name].add(dense[compress.fingerprint(shipped.weight)][1])
+                found.weight_digests[name].add(dense[shipped.fingerprint][1])
             elif op.op_type == "const" and (value := _plain_constant(op)) is not None:
                 found.weight_digests[name].add(compress.digest(value))
     return found
@@ -309,7 +309,8 @@ def function_constants(path: Path, function_name: str) -> dict[str, np.ndarray]:
 
 def operation_types(path: Path) -> dict[str, set[str]]:
     """The MIL op types each function of the package holds (after every conversion pass)."""
-    return contents(path).operation_types
+    spec, program = _load_program(path)
+    return {f.name: {op.op_type for op in program.functions[f.name].operations} for f in spec.description.functions}
 
 
 def compressed_weights(path: Path) -> dict[str, list[compress.ShippedWeight]]:
@@ -339,7 +340,7 @@ def _shipped(op: Operation, dense: dict[str, tuple[np.ndarray, str]]) -> compres
     if key not in dense:
         array = _decompressed(op)
         dense[key] = (array, compress.digest(array))
-    return compress.ShippedWeight(where, weight, dense[key][0])
+    return compress.ShippedWeight(where, weight, dense[key][0], key)
 
 
 def _decompressed(op: Operation) -> np.ndarray:
