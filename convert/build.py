@@ -12,6 +12,7 @@ import tempfile
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import cached_property
 from importlib import metadata
 from pathlib import Path
 
@@ -97,10 +98,10 @@ class Plan:
         """Every state of the target (KV caches, and a hybrid's conv, recurrent and pending states) as shipped."""
         return sum(s.nbytes for s in self.specs[0].states)
 
-    @property
+    @cached_property
     def peak_memory_bytes(self) -> int:
         """Estimate of the build's peak host memory (``convert/parts.py``: measured costs), the drafter stage's
-        included."""
+        included; computed once (it builds the target's parameterless core)."""
         return max(build_memory_bytes(self.args, self.recipe.target, self.parts, self.specs), self.drafter_stage_bytes)
 
     @property

@@ -42,8 +42,8 @@ GB = 10**9
 # to Core ML and checking it take up to PACKAGING_BYTES_PER_LAYER_WEIGHT bytes per weight of its decoder layers
 # (13.3 measured at the 27B width) and PACKAGING_BYTES_PER_TABLE_WEIGHT per weight of its embedding or head rows
 # (about 31 measured for a 424M-weight embedding part at the 27B width: the fp16 and fp32 tracing copies, the MIL
-# program's constants, the converter's passes). A whole target built in memory
-# holds about WHOLE_BYTES_PER_PARAMETER per parameter (the checkpoint, the fp16 modules, an fp32 copy, conversion).
+# program's constants, the converter's passes). A whole target built in memory holds about
+# WHOLE_BYTES_PER_PARAMETER per parameter (the checkpoint, the fp16 modules, an fp32 copy, conversion).
 BASE_BYTES = 1_200_000_000
 PACKAGING_BYTES_PER_LAYER_WEIGHT = 14
 PACKAGING_BYTES_PER_TABLE_WEIGHT = 31

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from quant.affine import LEVELS, check_group_size, fit_affine, round_affine
+from quant.affine import check_group_size, fit_affine, round_affine
 from quant.types import Method, QuantizedWeight
 
 BLOCK_SIZE = 128
@@ -30,7 +30,6 @@ PERCDAMP = 0.01
 DAMPING_GROWTH = 10.0
 MAX_DAMPING_TRIES = 5  # 0.01, 0.1, 1, 10, 100 x mean(diag H)
 CUDA_GRAPHS = True  # the sweep replays a captured block on CUDA (bench/gptq_stacked.py compares it with eager)
-
 
 
 class ColumnRounder(Protocol):
@@ -197,7 +196,7 @@ class AffineRounder:
 
     def __call__(self, w: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         scale32, zero32, scale16, zero16 = self.columns[i]
-        codes = torch.round(w / scale32).add_(zero32).clamp_(0, LEVELS).to(torch.uint8)
+        codes = round_affine(w, scale32, zero32, 1, 0)  # the column's own scale and zero point: a group of one
         return codes, (codes - zero16).mul_(scale16)  # the shipped fp16 arithmetic
 
 
