@@ -7,8 +7,12 @@ by ``spec-convert build`` in a child process from a recipe written beside it: af
 ``--backends`` (Core ML by default: the Linux Core AI runtime emulates fp16, and its per-part replays at this width
 would take hours; see docs/benchmarks.md). The model's random weights make the gate's values meaningless, so the
 recipe's thresholds are set so that any finite value passes: the bench measures time and memory, and prints the
-values. The child's resident memory is sampled every second (``VmRSS``) and its peak read at the end (``VmHWM``,
-``getrusage``); each stage's peak is the largest sample between its start and end lines.
+values. The build runs stages in processes of their own (convert/processes.py), so memory is measured over the
+build's process tree: every second the resident memory of the build and all its descendants is summed (``VmRSS``,
+split into ``RssAnon`` and ``RssFile``); each stage's peak is the largest sum between its start and end lines. The
+peak of the tree is the largest sum sampled, and ``peak_bound_gib`` bounds it from above whatever the sampling missed:
+the build process's own peak (``VmHWM``) plus the largest peak of any one descendant (one stage process runs at a
+time with one format).
 
     PYTHONPATH=. python3 -m bench.scale_build [--layers 28] [--method affine4] [--max-part-mb MB]
                                               [--workdir DIR] [--json out.json] [--log build.log]
@@ -20,7 +24,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import tempfile
@@ -50,50 +53,84 @@ def recipe_text(checkpoint: Path, method: str, max_part_mb: float | None, sample
     }, indent=1)
 
 
-def _status(pid: int, field: str) -> int:
+def _status(pid: int) -> dict[str, int]:
+    """The memory fields of a process's /proc status in bytes (empty once it is gone)."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
-    except (OSError, StopIteration):
-        return 0
+            return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                    if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+    except (OSError, ValueError):
+        return {}
+
+
+def _descendants(root: int) -> list[int]:
+    """Every living descendant of ``root`` (from each process's parent id in /proc/*/stat)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 def run_build(recipe: Path, output: Path, log: Path) -> dict:
-    """Run the build in a child process; its stages (from the stage lines) with seconds and peak resident memory."""
+    """Run the build in a child process; its stages (from the stage lines) with seconds and the peak resident memory
+    of its process tree."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
     command = [sys.executable, "-m", "convert", "build", str(recipe), "-o", str(output), "--no-cache"]
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    samples: list[tuple[float, int]] = []
+    samples: list[tuple[float, int, int, int]] = []  # (seconds, tree VmRSS, tree RssAnon, tree RssFile)
+    hwm: dict[int, int] = {}  # the largest VmHWM read of each process of the tree
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            samples.append((time.perf_counter() - start, _status(child.pid, "VmRSS:")))
+            tree = [(pid, _status(pid)) for pid in [child.pid, *_descendants(child.pid)]]
+            for pid, status in tree:
+                hwm[pid] = max(hwm.get(pid, 0), status.get("VmHWM", 0))
+            samples.append((time.perf_counter() - start, *(sum(s.get(k, 0) for _, s in tree)
+                                                          for k in ("VmRSS", "RssAnon", "RssFile"))))
             time.sleep(1.0)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    stages, last, peak_hwm = [], 0.0, 0
+    stages, last = [], 0.0
     with log.open("w") as out:
         for line in child.stdout:
             out.write(line)
             out.flush()
             sys.stdout.write(line)
-            peak_hwm = max(peak_hwm, _status(child.pid, "VmHWM:"))
             match = STAGE_LINE.search(line)
             if match:
                 now = time.perf_counter() - start
-                window = [rss for t, rss in samples if last - 1 <= t <= now + 1]
+                window = [s for s in samples if last - 1 <= s[0] <= now + 1]
                 stages.append({"stage": match["title"], "seconds": float(match["seconds"]),
-                               "peak_rss_gib": round(max(window, default=0) / 2**30, 2)})
+                               "peak_rss_gib": round(max((s[1] for s in window), default=0) / 2**30, 2),
+                               "peak_anon_gib": round(max((s[2] for s in window), default=0) / 2**30, 2)})
                 last = now
     code = child.wait()
     done.set()
     sampler.join()
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    build_hwm = hwm.pop(child.pid, 0)
+    largest_child = max(hwm.values(), default=0)
+
+    def gib(value: int) -> float:
+        return round(value / 2**30, 2)
+
     return {"exit_code": code, "seconds": round(time.perf_counter() - start, 1), "stages": stages,
-            "peak_rss_gib": round(max(children, peak_hwm, *(r for _, r in samples)) / 2**30, 2)}
+            "processes": len(hwm) + 1, "peak_rss_gib": gib(max(s[1] for s in samples)),
+            "peak_anon_gib": gib(max(s[2] for s in samples)), "peak_file_gib": gib(max(s[3] for s in samples)),
+            "build_process_hwm_gib": gib(build_hwm), "largest_descendant_hwm_gib": gib(largest_child),
+            "peak_bound_gib": gib(build_hwm + largest_child)}
 
 
 def main() -> None:
@@ -143,7 +180,8 @@ def main() -> None:
                                                   / 1e6, 1)
     print(json.dumps({k: v for k, v in report.items() if k != "stages"}, indent=1))
     for s in report["stages"]:
-        print(f"  {s['seconds']:8.1f} s  peak {s['peak_rss_gib']:6.2f} GiB  {s['stage']}")
+        print(f"  {s['seconds']:8.1f} s  peak {s['peak_rss_gib']:6.2f} GiB (anonymous {s['peak_anon_gib']:6.2f})  "
+              f"{s['stage']}")
     if options.json:
         options.json.write_text(json.dumps(report, indent=1))
 

@@ -45,6 +45,7 @@ from convert.parts import (
     recorded_calls,
 )
 from convert.parts import plan_lines as parts_lines
+from convert.processes import in_fresh_process, in_this_process
 from convert.progress import console, stage
 from convert.quantize import QuantizeResult, estimate_lines, quantize_checkpoint, summary
 from convert.recipe import Recipe, check_against_model, load_recipe
@@ -241,17 +242,27 @@ def parts_loader(plan: Plan, cache: BuildCache, stack: ExitStack, file_hashes: d
     into a scratch cache beside the output (removed when ``stack`` closes) when it is disabled (``--no-cache``)."""
     from convert.shipped import PartLoader
 
+    return PartLoader(plan, quantize_parts(plan, parts_cache(plan, cache, stack), file_hashes))
+
+
+def parts_cache(plan: Plan, cache: BuildCache, stack: ExitStack) -> BuildCache:
+    """Where a parted target's quantized weights go: ``cache``, or when it is disabled (``--no-cache``) a scratch
+    cache beside the output, removed when ``stack`` closes (the parts read their weights back from its entries)."""
+    if cache.enabled or not plan.recipe.target.quantization.format:
+        return cache
+    plan.output.resolve().parent.mkdir(parents=True, exist_ok=True)
+    return BuildCache(Path(stack.enter_context(tempfile.TemporaryDirectory(
+        prefix=".quantize-", dir=plan.output.resolve().parent))))
+
+
+def quantize_parts(plan: Plan, cache: BuildCache, file_hashes: dict[str, str] | None) -> QuantizeResult | None:
+    """The quantize stage of a parted target, into ``cache``'s entries only (None: the recipe does not quantize)."""
     quant = plan.recipe.target.quantization
     if not quant.format:
-        return PartLoader(plan, None)
-    if not cache.enabled:
-        plan.output.resolve().parent.mkdir(parents=True, exist_ok=True)
-        cache = BuildCache(Path(stack.enter_context(tempfile.TemporaryDirectory(
-            prefix=".quantize-", dir=plan.output.resolve().parent))))
-    result = quantize_checkpoint(plan.snapshot.directory, plan.args, plan.recipe.target, plan.layout, quant,
-                                 plan.recipe_path.resolve().parent, cache=cache, in_memory=False,
-                                 file_hashes=file_hashes)
-    return PartLoader(plan, result)
+        return None
+    return quantize_checkpoint(plan.snapshot.directory, plan.args, plan.recipe.target, plan.layout, quant,
+                               plan.recipe_path.resolve().parent, cache=cache, in_memory=False,
+                               file_hashes=file_hashes)
 
 
 def weights_match(manifest: Manifest, modules: TargetModules, bundle: Path, recipe_path: Path) -> None:
@@ -319,16 +330,21 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
                  source_files) -> tuple[Manifest, TargetModules | None]:
     """A parted target, which may be larger than host memory, with at most a part (or one decoder layer) of it
     loaded at a time: quantized into the cache (a scratch one beside the output under ``--no-cache``), gated
-    layer by layer (``gates.gate_streamed``), packaged part by part (``convert.shipped.PartLoader``). Returns the
-    manifest, and the whole modules when a drafter needs them."""
+    layer by layer (``gates.gate_streamed``), packaged part by part (``convert.shipped.PartLoader``). Above
+    ``CHAINED_RUN_PARAMETERS`` the quantize stage, the gate and each part run in a fresh process
+    (``convert.processes``): this one holds none of their memory. Returns the manifest, and the whole modules when a
+    drafter needs them."""
+    from convert.shipped import PartLoader
+
+    run = in_fresh_process if plan.parameter_count > CHAINED_RUN_PARAMETERS else in_this_process
     with ExitStack() as stack:
-        loader = parts_loader(plan, cache, stack, {r.path: r.sha256 for r in source_files})
-        report = gates.gate_streamed(plan, loader)
+        result = run(quantize_parts, plan, parts_cache(plan, cache, stack), {r.path: r.sha256 for r in source_files})
+        report = run(_gate_parts, plan, result)
         _print_gate(report, failed_report)
+        loader = PartLoader(plan, result)
         packages, parts = _package_parts(plan, loader, out, cache, report)
         with stage("load the embedding and the lm_head (identity hashes, drafter interface)"):
             tables = loader.load([tables_part(plan.args)])[0]
-        result = loader.result
         quantization = _quantization_record(plan.recipe.target.quantization, result, tables) if result is not None \
             else None
         manifest = _finish_target(plan, out, source_files, tables, packages, parts, quantization, report)
@@ -338,6 +354,12 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
             with stage("load the whole target for the drafter"):
                 whole = loader.load([Part.whole(plan.args)])[0]
     return manifest, whole
+
+
+def _gate_parts(plan: Plan, result: QuantizeResult | None) -> GateReport:
+    from convert.shipped import PartLoader
+
+    return gates.gate_streamed(plan, PartLoader(plan, result))
 
 
 def tables_part(args) -> Part:
@@ -350,48 +372,71 @@ def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache,
     """Package, check and compile each part (``convert/parts.py``), no package over ``target.max_part_mb``, each
     part's check replaying the calls it made in the chained torch parts. The Core AI checks are the artifact gate:
     the parts chained on the runtime in lockstep with the torch parts, or, above ``CHAINED_RUN_PARAMETERS``, each part
-    replayed on its own (``checks.short_schedule``, recorded and packaged one part in memory at a time). Returns the
-    package entries and the manifest's parts."""
-    recipe, target, parts = plan.recipe, plan.recipe.target, plan.parts
+    replayed on its own (``checks.short_schedule``), each part loaded, recorded and packaged alone in a fresh process
+    (``_package_part``). Returns the package entries and the manifest's parts."""
+    target, parts = plan.recipe.target, plan.parts
     short = plan.parameter_count > CHAINED_RUN_PARAMETERS
-    outline = loader.outline
-    pieces = calls = schedule = None
+    pieces = None
+    packages, records, checked = [], [], []
     if short:
+        outline = loader.outline
         driver = TargetDriver(None, outline.widths, outline.contract)
         schedule = [(f, driver.inputs(f, tokens, p0)) for f, tokens, p0 in short_schedule(outline.widths,
                                                                                            plan.args.vocab_size)]
         rows = [None] * len(schedule)
+        for i in range(len(parts)):
+            entries, record, coreai, rows = in_fresh_process(_package_part, plan, loader.result, i, out, cache,
+                                                             schedule, rows)
+            packages += entries
+            records.append(record)
+            checked += coreai
     else:
         with stage(f"record the calls each part's check replays ({len(parts)} parts chained in torch)"):
             pieces = loader.load(parts)
-            calls = recorded_calls(parts, pieces, target.taps, outline.contract, plan.args.vocab_size, short)
-    packages, records, checked = [], [], []
-    for i, part in enumerate(parts):
-        if short:
-            with stage(f"load part {part.name} ({i + 1} of {len(parts)})"):
-                piece = loader.load([part])[0]
-                part_calls_, rows = part_calls(piece, schedule, rows)
-        else:
-            piece, part_calls_ = pieces[i], calls[i]
-        entries = []
-        for done in package_formats(recipe.backends, piece, out, f"{recipe.name}.{part.name}", part_calls_, cache,
-                                    every_function=True):
-            entries.append(package_entry(done.format, done.path, out, done.check, done.compiled, part.name))
-            _check_part_size(entries[-1], target.max_part_mb)
-            if done.format == "coreai":
-                checked.append(done)
-        packages += entries
-        records.append({**part.record(target.taps), "functions": [_function_record(spec) for _, spec in
-                                                                    piece.functions.values()],
-                        "packages": [e["path"] for e in entries]})
-        del piece, part_calls_
+            calls = recorded_calls(parts, pieces, target.taps, loader.outline.contract, plan.args.vocab_size, short)
+        for part, piece, part_calls_ in zip(parts, pieces, calls, strict=True):
+            entries, record, coreai = _package_piece(plan, part, piece, part_calls_, out, cache)
+            packages += entries
+            records.append(record)
+            checked += coreai
     if checked:
         what = f"{len(checked)} parts chained on the Core AI runtime" if not short else \
             f"{len(checked)} parts, each replayed on its own (the chained run is above {CHAINED_RUN_PARAMETERS:,} " \
             "parameters)"
         with stage(f"artifact gate: {what}"):
-            report.artifact = gates.artifact_of_parts(checked, parts, pieces, target.taps, outline, not short)
+            report.artifact = gates.artifact_of_parts(checked, parts, pieces, target.taps, loader.outline, not short)
     return packages, records
+
+
+def _package_part(plan: Plan, result: QuantizeResult | None, index: int, out: Path, cache: BuildCache,
+                  schedule: list, rows: list) -> tuple[list[dict], dict, list, list]:
+    """Part ``index`` of a target above ``CHAINED_RUN_PARAMETERS`` alone: loaded, its calls of the short
+    ``schedule`` recorded from the previous part's ``rows``, packaged one format after the other (their packaging
+    memory in turn). What ``_package_piece`` returns, and the rows for the next part."""
+    from convert.shipped import PartLoader
+
+    part = plan.parts[index]
+    with stage(f"load part {part.name} ({index + 1} of {len(plan.parts)})"):
+        piece = PartLoader(plan, result).load([part])[0]
+        calls, rows = part_calls(piece, schedule, rows)
+    return *_package_piece(plan, part, piece, calls, out, cache, side_by_side=False), rows
+
+
+def _package_piece(plan: Plan, part: Part, piece: TargetModules, calls: list, out: Path, cache: BuildCache,
+                   side_by_side: bool = True) -> tuple[list[dict], dict, list]:
+    """One part's packages in every format (each checked against its size limit), its manifest record, and its
+    Core AI ``Packaged`` (the artifact gate's)."""
+    recipe, target = plan.recipe, plan.recipe.target
+    entries, coreai = [], []
+    for done in package_formats(recipe.backends, piece, out, f"{recipe.name}.{part.name}", calls, cache,
+                                every_function=True, side_by_side=side_by_side):
+        entries.append(package_entry(done.format, done.path, out, done.check, done.compiled, part.name))
+        _check_part_size(entries[-1], target.max_part_mb)
+        if done.format == "coreai":
+            coreai.append(done)
+    record = {**part.record(target.taps), "functions": [_function_record(spec) for _, spec in piece.functions.values()],
+              "packages": [e["path"] for e in entries]}
+    return entries, record, coreai
 
 
 def _check_part_size(entry: dict, max_part_mb: float) -> None:

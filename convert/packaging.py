@@ -32,6 +32,7 @@ import torch
 from convert import backends, checks, progress
 from convert import cache as build_cache
 from convert.backends.base import CompileRecord
+from convert.processes import die_with_parent
 from convert.progress import stage
 
 
@@ -55,10 +56,13 @@ TOOLCHAIN = ("spec-convert", "torch", "coreai-core", "coreai-torch", "coremltool
 
 
 def package_formats(formats: list[str], modules, out: Path, stem: str, calls: list | None = None,
-                    cache: build_cache.BuildCache | None = None, every_function: bool | None = None) -> list[Packaged]:
+                    cache: build_cache.BuildCache | None = None, every_function: bool | None = None,
+                    side_by_side: bool = True) -> list[Packaged]:
     """``stem`` + each format's suffix under ``out``, packaged, checked (``checks.check_package``: a drafter or a
     target's part passes the ``calls`` recorded for its check to replay) and compiled into ``out/compiled``, in the
-    order of ``formats``. With a ``cache``, finished formats are restored from it (the key holds the calls)."""
+    order of ``formats``; ``side_by_side`` False: one format after the other, in this process (each format's
+    packaging memory in turn, not together). With a ``cache``, finished formats are restored from it (the key holds
+    the calls)."""
     cache = cache if cache is not None else build_cache.BuildCache(enabled=False)
     weights = weights_digest(modules) if cache.enabled else ""  # once: it reads every tensor of the modules
     recorded = calls_digest(calls) if cache.enabled else ""
@@ -76,7 +80,8 @@ def package_formats(formats: list[str], modules, out: Path, stem: str, calls: li
             cache.put(CACHE_STAGE, keys[packaged.format], lambda d: _store(d, packaged, out))
 
     missing = [name for name in formats if name not in restored]
-    built = {p.format: p for p in _package_all(missing, modules, out, stem, calls, every_function, store)} \
+    built = {p.format: p for p in _package_all(missing, modules, out, stem, calls, every_function, store,
+                                               side_by_side)} \
         if missing else {}
     return [restored.get(name) or built[name] for name in formats]
 
@@ -139,11 +144,11 @@ def _restore(entry: build_cache.Entry, out: Path) -> Packaged:
 
 
 def _package_all(formats: list[str], modules, out: Path, stem: str, calls: list | None, every_function: bool | None,
-                 finished: Callable[[Packaged], None]) -> list[Packaged]:
+                 finished: Callable[[Packaged], None], side_by_side: bool) -> list[Packaged]:
     """Package every format (side by side where it can); ``finished`` sees each one as it completes."""
     jobs = [(name, out / f"{stem}{backends.SUFFIXES[name]}") for name in formats]
     forked = [(name, path) for name, path in jobs if name not in IN_PROCESS]
-    parallel = len(jobs) > 1 and forked and (os.cpu_count() or 1) > 1 and \
+    parallel = side_by_side and len(jobs) > 1 and forked and (os.cpu_count() or 1) > 1 and \
         "fork" in multiprocessing.get_all_start_methods()
 
     def record(packaged: Packaged) -> Packaged:
@@ -156,7 +161,7 @@ def _package_all(formats: list[str], modules, out: Path, stem: str, calls: list 
     live, progress.live = progress.live, False  # several processes print: plain stage lines, no spinners
     try:
         with ProcessPoolExecutor(len(forked), mp_context=multiprocessing.get_context("fork"),
-                                 initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
+                                 initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
             futures = {name: pool.submit(_worker, name, path) for name, path in forked}
             for future in futures.values():  # stored the moment a worker is done, while this process packages on
                 future.add_done_callback(lambda f: f.exception() is None and finished(f.result()))
@@ -167,20 +172,6 @@ def _package_all(formats: list[str], modules, out: Path, stem: str, calls: list 
         _WORK.clear()
         progress.live = live
     return [done[name] for name, _ in jobs]
-
-
-def _die_with_parent(parent: int) -> None:
-    """A worker ends with its build: on Linux the kernel kills it (SIGKILL) when the build process dies, so a build
-    that is killed leaves no orphan packaging on (measured: orphans of SIGKILLed builds hung for 40 minutes)."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the worker ends when it next talks to the gone parent
-        return
-    if os.getppid() != parent:  # the build died before the request took effect
-        os._exit(1)
 
 
 def _worker(name: str, path: Path) -> Packaged:

@@ -37,16 +37,19 @@ from convert.errors import InputError
 
 MB = 10**6
 GB = 10**9
-# Host memory of a build, measured (docs/benchmarks.md, "A build larger than memory"; sampled VmRSS): the process
+# Host memory of a build, measured (docs/benchmarks.md, "A build larger than memory"; sampled VmRSS): a process
 # holds about BASE_BYTES before it loads a part (torch, coremltools and transformers); above that, converting a part
 # to Core ML and checking it take up to PACKAGING_BYTES_PER_LAYER_WEIGHT bytes per weight of its decoder layers
 # (13.3 measured at the 27B width) and PACKAGING_BYTES_PER_TABLE_WEIGHT per weight of its embedding or head rows
-# (about 31 measured for a 424M-weight embedding part at the 27B width: the fp16 and fp32 tracing copies, the MIL
-# program's constants, the converter's passes). A whole target built in memory holds about
-# WHOLE_BYTES_PER_PARAMETER per parameter (the checkpoint, the fp16 modules, an fp32 copy, conversion).
+# (a 424M-weight embedding part at the 27B width peaked at 14.0 GiB in a process of its own: 32.6 above the base;
+# the fp16 and fp32 tracing copies, the MIL program's constants, the converter's passes). A parted target's stages
+# run in a process of their own (convert/processes.py) beside the build process, which holds its own base:
+# PARTED_BASE_BYTES. A whole target built in memory holds about WHOLE_BYTES_PER_PARAMETER per parameter (the
+# checkpoint, the fp16 modules, an fp32 copy, conversion).
 BASE_BYTES = 1_200_000_000
+PARTED_BASE_BYTES = 2 * BASE_BYTES
 PACKAGING_BYTES_PER_LAYER_WEIGHT = 14
-PACKAGING_BYTES_PER_TABLE_WEIGHT = 31
+PACKAGING_BYTES_PER_TABLE_WEIGHT = 33
 WHOLE_BYTES_PER_PARAMETER = 12
 HIDDEN_OUT = "hidden_states_out"  # a part's rows for the next part (Core ML refuses one name for an input and output)
 ROW_ALIGN = 64  # vocabulary splits fall on multiples of this many rows (and of a lut4 table's rows)
@@ -268,7 +271,7 @@ def parted_build_bytes(args, target, parts: list[Part], window_cache_bytes: int)
     # a decoder layer's fp32 weights and what its forward holds: 4.4 bytes a weight measured at the 27B width
     reference = 4 * table + logits + data.samples * window_cache_bytes + 5 * largest_layer
     candidate = logits + 6 * max(table, largest_layer) + 16 * data.length * args.vocab_size
-    return BASE_BYTES + max(max(packaging_bytes(p, sizes) for p in parts), reference, candidate)
+    return PARTED_BASE_BYTES + max(max(packaging_bytes(p, sizes) for p in parts), reference, candidate)
 
 
 def build_memory_bytes(args, target, parts: list[Part], specs: list[FunctionSpec]) -> int:
@@ -288,8 +291,9 @@ def memory_line(target, peak: int) -> str:
 
 
 def packaging_room(target) -> int:
-    """The bytes packaging a part may take above the base for the build to stay within ``target.max_host_memory_gb``."""
-    return int(target.max_host_memory_gb * GB - BASE_BYTES)
+    """The bytes packaging a part may take above the bases (the build process's and the part's) for the build to stay
+    within ``target.max_host_memory_gb``."""
+    return int(target.max_host_memory_gb * GB - PARTED_BASE_BYTES)
 
 
 def whole_build_bytes(parameters: int) -> int:
@@ -305,7 +309,7 @@ def plan_parts(args, target) -> list[Part]:
     limit, room = int(target.max_part_mb * MB), packaging_room(target)
     if room <= 0:
         raise InputError(f"target.max_host_memory_gb: {target.max_host_memory_gb:g} GB is below the "
-                         f"{BASE_BYTES / GB:g} GB a build takes before it loads any weight; raise it")
+                         f"{PARTED_BASE_BYTES / GB:g} GB a parted build takes before it loads any weight; raise it")
     sizes = piece_sizes(args, target)
     vocab, layers = args.vocab_size, len(sizes.layers)
     if sizes.total(vocab, args.tie_word_embeddings) <= limit and \
@@ -325,7 +329,7 @@ def plan_parts(args, target) -> list[Part]:
             if _layer_cost(sizes, first) > room:
                 raise InputError(f"target.max_host_memory_gb: {target.max_host_memory_gb:g} GB cannot package "
                                  f"decoder layer {first} (about {size_text(_layer_cost(sizes, first))} above the "
-                                 f"{BASE_BYTES / GB:g} GB base); raise it")
+                                 f"{PARTED_BASE_BYTES / GB:g} GB base); raise it")
             raise InputError(f"target.max_part_mb: {target.max_part_mb:g} MB is below decoder layer {first}'s "
                              f"{size_text(sizes.layers[first] + sizes.layer_constants)}; raise it (a part holds "
                              "whole layers)")
@@ -392,7 +396,7 @@ def plan_lines(args, target, parts: list[Part]) -> list[str]:
         if part.head:
             held.append(f"norm + lm_head rows {part.head[0]}..{part.head[1] - 1}")
         lines.append(f"    {part.name}: {', '.join(held)}: {size_text(part_bytes(part, sizes))} (packaging about "
-                     f"{(BASE_BYTES + packaging_bytes(part, sizes)) / GB:.1f} GB)")
+                     f"{(PARTED_BASE_BYTES + packaging_bytes(part, sizes)) / GB:.1f} GB)")
     return lines
 
 

@@ -1,0 +1,73 @@
+"""Stages in a fresh process (convert/processes.py): the result and the stage's own errors come back; a process that
+dies is named, not hung on; and the parted build with every stage in a process of its own gives the bundle of the
+build in one process."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from convert import build
+from convert.cli import main
+from convert.errors import InputError
+from convert.processes import in_fresh_process
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _pid_and_sum(*values: int) -> tuple[int, int]:
+    return os.getpid(), sum(values)
+
+
+def _refuse(name: str) -> None:
+    raise InputError(f"{name}: refused")
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_stage_runs_in_another_process_and_returns_its_result():
+    pid, total = in_fresh_process(_pid_and_sum, 2, 3, 4)
+    assert total == 9 and pid != os.getpid()
+
+
+def test_a_stage_error_is_raised_here_as_itself():
+    with pytest.raises(InputError, match="^tensor.x: refused$"):
+        in_fresh_process(_refuse, "tensor.x")
+
+
+def test_a_stage_process_that_dies_is_named():
+    with pytest.raises(RuntimeError, match="the process running _die died"):
+        in_fresh_process(_die)
+
+
+def _build(tmp_path: Path, name: str) -> dict:
+    text = (ROOT / "recipes" / "tiny_qwen3_5.yaml").read_text().replace(
+        "path:../fixtures/", f"path:{ROOT}/fixtures/").replace(
+        "  context: 512", "  max_part_mb: 6\n  context: 512").replace(
+        "backends: [coreai, coreml]", "backends: [coreml]").replace(
+        "data: {samples: 16, length: 256}", "data: {samples: 2, length: 64}")
+    recipe = tmp_path / f"{name}.yaml"
+    recipe.write_text(text)
+    out = tmp_path / name
+    result = CliRunner().invoke(main, ["build", str(recipe), "-o", str(out), "--no-cache"])
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "manifest.json").read_text())
+
+
+@pytest.mark.heavy
+def test_a_parted_build_in_fresh_processes_gives_the_same_bundle(tmp_path, monkeypatch):
+    """Above ``CHAINED_RUN_PARAMETERS`` the quantize stage, the gate and each part run in a process of their own: the
+    packages, the parts, the identity hashes and the gate are those of the same build in one process."""
+    together = _build(tmp_path, "one-process")
+    monkeypatch.setattr(build, "CHAINED_RUN_PARAMETERS", 0)
+    apart = _build(tmp_path, "fresh-processes")
+    assert len(apart["parts"]) == 6
+    assert [p["files"] for p in apart["packages"]] == [p["files"] for p in together["packages"]]
+    assert [p["stable_hash"] for p in apart["packages"]] == [p["stable_hash"] for p in together["packages"]]
+    assert apart["parts"] == together["parts"] and apart["weights"] == together["weights"]
+    assert apart["gate"]["metrics"] == together["gate"]["metrics"]
