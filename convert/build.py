@@ -137,8 +137,7 @@ def make_plan(recipe_path: Path, output: str | None = None) -> Plan:
 
 def _check_host_memory(plan: Plan) -> None:
     """A parted target's packaging fits ``target.max_host_memory_gb`` by construction (``plan_parts``); its streamed
-    gate holds every window's fp32 logits, which the gate data sets: refuse a gate that would not fit, before any
-    work."""
+    gate holds every window's states, which the gate data sets: refuse a gate that would not fit, before any work."""
     target = plan.recipe.target
     budget = target.max_host_memory_gb * 1e9
     if plan.parts[0].is_whole or plan.peak_memory_bytes <= budget:
@@ -150,10 +149,9 @@ def _check_host_memory(plan: Plan) -> None:
                          "recipe without the drafter), or the pair on a machine with that memory and a "
                          "max_host_memory_gb to match")
     data = target.gate.data
-    logits = 4 * data.samples * data.length * plan.args.vocab_size
     raise InputError(f"{plan.recipe_path}: target.gate.data: the streamed gate over {data.samples} x {data.length} "
-                     f"tokens needs about {plan.peak_memory_bytes / 1e9:.1f} GB of host memory ({logits / 1e9:.1f} GB "
-                     f"of them every window's fp32 logits), over target.max_host_memory_gb "
+                     f"tokens needs about {plan.peak_memory_bytes / 1e9:.1f} GB of host memory (every window's "
+                     f"states, the largest piece of the target in fp16 and fp32), over target.max_host_memory_gb "
                      f"{target.max_host_memory_gb:g}; lower samples or length, or raise max_host_memory_gb")
 
 

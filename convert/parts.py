@@ -261,28 +261,32 @@ def matrix_bytes(method: str | None, group: int, shape: tuple[int, int]) -> int:
 
 def parted_build_bytes(args, target, parts: list[Part], window_cache_bytes: int) -> int:
     """Host memory of building a parted target, streamed: the largest of packaging its largest part, the streamed
-    reference (its fp32 lm_head, every window's fp32 logits and caches, ``window_cache_bytes`` each, a decoder
-    layer) and the streamed candidate (the reference's logits, its largest piece in fp16 and fp32, one window's
-    log-probabilities in fp64; the states between passes are on disk)."""
+    reference (its fp32 lm_head, one window's fp32 logits (every window's go to disk as they are computed), every
+    window's caches, ``window_cache_bytes`` each, a decoder layer) and the streamed candidate (a window's logits, the
+    reference's and its own, its largest piece in fp16 and fp32, one window's log-probabilities in fp64; the states
+    between passes are on disk)."""
     sizes = piece_sizes(args, target)
     data = target.gate.data
-    table, logits = args.vocab_size * sizes.row_weights, 4 * data.samples * data.length * args.vocab_size
+    table, logits = args.vocab_size * sizes.row_weights, 4 * data.length * args.vocab_size
     largest_layer = max(sizes.layer_weights)
     # a decoder layer's fp32 weights and what its forward holds: 4.4 bytes a weight measured at the 27B width
     reference = 4 * table + logits + data.samples * window_cache_bytes + 5 * largest_layer
-    candidate = logits + 6 * max(table, largest_layer) + 16 * data.length * args.vocab_size
+    candidate = 2 * logits + 6 * max(table, largest_layer) + 16 * data.length * args.vocab_size
     return PARTED_BASE_BYTES + max(max(packaging_bytes(p, sizes) for p in parts), reference, candidate)
 
 
 def build_memory_bytes(args, target, parts: list[Part], specs: list[FunctionSpec]) -> int:
-    """Estimate of a build's peak host memory: in memory for a whole target, streamed for a parted one (one gate
-    window's reference cache: every state in fp32, the KV caches only as long as the window)."""
+    """Estimate of a build's peak host memory: in memory for a whole target, streamed for a parted one."""
     states = specs[0].states
     if parts[0].is_whole:
         return whole_build_bytes(args.parameter_count) + 2 * sum(s.nbytes for s in states)
+    return parted_build_bytes(args, target, parts, window_cache_bytes(target, states))
+
+
+def window_cache_bytes(target, states) -> int:
+    """One gate window's reference cache: every state in fp32, the KV caches only as long as the window."""
     grown = min(1.0, (target.gate.data.length + target.gate.greedy_tokens) / target.context)
-    window = sum(2 * s.nbytes * (grown if s.name in ("key_cache", "value_cache") else 1) for s in states)
-    return parted_build_bytes(args, target, parts, int(window))
+    return int(sum(2 * s.nbytes * (grown if s.name in ("key_cache", "value_cache") else 1) for s in states))
 
 
 def memory_line(target, peak: int) -> str:

@@ -12,12 +12,15 @@ the cache, masks, rotary tables) replicates ``Qwen3Model.forward`` and ``Qwen3_5
 text positions for text-only input (its multimodal position ids stay unset without images).
 
 Memory: the largest of one decoder layer's, the embedding's and the lm_head's (with the final norm) fp32 weights,
-never two of them at once, plus every window's cache, hidden states and logits (windows x length x vocab in fp32).
-Each greedy token after the first is one more pass over all the weights, each window on its own cache.
+never two of them at once, plus every window's cache and hidden states. Each window's logits (length x vocab in fp32:
+16 windows of 256 tokens are 4 GB at a 248320 vocabulary) go to a file as soon as the head has computed them and
+come back memory-mapped, so they take host memory only while the gate reads them. Each greedy token after the first
+is one more pass over all the weights, each window on its own cache.
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,9 +96,10 @@ def _layer_inputs(model: nn.Module, hidden: torch.Tensor, cache: DynamicCache) -
 
 
 def _pass(model: nn.Module, weights: Weights, inputs: list[torch.Tensor], caches: list[DynamicCache],
-          taps: dict[int, list], advance) -> list[torch.Tensor]:
+          taps: dict[int, list], advance, keep=None) -> list[torch.Tensor]:
     """One forward of every window's ``inputs`` [1, n] on its cache, layer-major; returns each window's logits
-    [1, n, vocab] (on the host); ``taps[i][w]`` gets window w's layer-i output."""
+    [1, n, vocab] (on the host; ``keep(logits)``'s result when given, called as each is computed);
+    ``taps[i][w]`` gets window w's layer-i output."""
     inner = model.model
     weights.load(inner.embed_tokens, "model.embed_tokens")
     hidden = [inner.embed_tokens(ids) for ids in inputs]
@@ -112,7 +116,7 @@ def _pass(model: nn.Module, weights: Weights, inputs: list[torch.Tensor], caches
         advance()
     weights.load(inner.norm, "model.norm")
     weights.load(model.lm_head, "lm_head")
-    logits = [model.lm_head(inner.norm(h)).float().cpu() for h in hidden]
+    logits = [(keep or _same)(model.lm_head(inner.norm(h)).float().cpu()) for h in hidden]
     weights.free(inner.norm)
     weights.free(model.lm_head)
     return logits
@@ -129,7 +133,7 @@ def streamed_reference(source: Path, windows: list[list[int]], taps: list[int], 
     layers = model.config.num_hidden_layers
     with steps("streamed fp32 reference", greedy_tokens * layers, "layer passes") as advance:
         inputs = [torch.tensor([window], device=device) for window in windows]
-        logits = _pass(model, weights, inputs, caches, captured, advance)
+        logits = _pass(model, weights, inputs, caches, captured, advance, _memory_mapped)
         results = [ReferenceWindow(out[0], {t: captured[t][w] for t in taps}, [int(out[0, -1].argmax())])
                    for w, out in enumerate(logits)]
         for _ in range(greedy_tokens - 1):
@@ -137,3 +141,16 @@ def streamed_reference(source: Path, windows: list[list[int]], taps: list[int], 
             for r, out in zip(results, _pass(model, weights, inputs, caches, {}, advance), strict=True):
                 r.greedy.append(int(out[0, -1].argmax()))
     return results
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _memory_mapped(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values, written to a file and mapped back (the file is unlinked at once: its disk space is freed
+    with the tensor), so that they are paged in only while read."""
+    with tempfile.TemporaryDirectory(prefix="spec-convert-reference-") as scratch:
+        path = Path(scratch) / "logits.pt"
+        torch.save(tensor, path)
+        return torch.load(path, mmap=True)

@@ -36,12 +36,14 @@ def test_dflash2_27b_plans_from_its_contract():
     # the measured cost model: 48 x 16.1 s + 16 x 13.4 s + 5.2 s + 3.7 s at 128 x 2048 tokens = 16.6 min
     assert "estimated quantize time (lut4-gptq, 128 x 2048 calibration tokens): 17 min on one H200" in out
     # parts under the default 2000 MB and packaged within the default 16 GB (convert/parts.py's measured cost per
-    # weight): a vocabulary table's rows in 3 parts, 2 decoder layers (2 x ~383 M weights) a part
-    assert "parts: 38 (target.max_part_mb 2000, target.max_host_memory_gb 16), chained by the host" in out
-    assert "embed-1of3: embedding rows 0..82815: 202.35 MiB (packaging about 14.3 GB)" in out
-    assert "layers-4-5: layers 4..5, taps [5]: 368.38 MiB (packaging about 11.9 GB)" in out
+    # weight, beside the build process's base): a vocabulary table's rows in 4 parts, 2 decoder layers (2 x ~383 M
+    # weights) a part
+    assert "parts: 40 (target.max_part_mb 2000, target.max_host_memory_gb 16), chained by the host" in out
+    assert "embed-1of4: embedding rows 0..62079: 151.68 MiB (packaging about 12.9 GB)" in out
+    assert "layers-4-5: layers 4..5, taps [5]: 368.38 MiB (packaging about 13.1 GB)" in out
     assert "layers-62-63: layers 62..63: 362.36 MiB" in out
-    assert "head-3of3: norm + lm_head rows 165632..248319: 202.04 MiB" in out
+    assert "head-4of4: norm + lm_head rows 186240..248319: 151.69 MiB" in out
+    assert "estimated peak host memory: 13.1 GB (target.max_host_memory_gb 16)" in out
 
 
 def test_the_quantize_estimate_of_round_to_nearest_is_the_cpu_measurement(tmp_path):

@@ -16,7 +16,7 @@ from convert.cache import BuildCache
 from convert.checks import short_schedule
 from convert.export import compute_copy
 from convert.host import TargetDriver
-from convert.parts import part_calls, part_modules, recorded_calls
+from convert.parts import part_calls, part_modules, recorded_calls, window_cache_bytes
 from convert.quantize import quantize_checkpoint, summary
 from convert.shipped import PartLoader
 
@@ -150,12 +150,14 @@ def test_a_streamed_gate_over_the_host_memory_budget_is_refused_before_any_work(
     recipe = _recipe(tmp_path, "tiny_qwen3_5", "affine4", "[5, 1]")
     plan = make_plan(recipe)
     assert not plan.parts[0].is_whole and plan.peak_memory_bytes <= 16e9
-    # the reference holds every window's fp32 logits: enough windows put the gate over the budget
-    windows = int(16e9 / (4 * 256 * plan.args.vocab_size)) + 1
+    # the reference holds every window's states (its logits go to disk): enough windows put the gate over the budget
+    per_window = window_cache_bytes(plan.recipe.target, plan.specs[0].states)
+    windows = int(16e9 / per_window) + 1
     recipe.write_text(recipe.read_text().replace("data: {samples: 16, length: 256}",
                                                  f"data: {{samples: {windows}, length: 256}}"))
-    with pytest.raises(build.InputError, match=r"target.gate.data: the streamed gate over \d+ x 256 tokens needs "
-                       r"about (1[6-9]|2[01])\.\d GB .*over target.max_host_memory_gb 16; lower samples or length"):
+    with pytest.raises(build.InputError, match=rf"target.gate.data: the streamed gate over {windows} x 256 tokens "
+                       r"needs about 1[6-9]\.\d GB of host memory \(every window's states.*over "
+                       r"target.max_host_memory_gb 16; lower samples or length"):
         make_plan(recipe)
 
 
