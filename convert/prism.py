@@ -49,7 +49,10 @@ and signs, and reads each module's codes only when ``codes`` is called.
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -392,3 +395,74 @@ def embedding_table(module: PackedModule) -> torch.Tensor:
         raise ValueError(f"{module.key} is not the embedding; its logical weight is unfold(module)")
     rows = dequantize(module).to(torch.float16).to(torch.float64)
     return _rotate_rows(rows, module.block, module.signs).to(torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------ the unfolded form
+
+# config.json fields a pack adds to the Hugging Face config of its model (the rest is the HF config as it was)
+PACK_CONFIG_FIELDS = ("schema_version", "base_model_type", "tensor_namespace", "requires_runtime", "hadamard_config",
+                      "gdn_activation_layout", "components", "quantization", "modules")
+# mlx-vlm ``qwen3_5.Model.sanitize``: the zero-centred norms it stores as 1 + w (1-D tensors with these endings)
+OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+                ".q_norm.weight", ".k_norm.weight")
+TEXT_PREFIX, VISION_PREFIX = PREFIX + "model.", "vision_tower."
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def hf_key(key: str) -> str:
+    """A pack tensor's name in the Hugging Face checkpoint (mlx-vlm ``qwen3_5.Model.sanitize``'s renaming undone:
+    ``language_model.model.*`` <- ``model.language_model.*``, ``vision_tower.*`` <- ``model.visual.*``,
+    ``language_model.lm_head`` <- ``lm_head``)."""
+    if key.startswith(TEXT_PREFIX):
+        return "model.language_model." + key.removeprefix(TEXT_PREFIX)
+    if key.startswith(VISION_PREFIX):
+        return "model.visual." + key.removeprefix(VISION_PREFIX)
+    return key.removeprefix(PREFIX)
+
+
+def hf_layout(key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A dense pack tensor in the Hugging Face layout (mlx-vlm ``sanitize``'s layout changes undone): the offset
+    norms back to w (``(1 + w) - 1`` is exact for the stored values in [0.5, 2], Sterbenz), ``conv1d`` [C, K, 1] back
+    to [C, 1, K]."""
+    if key.endswith(OFFSET_NORMS) and tensor.dim() == 1:
+        return tensor - 1.0
+    if key.endswith("conv1d.weight") and tensor.dim() == 3 and tensor.shape[-1] == 1:
+        return tensor.movedim(2, 1).contiguous()
+    return tensor
+
+
+def unfolded_config(pack: Pack) -> dict:
+    """The Hugging Face config.json of the pack's model: the pack's fields removed, its base model type back."""
+    config = {k: v for k, v in pack.config.items() if k not in PACK_CONFIG_FIELDS}
+    config["model_type"] = pack.config["base_model_type"]
+    return config
+
+
+def unfolded_tensors(pack: Pack) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the pack's model in the Hugging Face checkpoint's names and layout: each packed matrix as its
+    logical weight (``unfold`` / ``embedding_table``, fp32), the dense tensors as stored, one file's tensors at a
+    time."""
+    packed = {m.key + suffix for m in pack.modules.values() for suffix in (".weight", ".scales", ".biases", ".signs")}
+    for module in pack.modules.values():
+        logical = embedding_table(module) if module.embedding else unfold(module)
+        yield hf_key(module.key + ".weight"), logical
+    for file in weight_files(pack.directory):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name not in packed:
+                    yield hf_key(name), hf_layout(name, f.get_tensor(name))
+
+
+def write_unfolded(pack: Pack, directory: Path) -> Path:
+    """The pack's model as a stock Hugging Face checkpoint in ``directory`` (config.json, model.safetensors with every
+    tensor of ``unfolded_tensors``, the tokenizer files): what transformers' Qwen3.5 classes load as the gate's
+    reference. Returns ``directory``."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(dict(unfolded_tensors(pack)), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(unfolded_config(pack), indent=2))
+    for name in COPIED_FILES:
+        if (pack.directory / name).is_file():
+            shutil.copyfile(pack.directory / name, directory / name)
+    return directory

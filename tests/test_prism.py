@@ -271,3 +271,24 @@ def test_a_sharded_pack_reads_the_same(written, pack, tmp_path):
     assert len({m.file for m in again.modules.values()}) == 2
     for path, module in again.modules.items():
         assert torch.equal(prism.unfold(module), prism.unfold(pack.modules[path])), path
+
+
+def test_the_unfolded_checkpoint_is_the_stock_hf_form_of_the_pack(written, pack, tmp_path):
+    """``write_unfolded`` gives back the writer's unfolded checkpoint: every tensor bit for bit (the logical weights,
+    conv1d as [C, 1, K], the vision tower) but the zero-centred norms, whose multiplier 1 + w (what transformers
+    computes with, in fp32) is the writer's bit for bit: the pack stores fl(1 + w), whose w is not recoverable, and
+    fl(1 + (s - 1)) = s; and its config.json."""
+    root, _ = written
+    out = prism.write_unfolded(pack, tmp_path / "unfolded")
+    expected, found = load_file(str(root / "unfolded" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(found) == sorted(expected)
+    offset_norms = [k for k in expected if k.endswith(prism.OFFSET_NORMS) and expected[k].dim() == 1]
+    assert len(offset_norms) == 2 * 2 + 1 + 2  # two norms a layer, the final norm, one attention layer's q/k norms
+    for key, tensor in expected.items():
+        assert found[key].dtype == tensor.dtype, key
+        if key in offset_norms:
+            assert torch.equal(1.0 + found[key], 1.0 + tensor), key
+        else:
+            assert torch.equal(found[key], tensor), key
+    assert json.loads((out / "config.json").read_text()) == json.loads((root / "unfolded" / "config.json").read_text())
+    assert (out / "tokenizer.json").read_bytes() == (root / "pack" / "tokenizer.json").read_bytes()
