@@ -1,7 +1,7 @@
 """Quantized linears in the export modules, and their weights as the packages store them.
 
 ``apply_quantized`` swaps named ``nn.Linear`` modules of an export core for ``QuantizedLinear``s, each
-carrying one ``QuantizedWeight`` (4-bit codes and per-group tables, see ``quant/types.py``). One module
+carrying one ``QuantizedWeight`` (4-bit or 2-bit codes and per-group tables, see ``quant/types.py``). One module
 serves every consumer, so every function of every package is built from the same tensors:
 
 - torch (eager, and ``torch.jit.trace`` for Core ML): ``F.linear`` with the fp16 weight
@@ -20,8 +20,27 @@ serves every consumer, so every function of every package is built from the same
   is within 15 * 2**-11 of the integer ``code - zero_point`` (one fp16 rounding, or exact when subnormal),
   so it rounds back to it whenever the scale is finite and non-zero (checked on construction).
 
-The packages are read back into ``ShippedWeight``s (``from_lut_to_dense``, ``from_blockwise_shift_scale``)
-and ``difference`` says how one differs from the ``QuantizedWeight`` that was meant to ship.
+exact2 (2-bit codes, an fp16 scale and a zero point per group of columns) takes the cheapest exact form of each:
+
+- Core AI: ``WeightDequantizeModule`` with ``input_dtype=torch.uint2``: coreai-torch stores the codes and zero
+  points as packed ui2 (``_compression/utils.py``, ``_inject_subbyte_in_quant``: ``QUANTIZATION_SUPPORT_NBITS``
+  is (2, 4, 8)), a uniform zero point as one inline splat: measured 2.13 bits a weight at groups of 128
+  (a per-group table through ``PalettizeModule``, lut [O, I/G, 4, 1], would take 2.50).
+- Core ML (coremltools 9, iOS18): ``constexpr_blockwise_shift_scale`` takes no 2-bit data (its ``SrcT`` is
+  int4, uint4, int8, uint8, fp16, fp32: ``mil/ops/defs/iOS18/compression.py``), and a 2-bit quantization buffer
+  is stored as uint4 (``frontend/_utils.py``, ``_construct_constexpr_dequant_op``). The pre-compression buffers
+  can carry it as palettization with one 4-entry fp16 table per group (``exact2_tables``, lut [O, I/G, 4, 1]:
+  each entry is bit for bit the weight of its code, and the entries differ, so the derived indices are the
+  codes), 2.5 bits a weight; a palettization scale cannot help, being divided into the weight per channel only
+  (``frontend/torch/converter.py``, ``_construct_palettization_op``). The backend's conversion pass
+  (``convert/backends/coreml.py``) then turns each such table back into its scale and zero point
+  (``exact2_parameters``, checked bit for bit) and ships ``constexpr_lut_to_dense`` of the uint2 codes through
+  one int8 table ``[0, 1, 2, 3] - z`` into ``constexpr_blockwise_shift_scale`` with the fp16 scales (and int8
+  zero points as its offset where they are not all ``z``): coremltools' own joint palettization + quantization
+  form (``_construct_quantization_op``), measured 2.13 bits a weight at groups of 128.
+
+The packages are read back into ``ShippedWeight``s (``from_lut_to_dense``, ``from_blockwise_shift_scale``,
+``from_codes_then_scales``) and ``difference`` says how one differs from the ``QuantizedWeight`` that was meant to ship.
 """
 
 from __future__ import annotations
@@ -42,7 +61,9 @@ BITS = 4
 ENTRIES = 2**BITS
 COREML_PREFIX = "_COREML_"
 _COREML_PALETTIZATION, _COREML_QUANTIZATION = 2, 3  # coremltools' CompressionType values
-_TABLES = {"lut4": ("lut",), "affine4": ("scale", "zero_point")}
+EXACT2_ENTRIES = 4  # an exact2 group's codes 0..3
+_TABLES = {"lut4": ("lut",), "affine4": ("scale", "zero_point"), "exact2": ("scale", "zero_point")}
+_CODE_BITS = {"lut4": BITS, "affine4": BITS, "exact2": 2}  # codes and zero points, as both formats store them
 _ROW_BLOCK = 1024
 
 
@@ -73,12 +94,14 @@ class QuantizedLinear(nn.Module):
         p = self.packed
         if self.method == "lut4":
             return QuantizedWeight("lut4", p.indices, self.group_size, lut=p.lut.reshape(-1, ENTRIES))
-        return QuantizedWeight("affine4", p.quantized_data, self.group_size, scale=p.scale, zero_point=p.zero_point)
+        return QuantizedWeight(self.method, p.quantized_data, self.group_size, scale=p.scale, zero_point=p.zero_point)
 
     def shipped_nbytes(self) -> int:
-        """Bytes this layer takes in a package: codes and zero points at 4 bits, tables and bias as they are."""
+        """Bytes this layer takes in a package: codes and zero points at 4 bits (exact2: 2), tables and bias as they
+        are."""
+        bits = _CODE_BITS[self.method]
         tensors = [*self.packed.buffers(), *([] if self.bias is None else [self.bias])]
-        return sum(t.nbytes if t.is_floating_point() else math.ceil(t.numel() * BITS / 8) for t in tensors)
+        return sum(t.nbytes if t.is_floating_point() else math.ceil(t.numel() * bits / 8) for t in tensors)
 
     def coreml_compression(self) -> dict[str, torch.Tensor]:
         """coremltools' ``_COREML_/weight/<key>`` buffers for this layer, by key.
@@ -87,6 +110,9 @@ class QuantizedLinear(nn.Module):
         cast gives back the exact fp16 tables (and keeps the constexpr ops fp16).
         """
         quantized = self.quantized_weight()
+        if self.method == "exact2":
+            lut = exact2_tables(quantized.scale.to(torch.float16), quantized.zero_point)[..., None]
+            return {"compression_type": torch.tensor([_COREML_PALETTIZATION]), "lut": lut}
         if self.method == "lut4":
             _check_codes_are_first_entries(self.name, quantized)
             lut = quantized.lut.to(torch.float16).reshape(-1, 1, ENTRIES, 1)
@@ -194,9 +220,10 @@ def from_lut_to_dense(where: str, indices: np.ndarray, lut: np.ndarray) -> Quant
     return QuantizedWeight("lut4", codes, indices.shape[0] // lut.shape[0], lut=table)
 
 
-def from_blockwise_shift_scale(where: str, data: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> QuantizedWeight:
-    """A blockwise_shift_scale op's operands (``scale * (data - offset)``) as a ``QuantizedWeight``; refuses any
-    layout but affine4's."""
+def from_blockwise_shift_scale(where: str, data: np.ndarray, scale: np.ndarray, offset: np.ndarray,
+                               method: str = "affine4") -> QuantizedWeight:
+    """A blockwise_shift_scale op's operands (``scale * (data - offset)``) as a ``QuantizedWeight`` of ``method``
+    (affine4, or exact2 where the data is 2-bit); refuses any layout but theirs."""
     if (
         data.ndim != 2
         or scale.ndim != 2
@@ -206,15 +233,78 @@ def from_blockwise_shift_scale(where: str, data: np.ndarray, scale: np.ndarray, 
     ):
         raise PackageError(
             f"{where}: blockwise_shift_scale of data {list(data.shape)}, scale {list(scale.shape)} and offset "
-            f"{list(offset.shape)} is not affine4 (a scale and zero point per group of columns of each row)"
+            f"{list(offset.shape)} is not {method} (a scale and zero point per group of columns of each row)"
         )
     return QuantizedWeight(
-        "affine4",
+        method,
         torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8)),
         data.shape[1] // scale.shape[1],
         scale=torch.from_numpy(np.ascontiguousarray(scale)),
         zero_point=torch.from_numpy(np.ascontiguousarray(offset, dtype=np.uint8)),
     )
+
+
+def from_codes_then_scales(where: str, indices: np.ndarray, lut: np.ndarray, scale: np.ndarray,
+                           offset: np.ndarray | None) -> QuantizedWeight:
+    """Core ML's exact2 form as a ``QuantizedWeight``: lut_to_dense of 2-bit ``indices`` through one integer table
+    ``[0, 1, 2, 3] - z``, then blockwise_shift_scale by ``scale`` and ``offset`` (None: 0), so a code's weight is
+    ``scale * (code - (z + offset))``; refuses any other layout."""
+    layout = (
+        lut.shape == (1, 1, EXACT2_ENTRIES, 1)
+        and lut.dtype.kind in "iu"
+        and indices.ndim == 2
+        and scale.ndim == 2
+        and scale.shape[0] == indices.shape[0]
+        and indices.shape[1] % scale.shape[1] == 0
+        and (offset is None or offset.shape == scale.shape)
+    )
+    shift = -int(lut.reshape(-1)[0]) if layout else 0
+    zero_point = shift + (np.zeros(scale.shape, np.int64) if offset is None else offset.astype(np.int64))
+    if (
+        not layout
+        or not np.array_equal(lut.reshape(-1), np.arange(EXACT2_ENTRIES) - shift)
+        or zero_point.min() < 0
+        or zero_point.max() >= EXACT2_ENTRIES
+    ):
+        raise PackageError(
+            f"{where}: lut_to_dense of indices {list(indices.shape)} by a {list(lut.shape)} table into "
+            f"blockwise_shift_scale by a {list(scale.shape)} scale is not exact2 (one table [0, 1, 2, 3] - z, a scale "
+            "per group of columns of each row, zero points z + offset in 0..3)"
+        )
+    return QuantizedWeight(
+        "exact2",
+        torch.from_numpy(np.ascontiguousarray(indices, dtype=np.uint8)),
+        indices.shape[1] // scale.shape[1],
+        scale=torch.from_numpy(np.ascontiguousarray(scale)),
+        zero_point=torch.from_numpy(zero_point.astype(np.uint8)),
+    )
+
+
+def exact2_tables(scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """Each group's weights for codes 0..3, [out, groups, 4] fp16, by ``QuantizedWeight.dequantize``'s own fp16
+    arithmetic: entry k is bit for bit the weight of a code k."""
+    codes = torch.arange(EXACT2_ENTRIES, dtype=torch.float16)
+    return (codes - zero_point[..., None].to(torch.float16)) * scale[..., None]
+
+
+def exact2_parameters(tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fp16 scale and uint8 zero point [out, groups] whose ``exact2_tables`` are ``tables`` bit for bit, or None.
+
+    A group's one zero entry is its zero point; the entry after it is ``1 * scale``, exactly (for zero point 3,
+    the entry before it is ``-1 * scale``).
+    """
+    if tables.dtype != torch.float16 or tables.dim() != 3 or tables.shape[-1] != EXACT2_ENTRIES:
+        return None
+    zeros = tables == 0
+    if not bool((zeros.sum(-1) == 1).all()):
+        return None
+    zero_point = zeros.to(torch.uint8).argmax(-1).to(torch.uint8)
+    z = zero_point.long()[..., None]
+    after = tables.gather(-1, (z + 1).clamp(max=EXACT2_ENTRIES - 1))[..., 0]
+    before = tables.gather(-1, (z - 1).clamp(min=0))[..., 0]
+    scale = torch.where(zero_point < EXACT2_ENTRIES - 1, after, -before)
+    rebuilt = exact2_tables(scale, zero_point)
+    return (scale, zero_point) if torch.equal(rebuilt.view(torch.int16), tables.view(torch.int16)) else None
 
 
 def in_row_blocks(decompress: Callable[[int, int], np.ndarray], rows: int, multiple: int) -> np.ndarray:
@@ -281,8 +371,9 @@ def _validate(name: str, q: QuantizedWeight) -> None:
         refuse(f"method {q.method!r} is not one of {sorted(_TABLES)}")
     if q.codes.dtype != torch.uint8 or q.codes.dim() != 2:
         refuse(f"codes must be a 2-D uint8 tensor, got {q.codes.dtype} {list(q.codes.shape)}")
-    if int(q.codes.max()) >= ENTRIES:
-        refuse(f"codes go up to {int(q.codes.max())}, above the 4-bit maximum {ENTRIES - 1}")
+    bits = _CODE_BITS[q.method]
+    if int(q.codes.max()) >= 2**bits:
+        refuse(f"codes go up to {int(q.codes.max())}, above the {bits}-bit maximum {2**bits - 1}")
     rows, columns = q.shape
     if q.method == "lut4":
         if q.group_size <= 0 or rows % q.group_size:
@@ -297,9 +388,16 @@ def _validate(name: str, q: QuantizedWeight) -> None:
     _check_table(refuse, "scale", q.scale, torch.float16, groups)
     _check_table(refuse, "zero_point", q.zero_point, torch.uint8, groups)
     if not bool((q.scale.isfinite() & (q.scale != 0)).all()):
-        refuse("a scale is zero, inf or NaN; Core ML derives each code as round(w / scale) + zero_point")
-    if int(q.zero_point.max()) >= ENTRIES:
-        refuse(f"a zero point is {int(q.zero_point.max())}; both formats store zero points as uint4")
+        derivation = {
+            "affine4": "round(w / scale) + zero_point",
+            "exact2": "the entry equal to w of its group's table scale * (k - zero_point), k = 0..3",
+        }[q.method]
+        refuse(f"a scale is zero, inf or NaN; Core ML derives each code as {derivation}")
+    if int(q.zero_point.max()) >= 2**bits:
+        refuse(f"a zero point is {int(q.zero_point.max())}; Core AI stores {q.method} zero points as uint{bits}")
+    if q.method == "exact2" and not bool(exact2_tables(q.scale, q.zero_point).isfinite().all()):
+        refuse(f"scale * (code - zero_point) overflows fp16 for a code 0..3 of some group (scales up to "
+               f"{float(q.scale.abs().max())})")
 
 
 def _check_table(refuse: Callable[[str], None], field: str, tensor, dtype: torch.dtype, shape: tuple[int, int]) -> None:
@@ -337,7 +435,7 @@ def _packed_module(q: QuantizedWeight) -> nn.Module:
         codes,
         q.scale.contiguous(),
         zero_point=q.zero_point.contiguous(),
-        input_dtype=torch.uint4,
+        input_dtype=torch.uint2 if q.method == "exact2" else torch.uint4,
         output_dtype=torch.float16,
     )
 

@@ -1,6 +1,6 @@
 """What a quantizer hands the rest of the pipeline: a weight exactly as it will ship.
 
-Two 4-bit formats, each chosen so that both package formats store it natively and dequantize it with
+Three formats, each chosen so that both package formats store it natively and dequantize it with
 the same arithmetic (bit for bit what ``dequantize`` returns here):
 
 - ``affine4``: uint4 codes per weight; per group of ``group_size`` consecutive input columns of a row,
@@ -10,6 +10,12 @@ the same arithmetic (bit for bit what ``dequantize`` returns here):
 - ``lut4``: uint4 indices per weight; per group of ``group_size`` consecutive output rows, a table of
   16 fp16 values: ``w = lut[row // group_size, index]``. Core AI: ``PalettizeModule``
   (``lut_to_dense``); Core ML: ``constexpr_lut_to_dense``.
+- ``exact2``: affine4's arithmetic over 2-bit codes (0..3) and zero points (0..3), for weights that arrive
+  already quantized (Prism ML's Ternary Bonsai 2 packs: codes 0, 1, 2 with zero point 1 and an fp16 scale per
+  128 input columns, so ``-s, 0, +s``; a code 3 is ``2 s``). Shipped as they are, never re-quantized. Core AI:
+  ``WeightDequantizeModule`` with uint2 data (``constexpr_blockwise_shift_scale``); Core ML, whose
+  ``constexpr_blockwise_shift_scale`` takes no 2-bit data: ``constexpr_lut_to_dense`` of the uint2 codes
+  through a 4-entry int8 table, into ``constexpr_blockwise_shift_scale`` (see ``convert/compress.py``).
 
 A quantizer over a whole matrix is two steps, so GPTQ can put its column sweep between them:
 ``fit`` (the group parameters, from the whole matrix) and ``round`` (nearest codes for given columns
@@ -23,17 +29,18 @@ from typing import Literal
 
 import torch
 
-Method = Literal["affine4", "lut4"]
+Method = Literal["affine4", "lut4", "exact2"]
 DEQUANTIZE_ELEMENTS = 1 << 24
 GROUP_TENSORS = ("scale", "zero_point", "lut")  # a QuantizedWeight's tensors beside its codes (None where unused)
 
 
 @dataclass
 class QuantizedWeight:
-    """A 2-D weight [out_features, in_features] in a 4-bit shipping format.
+    """A 2-D weight [out_features, in_features] in a 4-bit or 2-bit shipping format.
 
-    codes: uint8 [out, in], values 0..15 (unpacked; backends pack them).
-    affine4: scale fp16 [out, in // group_size]; zero_point uint8 [out, in // group_size] (integral).
+    codes: uint8 [out, in], values 0..15 (exact2: 0..3; unpacked, backends pack them).
+    affine4 and exact2: scale fp16 [out, in // group_size]; zero_point uint8 [out, in // group_size] (integral;
+    exact2: 0..3).
     lut4: lut fp16 [out // group_size, 16].
     """
 
@@ -54,6 +61,8 @@ class QuantizedWeight:
         out, inp = self.shape
         if self.method == "affine4":
             return 4 + (16 + 8) / self.group_size  # fp16 scale + uint8 zero point per group
+        if self.method == "exact2":
+            return 2 + (16 + 2) / self.group_size  # fp16 scale + 2-bit zero point per group (Core AI's form)
         return 4 + 16 * 16 / (self.group_size * inp)  # a 16-entry fp16 table per group of rows
 
     def rows(self, lo: int, hi: int) -> QuantizedWeight:
@@ -64,12 +73,14 @@ class QuantizedWeight:
                 raise ValueError(f"lut4 rows {lo}..{hi} split a table of {self.group_size} rows")
             g = self.group_size
             return QuantizedWeight("lut4", self.codes[lo:hi], g, lut=self.lut[lo // g : -(-hi // g)])
-        return QuantizedWeight("affine4", self.codes[lo:hi], self.group_size, scale=self.scale[lo:hi],
+        return QuantizedWeight(self.method, self.codes[lo:hi], self.group_size, scale=self.scale[lo:hi],
                                zero_point=self.zero_point[lo:hi])
 
     def dequantize(self) -> torch.Tensor:
-        """The fp16 weight the packages compute, bit for bit; in row chunks of about ``DEQUANTIZE_ELEMENTS``, so the
-        temporaries stay small (a 248320-row table's int64 indices alone would be 10 GB)."""
+        """The fp16 weight the packages compute, bit for bit (affine4 and exact2: ``(code - zero_point) * scale`` in
+        fp16, an exact small integer times the scale, so one rounding); in row chunks of about
+        ``DEQUANTIZE_ELEMENTS``, so the temporaries stay small (a 248320-row table's int64 indices alone would be
+        10 GB)."""
         rows, columns = self.shape
         out = torch.empty(rows, columns, dtype=torch.float16, device=self.codes.device)
         step = max(1, DEQUANTIZE_ELEMENTS // columns)

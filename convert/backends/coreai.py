@@ -33,9 +33,10 @@ torch modules carrying their own KV buffers. Argmax ids were identical in every 
   557,184 bytes of weights (1.05x).
 
 Quantized linears (``convert/compress.py``) export as coreai-torch's ``PalettizeModule`` /
-``WeightDequantizeModule``: the asset stores their codes and zero points as packed ui4 resources and their
-tables as fp16, each once for all functions (content-addressed blobs), and ``_check_weights_stored_once``
-counts them packed. ``compressed_weights`` reads those ops and constants back for the build's bit-exact check.
+``WeightDequantizeModule``: the asset stores their codes and zero points as packed ui4 resources (exact2: ui2,
+a uniform zero point as an inline splat) and their tables as fp16, each once for all functions (content-addressed
+blobs), and ``_check_weights_stored_once`` counts them packed. ``compressed_weights`` reads those ops and constants
+back for the build's bit-exact check.
 
 The ODIX lowering that ``compile`` writes (and that the Linux runtime executes) is not reproducible: two
 lowerings of the same main.mlirb, even in one process, give the same bytes in a different order (~500 bytes
@@ -170,6 +171,8 @@ def _mlir_module(program):
 
 
 _COMPRESSED_OPS = ("coreai.lut_to_dense", "coreai.blockwise_shift_scale")
+_SHIFT_SCALE_METHODS = {"ui4": "affine4", "ui2": "exact2"}  # by the element type of the data
+_SUB_BYTE_BITS = {"ui4": 4, "ui2": 2}  # packed low bits first
 _NUMPY_ELEMENTS = {"f16": np.float16, "f32": np.float32, "ui8": np.uint8, "si8": np.int8, "si16": np.int16,
                    "si32": np.int32}
 
@@ -189,9 +192,13 @@ def _shipped(where: str, op, blobs: dict[str, bytes]) -> compress.ShippedWeight:
         return compress.ShippedWeight(where, weight, compress.in_row_blocks(decompress, indices.shape[0], group),
                                       compress.fingerprint(weight))
     data, scale, offset, shift = operands
+    element = str(ir.RankedTensorType(op.operands[0].type).element_type)
+    if element not in _SHIFT_SCALE_METHODS:
+        raise PackageError(f"{where}: {element} data is neither affine4's ui4 nor exact2's ui2")
+    method = _SHIFT_SCALE_METHODS[element]
     if np.any(shift != 0):
-        raise PackageError(f"{where}: a non-zero second offset (minval); not an affine4 weight")
-    weight = compress.from_blockwise_shift_scale(where, data, scale, offset)
+        raise PackageError(f"{where}: a non-zero second offset (minval); not an {method} weight")
+    weight = compress.from_blockwise_shift_scale(where, data, scale, offset, method)
 
     def dequantize(a: int, b: int) -> np.ndarray:
         blocks = (torch.from_numpy(data[a:b]), torch.from_numpy(scale[a:b]), torch.from_numpy(offset[a:b]))
@@ -216,7 +223,7 @@ def _constant(where: str, value, blobs: dict[str, bytes]) -> np.ndarray:
             return np.full(shape, ir.FloatAttr(dense.get_splat_value()).value, _NUMPY_ELEMENTS[element])
         return np.array(dense)
     body = str(attr).partition("<")[2].rpartition("> :")[0]
-    if element not in ("ui4", *_NUMPY_ELEMENTS) or not re.fullmatch(r"[\[\]\d, -]+", body):
+    if element not in (*_SUB_BYTE_BITS, *_NUMPY_ELEMENTS) or not re.fullmatch(r"[\[\]\d, -]+", body):
         raise PackageError(f"{where}: cannot read an inline {element} constant printed as {body[:40]!r}")
     values = np.array([int(v) for v in re.findall(r"-?\d+", body)], dtype=np.int64)
     return (np.full(shape, values[0]) if values.size == 1 else values.reshape(shape)).astype(
@@ -225,11 +232,12 @@ def _constant(where: str, value, blobs: dict[str, bytes]) -> np.ndarray:
 
 
 def _decode(where: str, blob: bytes, element: str, shape: tuple[int, ...]) -> np.ndarray:
-    """A resource blob as an array: ui4 packed two to a byte, low nibble first; other types as numpy lays them."""
+    """A resource blob as an array: ui4 and ui2 packed two and four to a byte, low bits first; other types as numpy
+    lays them."""
     count = math.prod(shape)
-    if element == "ui4":
-        packed = np.frombuffer(blob, np.uint8)
-        values = np.stack([packed & 15, packed >> 4], axis=-1).reshape(-1)
+    if element in _SUB_BYTE_BITS:
+        bits, packed = _SUB_BYTE_BITS[element], np.frombuffer(blob, np.uint8)
+        values = np.stack([(packed >> shift) & (2**bits - 1) for shift in range(0, 8, bits)], axis=-1).reshape(-1)
     elif element in _NUMPY_ELEMENTS:
         values = np.frombuffer(blob, _NUMPY_ELEMENTS[element])
     else:

@@ -14,7 +14,10 @@ Why these choices:
 - Quantized linears (``convert/compress.py``) ship through coremltools' pre-compressed path: the tracing
   copy gets ``_COREML_/weight/...`` buffers (fp16 tables, uint4 zero points) and ``ct.convert`` emits
   ``constexpr_lut_to_dense`` / ``constexpr_blockwise_shift_scale`` over our codes and tables (why the codes
-  it derives are ours: compress.py). ``compressed_weights`` reads them back for the build's bit-exact check.
+  it derives are ours: compress.py). An exact2 weight arrives as a 2-bit palettization with a table per group;
+  the conversion's last pass (``Exact2CodesThenScales``) ships it as its codes through one int8 table into
+  ``constexpr_blockwise_shift_scale`` (compress.py says why). ``compressed_weights`` reads them back for the
+  build's bit-exact check.
 - KV writes must be an ``index_put_`` on the whole state with an index tensor for every dim (scatter_nd).
   coremltools 9 has no ``index_copy``; ``cache[l].index_copy_(1, pos, k)`` and ``cache[l, :, pos] = k``
   both reach its ``index_put`` with a whole-slice index, which fails ("Input squeeze_0 has rank 1 != other
@@ -75,15 +78,21 @@ class _DropKnownHarmless(logging.Filter):
 logging.getLogger("coremltools").addFilter(_DropKnownHarmless())
 
 import coremltools as ct  # noqa: E402
+from coremltools.converters.mil import Builder as mb  # noqa: E402
 from coremltools.converters.mil import Function, Operation, Program  # noqa: E402
 from coremltools.converters.mil.frontend.milproto.load import load as load_milproto  # noqa: E402
+from coremltools.converters.mil.mil import Block  # noqa: E402
 from coremltools.converters.mil.mil import types as mil_types  # noqa: E402
+from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass  # noqa: E402
+from coremltools.converters.mil.mil.passes.helper import block_context_manager  # noqa: E402
+from coremltools.converters.mil.mil.passes.pass_registry import register_pass  # noqa: E402
 from coremltools.proto import Model_pb2  # noqa: E402
 
 _NUMPY_DTYPES = {"int32": np.int32, "float16": np.float16, "float32": np.float32}
 _TORCH_DTYPES = {"int32": torch.int32, "float16": torch.float16, "float32": torch.float32}
 _FROM_MIL_DTYPES = {"int32": "int32", "fp16": "float16", "fp32": "float32"}
 _COMPILER_KIND = "coremlcompiler"
+_EXACT2_PASS = "spec_convert::exact2_codes_then_scales"
 STABLE_HASH_SCOPE = "every file of the package, byte for byte (Manifest.json ids derived from content)"
 
 
@@ -128,12 +137,58 @@ def convert_function(name: str, module: nn.Module, spec: FunctionSpec) -> ct.mod
                 for t in spec.states
             ],
             skip_model_load=True,
+            pass_pipeline=_pass_pipeline(),
         )
     except Exception as error:
         raise PackageError(
             f"Core ML conversion of function {name!r} failed ({error}); check that the module traces with "
             "torch.jit.trace and writes its KV states with a full-index index_put_ (see convert/backends/coreml.py)"
         ) from error
+
+
+@register_pass(namespace="spec_convert", name="exact2_codes_then_scales")
+class Exact2CodesThenScales(AbstractGraphPass):
+    """Ship every 2-bit palettized weight (an exact2 weight's table per group, from ``QuantizedLinear``'s buffers)
+    as ``constexpr_lut_to_dense`` of its codes through one int8 table ``[0, 1, 2, 3] - z`` into
+    ``constexpr_blockwise_shift_scale`` with its fp16 scales, and its zero points less ``z`` as int8 offsets when
+    they differ (``z`` is the first one). Each code's weight is the same fp16 value: ``scale * (code - zero_point)``,
+    one rounding of an exact product, either way. A 2-bit table that is not an exact2 one is refused."""
+
+    def apply(self, prog: Program) -> None:
+        for function in prog.functions.values():
+            _ship_codes_then_scales(function)
+
+
+@block_context_manager
+def _ship_codes_then_scales(block: Block) -> None:
+    for op in list(block.operations):
+        if op.op_type != "constexpr_lut_to_dense" or op.lut.val.shape[-2] != compress.EXACT2_ENTRIES:
+            continue
+        lut = op.lut.val
+        parameters = None
+        if lut.ndim == 4 and lut.shape[-1] == 1 and lut.dtype == np.float16:
+            parameters = compress.exact2_parameters(torch.from_numpy(lut[..., 0]))
+        if parameters is None:
+            raise PackageError(f"MIL op {op.name}: a 2-bit table {list(lut.shape)} {lut.dtype} that is not an exact2 "
+                               "weight's scale * (code - zero_point)")
+        scale, zero_point = (t.numpy() for t in parameters)
+        shift = int(zero_point.flat[0])
+        offset = zero_point.astype(np.int8) - shift
+        table = (np.arange(compress.EXACT2_ENTRIES) - shift).astype(np.int8).reshape(1, 1, -1, 1)
+        with mb.set_before_op(op):
+            codes = mb.constexpr_lut_to_dense(indices=op.indices.val, lut=table, name=f"{op.name}_codes")
+            weight = mb.constexpr_blockwise_shift_scale(
+                data=codes, scale=scale, offset=offset if offset.any() else None, name=f"{op.name}_scaled"
+            )
+        block.replace_uses_of_var_after_op(anchor_op=op, old_var=op.outputs[0], new_var=weight, force_replace=True)
+        block.remove_ops([op])
+
+
+def _pass_pipeline() -> ct.PassPipeline:
+    """coremltools' default passes, then ``Exact2CodesThenScales``."""
+    pipeline = ct.PassPipeline.DEFAULT
+    pipeline.append_pass(_EXACT2_PASS)
+    return pipeline
 
 
 def _reset_name_counters() -> None:
@@ -283,7 +338,7 @@ def contents(path: Path) -> Contents:
         found.operation_types[name] = {op.op_type for op in operations}
         found.weight_digests[name], found.compressed[name] = set(), []
         for op in operations:
-            if op.op_type in _COMPRESSED_READERS:
+            if _is_compressed_weight(op):
                 shipped = _shipped(op, dense)
                 found.compressed[name].append(shipped)
                 found.weight_digests[name].add(dense[shipped.fingerprint][1])
@@ -300,7 +355,7 @@ def function_constants(path: Path, function_name: str) -> dict[str, np.ndarray]:
         raise PackageError(f"{path} has no function {function_name!r}; it has {sorted(program.functions)}")
     constants = {}
     for op in program.functions[function_name].operations:
-        if op.op_type in _COMPRESSED_READERS:
+        if _is_compressed_weight(op):
             constants[op.outputs[0].name] = _decompressed(op)
         elif op.op_type == "const" and (value := _plain_constant(op)) is not None:
             constants[op.outputs[0].name] = value
@@ -327,15 +382,37 @@ def _plain_constant(op: Operation) -> np.ndarray | None:
     return None
 
 
+def _is_compressed_weight(op: Operation) -> bool:
+    """A compressed-weight op whose output is a weight: not the codes an exact2 weight's shift_scale reads."""
+    return op.op_type in _COMPRESSED_READERS and not _feeds_shift_scale(op)
+
+
+def _feeds_shift_scale(op: Operation) -> bool:
+    return any(child.op_type == "constexpr_blockwise_shift_scale" for child in op.outputs[0].child_ops)
+
+
+def _codes_then_scales(op: Operation) -> Operation | None:
+    """The lut_to_dense op a blockwise_shift_scale reads its data from (exact2's form), or None."""
+    producer = op.data.op if op.op_type == "constexpr_blockwise_shift_scale" else None
+    return producer if producer is not None and producer.op_type == "constexpr_lut_to_dense" else None
+
+
 def _shipped(op: Operation, dense: dict[str, tuple[np.ndarray, str]]) -> compress.ShippedWeight:
     """The op's weight; its decompression from ``dense`` when an op with the same codes and tables was decompressed
     before (else computed and added there)."""
     where = f"MIL op {op.name} ({op.op_type})"
-    operands = {name: getattr(op, name) for name in _COMPRESSED_OPERANDS[op.op_type]}
-    missing = [name for name, var in operands.items() if var is None or var.val is None]
+    codes_op = _codes_then_scales(op)
+    if codes_op is None:
+        reader, optional = _COMPRESSED_READERS[op.op_type], ()
+        operands = {name: getattr(op, name) for name in _COMPRESSED_OPERANDS[op.op_type]}
+    else:  # exact2: no offset where every zero point is the table's
+        reader, optional = compress.from_codes_then_scales, ("offset",)
+        operands = {"indices": codes_op.indices, "lut": codes_op.lut, "scale": op.scale, "offset": op.offset}
+    missing = [name for name, var in operands.items() if (var is None and name not in optional) or
+               (var is not None and var.val is None)]
     if missing:
         raise PackageError(f"{where}: operands {missing} are not constants; it is not a weight compressed here")
-    weight = _COMPRESSED_READERS[op.op_type](where, *(var.val for var in operands.values()))
+    weight = reader(where, *(None if var is None else var.val for var in operands.values()))
     key = compress.fingerprint(weight)
     if key not in dense:
         array = _decompressed(op)
@@ -352,11 +429,22 @@ def _decompressed(op: Operation) -> np.ndarray:
         return compress.in_row_blocks(
             lambda a, b: decompress(indices[a:b], lut[a // group : b // group], None), indices.shape[0], group
         )
-    data, scale = op.data.val, op.scale.val
+    scale = op.scale.val
     offset = None if op.offset is None else op.offset.val
     return compress.in_row_blocks(
-        lambda a, b: decompress(data[a:b], scale[a:b], None if offset is None else offset[a:b]), data.shape[0], 1
+        lambda a, b: decompress(_data_rows(op, a, b), scale[a:b], None if offset is None else offset[a:b]),
+        op.data.shape[0],
+        1,
     )
+
+
+def _data_rows(op: Operation, start: int, stop: int) -> np.ndarray:
+    """Rows ``start .. stop-1`` of a blockwise_shift_scale op's data: a constant's, or exact2's codes through their
+    table by coremltools' own lut_to_dense."""
+    codes_op = _codes_then_scales(op)
+    if codes_op is None:
+        return op.data.val[start:stop]
+    return type(codes_op).decompress(codes_op.indices.val[start:stop], codes_op.lut.val, None)
 
 
 _COMPRESSED_READERS: dict[str, Callable[..., QuantizedWeight]] = {
