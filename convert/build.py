@@ -45,6 +45,7 @@ from convert.parts import (
     recorded_calls,
 )
 from convert.parts import plan_lines as parts_lines
+from convert.prism import exact_weights, read_pack, unfolded_snapshot
 from convert.processes import in_fresh_process, in_this_process
 from convert.progress import console, stage
 from convert.quantize import QuantizeResult, estimate_lines, quantize_checkpoint, summary
@@ -118,6 +119,8 @@ def make_plan(recipe_path: Path, output: str | None = None) -> Plan:
     """Validate the recipe and the checkpoint's config and headers; reads no weights."""
     recipe = load_recipe(recipe_path)
     snapshot = resolve(recipe.target.source, recipe_path.resolve().parent)
+    snapshot = unfolded_snapshot(snapshot, recipe.target.quantization, str(recipe_path),
+                                 recipe.target.max_host_memory_gb * 1e9)
     config_path = snapshot.directory / "config.json"
     contract.check(snapshot.config(), recipe.target.contract, str(config_path), "target.contract")
     family = family_for(snapshot.config(), str(config_path))
@@ -163,7 +166,9 @@ def shipped_modules(plan: Plan, cache: BuildCache | None = None,
     known."""
     quant = plan.recipe.target.quantization
     result = None
-    if quant.format:
+    if quant.format == "exact2":
+        result = exact_result(plan)
+    elif quant.format:
         result = quantize_checkpoint(plan.snapshot.directory, plan.args, plan.recipe.target, plan.layout, quant,
                                      plan.recipe_path.resolve().parent, cache=cache or BuildCache(),
                                      file_hashes=file_hashes)
@@ -175,6 +180,12 @@ def shipped_modules(plan: Plan, cache: BuildCache | None = None,
         return modules, None
     apply_quantized(modules.core, result.weights)
     return modules, _quantization_record(quant, result, modules)
+
+
+def exact_result(plan: Plan) -> QuantizeResult:
+    """``target.quantization.method: exact``: the pack's own codes, scales and rotations, nothing re-quantized."""
+    with stage(f"read the codes and scales of {plan.snapshot.packed.name} (exact: nothing is re-quantized)"):
+        return QuantizeResult(exact_weights(read_pack(plan.snapshot.packed)), None, None)
 
 
 def gate(plan: Plan, modules: TargetModules, report_path: Path | None) -> GateReport:
@@ -258,6 +269,8 @@ def quantize_parts(plan: Plan, cache: BuildCache, file_hashes: dict[str, str] | 
     quant = plan.recipe.target.quantization
     if not quant.format:
         return None
+    if quant.format == "exact2":
+        return exact_result(plan)
     return quantize_checkpoint(plan.snapshot.directory, plan.args, plan.recipe.target, plan.layout, quant,
                                plan.recipe_path.resolve().parent, cache=cache, in_memory=False,
                                file_hashes=file_hashes)
@@ -297,7 +310,7 @@ def build(plan: Plan, cache: BuildCache | None = None) -> Manifest:
 def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache) -> tuple[Manifest, TargetModules]:
     """One package per format from the whole modules in memory; a parted target part by part (``_build_parts``)."""
     with stage("hash source files"):
-        source_files = file_records(plan.snapshot.directory)
+        source_files = file_records(plan.snapshot.source)
     if len(plan.parts) > 1:
         return _build_parts(plan, out, failed_report, cache, source_files)
     modules, quantization = shipped_modules(plan, cache, {r.path: r.sha256 for r in source_files})
@@ -528,6 +541,7 @@ def _quantization_record(quant, result: QuantizeResult, modules: TargetModules) 
         calibration = {"corpus": result.corpus, **result.calibration.identity()}
     return {
         "method": quant.method,
+        "bits": 2 if quant.format == "exact2" else 4,
         "group_size": quant.resolved_group_size,
         "bits_per_weight": bits_per_weight,
         "kept_fp16": sorted(

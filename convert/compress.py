@@ -83,10 +83,13 @@ class QuantizedLinear(nn.Module):
         self.weight = nn.Parameter(quantized.dequantize(), requires_grad=False)
         self.bias = bias
         self.packed = _packed_module(quantized)
+        self.rotation = _rotation_module(quantized, inverse=isinstance(self, QuantizedEmbedding))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch.export is the Core AI path (Core ML traces with torch.jit.trace): there the packed form ships
         weight = self.packed() if torch.compiler.is_exporting() else self.weight
+        if self.rotation is not None:
+            x = self.rotation(x)
         return nn.functional.linear(x, weight.to(x.dtype), self.bias)
 
     def quantized_weight(self) -> QuantizedWeight:
@@ -94,13 +97,15 @@ class QuantizedLinear(nn.Module):
         p = self.packed
         if self.method == "lut4":
             return QuantizedWeight("lut4", p.indices, self.group_size, lut=p.lut.reshape(-1, ENTRIES))
-        return QuantizedWeight(self.method, p.quantized_data, self.group_size, scale=p.scale, zero_point=p.zero_point)
+        return QuantizedWeight(self.method, p.quantized_data, self.group_size, scale=p.scale, zero_point=p.zero_point,
+                               rotation=self.rotation.rotation() if self.rotation is not None else None)
 
     def shipped_nbytes(self) -> int:
-        """Bytes this layer takes in a package: codes and zero points at 4 bits (exact2: 2), tables and bias as they
-        are."""
+        """Bytes this layer takes in a package: codes and zero points at 4 bits (exact2: 2), tables, a rotation's
+        constants and bias as they are."""
         bits = _CODE_BITS[self.method]
-        tensors = [*self.packed.buffers(), *([] if self.bias is None else [self.bias])]
+        rotation = [] if self.rotation is None else list(self.rotation.buffers())
+        tensors = [*self.packed.buffers(), *rotation, *([] if self.bias is None else [self.bias])]
         return sum(t.nbytes if t.is_floating_point() else math.ceil(t.numel() * bits / 8) for t in tensors)
 
     def coreml_compression(self) -> dict[str, torch.Tensor]:
@@ -131,7 +136,8 @@ class QuantizedEmbedding(QuantizedLinear):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         table = self.packed() if torch.compiler.is_exporting() else self.weight
-        return nn.functional.embedding(ids, table)
+        rows = nn.functional.embedding(ids, table)
+        return rows if self.rotation is None else self.rotation(rows)
 
 
 def apply_quantized(core: nn.Module, weights: dict[str, QuantizedWeight]) -> None:
@@ -372,6 +378,14 @@ def _validate(name: str, q: QuantizedWeight) -> None:
     if q.codes.dtype != torch.uint8 or q.codes.dim() != 2:
         refuse(f"codes must be a 2-D uint8 tensor, got {q.codes.dtype} {list(q.codes.shape)}")
     bits = _CODE_BITS[q.method]
+    if q.rotation is not None:
+        signs, block = q.rotation.signs, q.rotation.block
+        if q.method != "exact2":
+            refuse(f"a {q.method} weight has a rotation; only a pre-quantized (exact2) weight ships with one")
+        if signs.shape != (q.shape[1],) or not bool(((signs == 1) | (signs == -1)).all()):
+            refuse(f"the rotation's signs {list(signs.shape)} are not +-1 over the {q.shape[1]} input columns")
+        if block < 1 or block & (block - 1) or q.shape[1] % block:
+            refuse(f"the rotation's block {block} is not a power of two dividing the {q.shape[1]} input columns")
     if int(q.codes.max()) >= 2**bits:
         refuse(f"codes go up to {int(q.codes.max())}, above the {bits}-bit maximum {2**bits - 1}")
     rows, columns = q.shape
@@ -423,6 +437,16 @@ def _check_codes_are_first_entries(name: str, q: QuantizedWeight) -> None:
             f"{code}; Core ML stores the first equal entry's index, so the codes would not ship as quantized: make "
             "each group's table entries distinct"
         )
+
+
+def _rotation_module(q: QuantizedWeight, inverse: bool) -> nn.Module | None:
+    """The weight's activation transform as a graph module (``convert/hadamard.py``): before a linear, after an
+    embedding's lookup (``inverse``); None when the weight has none."""
+    if q.rotation is None:
+        return None
+    from convert.hadamard import SignedHadamard
+
+    return SignedHadamard(q.rotation.signs, q.rotation.block, inverse=inverse)
 
 
 def _packed_module(q: QuantizedWeight) -> nn.Module:

@@ -77,7 +77,7 @@ PARTS_REPLAYED = ("each part's .aimodel replayed on its own against the torch pa
                   "verify (10 rows at verify 8), fed the torch chain's rows; the prefill function and the runtime's "
                   "own rows carried across parts are not run at this size (every function's quantized constants are "
                   "still read back bit-exact)")
-METHODS = ("none", "affine4", "lut4", "affine4-gptq", "lut4-gptq")
+METHODS = ("none", "affine4", "lut4", "affine4-gptq", "lut4-gptq", "exact")
 
 
 class GateThresholds(BaseModel):
@@ -106,6 +106,9 @@ _DEFAULTS = {
                     greedy_match_min=0.4, tap_cosine_min=0.98),
     "lut4": dict(mean_kl_max=0.1, p99_kl_max=0.5, max_kl_max=3.0, top1_min=0.85, cosine_min=0.99,
                  greedy_match_min=0.4, tap_cosine_min=0.98),
+    # a pack's own codes against its unfolded weights: only fp32 rounding (and the fp16 of its dense tensors) differs
+    "exact": dict(mean_kl_max=1e-5, p99_kl_max=1e-4, max_kl_max=1e-3, top1_min=0.999, cosine_min=0.99999,
+                  greedy_match_min=0.9, tap_cosine_min=0.9999),
 }
 
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from convert.prism import hadamard
+from quant.types import Rotation
 
 FORMS = ("kronecker", "matmul", "butterfly")
 
@@ -55,6 +56,10 @@ class SignedHadamard(nn.Module):
             self.orders = (left.shape[0], right.shape[0])
             self.register_buffer("left", left)
             self.register_buffer("right", right)
+
+    def rotation(self) -> Rotation:
+        """The transform as ``quant.types.Rotation`` (its signs and block)."""
+        return Rotation(self.signs.float(), self.block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         signs = self.signs.to(x.dtype)

@@ -249,13 +249,16 @@ def piece_sizes(args, target) -> Sizes:
 
 
 def matrix_bytes(method: str | None, group: int, shape: tuple[int, int]) -> int:
-    """A 2-D weight's bytes in a package: 4-bit codes and zero points, fp16 tables and scales; fp16 unquantized."""
+    """A 2-D weight's bytes in a package: 4-bit (exact2: 2-bit) codes and zero points, fp16 tables and scales; fp16
+    unquantized."""
     rows, columns = shape
     if method == "lut4":
         return math.ceil(rows * columns / 2) + math.ceil(rows / group) * 16 * 2
     if method == "affine4":
         groups = rows * (columns // group)
         return math.ceil(rows * columns / 2) + 2 * groups + math.ceil(groups / 2)
+    if method == "exact2":  # 2-bit codes and an fp16 scale a group; the zero point 1 is one inline constant
+        return math.ceil(rows * columns / 4) + 2 * rows * (columns // group)
     return 2 * rows * columns
 
 

@@ -49,9 +49,11 @@ and signs, and reads each module's codes only when ``codes`` is called.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +61,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from convert import cache as build_cache
 from convert.errors import InputError
-from convert.sources import check_safetensors, read_json, weight_files
+from convert.sources import Snapshot, check_safetensors, file_records, license_files, read_json, weight_files
+from quant.types import QuantizedWeight, Rotation
 
 MODEL_TYPE = "prism_hadamard_qwen35"
 MLX_PACK = "prism-ml/Ternary-Bonsai-2-27B-mlx-2bit"
@@ -462,7 +466,64 @@ def write_unfolded(pack: Pack, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     save_file(dict(unfolded_tensors(pack)), str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(unfolded_config(pack), indent=2))
-    for name in COPIED_FILES:
-        if (pack.directory / name).is_file():
-            shutil.copyfile(pack.directory / name, directory / name)
+    for path in [*(pack.directory / name for name in COPIED_FILES), *license_files(pack.directory)]:
+        if path.is_file():
+            shutil.copyfile(path, directory / path.name)
     return directory
+
+
+def unfolded_snapshot(snapshot: Snapshot, quant, where: str, max_bytes: float) -> Snapshot:
+    """The snapshot a build reads: a Prism pack's unfolded checkpoint (``write_unfolded``, written once into the build
+    cache directory under a key of the pack's file hashes and this module's code) with the pack as its source, or
+    ``snapshot`` as it is. A pack needs ``quant`` method ``exact`` and ``exact`` needs a pack; an unfolded checkpoint
+    larger than ``max_bytes`` (it is written from memory, in fp32) is refused."""
+    refuse_gguf(snapshot.directory)
+    is_pack = snapshot.config().get("model_type") == MODEL_TYPE
+    if not is_pack:
+        if quant.method == "exact":
+            raise InputError(f"{where}: target.quantization.method: exact ships a pre-quantized pack's own codes, and "
+                             f"{snapshot.directory} is not one (model_type {snapshot.config().get('model_type')!r}, "
+                             f"not {MODEL_TYPE!r}); use a Prism pack ({MLX_PACK}) or another method")
+        return snapshot
+    if quant.method != "exact":
+        raise InputError(f"{where}: target.quantization.method: {quant.method}: {snapshot.directory} is a Prism 2-bit "
+                         "pack; set method: exact to ship its own codes (re-quantizing would throw their exactness "
+                         "away)")
+    pack = read_pack(snapshot.directory)
+    unfolded = 4 * sum(m.rows * m.width for m in pack.modules.values())
+    if unfolded > max_bytes:
+        raise InputError(f"{snapshot.directory}: its unfolded fp32 reference checkpoint would take "
+                         f"{unfolded / 1e9:.1f} GB, over target.max_host_memory_gb; a pack this large needs the "
+                         "streamed unfolding, which is not built yet")
+    record = {"pack": {r.path: r.sha256 for r in file_records(pack.directory)},
+              "code": build_cache.code_fingerprint(("convert.prism",))}
+    directory = build_cache.default_directory() / "unfolded" / build_cache.key(record)
+    if not (directory / "config.json").is_file():
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".unfolding-", dir=directory.parent) as scratch:
+            write_unfolded(pack, Path(scratch) / "checkpoint").rename(directory)
+    return dataclasses.replace(snapshot, directory=directory, packed=snapshot.directory)
+
+
+# ------------------------------------------------------------------------------------------------ the exact weights
+
+
+def core_name(module: PackedModule) -> str:
+    """The export core's module name of a packed matrix (the causal LM's key without ``model.``)."""
+    return module.path.removeprefix("model.")
+
+
+def exact_weight(module: PackedModule) -> QuantizedWeight:
+    """A packed matrix as it ships (``exact2``): its codes, fp16 scales and zero point 1 (``biases = -scales``, checked
+    by ``read_pack``) per group of 128 input columns, and its rotation (the embedding's is applied after the lookup)."""
+    groups = module.scales.shape
+    rotation = Rotation(module.signs, module.block) if module.block else None
+    # weight_mse: against the pack's own (rotated) weight, which ships as it is
+    return QuantizedWeight("exact2", codes(module), GROUP_SIZE, scale=module.scales.contiguous(),
+                           zero_point=torch.ones(groups, dtype=torch.uint8), stats={"weight_mse": 0.0},
+                           rotation=rotation)
+
+
+def exact_weights(pack: Pack) -> dict[str, QuantizedWeight]:
+    """Every packed matrix of the pack by export-core module name, as ``exact_weight`` ships it."""
+    return {core_name(m): exact_weight(m) for m in pack.modules.values()}

@@ -30,7 +30,8 @@ class Graphs(Strict):
     verify: int = Field(8, gt=0, description="tokens per verify call: the draft width")
 
 
-QuantMethod = Literal["none", "affine4", "lut4", "affine4-gptq", "lut4-gptq"]
+QuantMethod = Literal["none", "affine4", "lut4", "affine4-gptq", "lut4-gptq", "exact"]
+EXACT_GROUP = 128  # a Prism pack's input columns per fp16 scale (convert/prism.py GROUP_SIZE)
 
 
 class TextSample(Strict):
@@ -72,7 +73,10 @@ class QuantizationMethod(Strict):
 
     @property
     def format(self) -> str | None:
-        """'affine4' / 'lut4', or None when nothing is quantized."""
+        """'affine4' / 'lut4' / 'exact2' (``exact``: a pre-quantized pack's own 2-bit codes), or None when nothing is
+        quantized."""
+        if self.method == "exact":
+            return "exact2"
         return None if self.method == "none" else self.method.removesuffix("-gptq")
 
     @property
@@ -81,12 +85,16 @@ class QuantizationMethod(Strict):
 
     @property
     def resolved_group_size(self) -> int:
+        if self.format == "exact2":
+            return EXACT_GROUP
         return self.group_size or (16 if self.format == "lut4" else 64)
 
     @model_validator(mode="after")
     def _affine_groups(self) -> QuantizationMethod:
         if self.format == "affine4" and self.resolved_group_size not in (32, 64, 128):
             raise ValueError(f"affine4 groups are 32, 64 or 128 input columns (got {self.group_size})")
+        if self.format == "exact2" and self.group_size is not None:
+            raise ValueError("exact ships the pack's own groups (128 input columns); leave group_size out")
         return self
 
 
@@ -155,6 +163,13 @@ class DrafterQuantization(QuantizationMethod):
     ships them."""
 
     calibration: DrafterCalibration = DrafterCalibration()
+
+    @model_validator(mode="after")
+    def _not_exact(self) -> DrafterQuantization:
+        if self.method == "exact":
+            raise ValueError("exact ships a pre-quantized target pack's own codes; a drafter's are quantized here "
+                             "(none, affine4, lut4, affine4-gptq, lut4-gptq)")
+        return self
 
 
 class Acceptance(TextSample):

@@ -45,6 +45,12 @@ class Snapshot:
     directory: Path
     repo: str | None = None
     revision: str | None = None
+    packed: Path | None = None  # the pre-quantized pack ``directory`` was unfolded from (convert/prism.py)
+
+    @property
+    def source(self) -> Path:
+        """The files the reference names (the pack itself when ``directory`` is its unfolded form)."""
+        return self.packed or self.directory
 
     def config(self) -> dict:
         return read_json(self.directory / "config.json")

@@ -132,9 +132,9 @@ class CalibrationIdentity(Model):
 
 
 class Quantization(Model):
-    method: Literal["affine4", "lut4", "affine4-gptq", "lut4-gptq"]
-    bits: int = 4
-    group_size: int = Field(description="lut4: output rows per table; affine4: input columns per group")
+    method: Literal["affine4", "lut4", "affine4-gptq", "lut4-gptq", "exact"]
+    bits: int = Field(4, description="bits per code: 4, or 2 for exact (a pre-quantized pack's own codes)")
+    group_size: int = Field(description="lut4: output rows per table; affine4 and exact: input columns per group")
     bits_per_weight: float = Field(description="over every weight of the model, fp16 ones included")
     kept_fp16: list[str]
     calibration: CalibrationIdentity | None

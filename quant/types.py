@@ -34,6 +34,16 @@ DEQUANTIZE_ELEMENTS = 1 << 24
 GROUP_TENSORS = ("scale", "zero_point", "lut")  # a QuantizedWeight's tensors beside its codes (None where unused)
 
 
+@dataclass(frozen=True)
+class Rotation:
+    """The activation transform a pre-quantized weight was stored under (Prism packs, ``convert/prism.py``): the
+    weight computes on ``H(signs * x)``, ``H`` the normalised Walsh-Hadamard transform of each ``block`` consecutive
+    input features; an embedding's looked-up rows become ``signs * H(row)``."""
+
+    signs: torch.Tensor  # fp32 [in], +-1
+    block: int
+
+
 @dataclass
 class QuantizedWeight:
     """A 2-D weight [out_features, in_features] in a 4-bit or 2-bit shipping format.
@@ -51,6 +61,7 @@ class QuantizedWeight:
     zero_point: torch.Tensor | None = None
     lut: torch.Tensor | None = None
     stats: dict = field(default_factory=dict)  # e.g. weight MSE, output error, GPTQ damping used
+    rotation: Rotation | None = None  # exact2 of a rotated pack: the transform in the graph before (or after) it
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -74,7 +85,7 @@ class QuantizedWeight:
             g = self.group_size
             return QuantizedWeight("lut4", self.codes[lo:hi], g, lut=self.lut[lo // g : -(-hi // g)])
         return QuantizedWeight(self.method, self.codes[lo:hi], self.group_size, scale=self.scale[lo:hi],
-                               zero_point=self.zero_point[lo:hi])
+                               zero_point=self.zero_point[lo:hi], rotation=self.rotation)
 
     def dequantize(self) -> torch.Tensor:
         """The fp16 weight the packages compute, bit for bit (affine4 and exact2: ``(code - zero_point) * scale`` in

@@ -15,8 +15,9 @@ stored as 1 + w, ``conv1d`` as [channels, kernel, 1]); the vision tower's tensor
 transformers saved them (only their keys matter: readers of the text model skip them); config.json (the HF config
 with the Prism fields and the ``modules`` list) and hadamard.json.
 
-The pack's dense tensors stay fp32: the published dtypes of the un-rotated tensors were not established (the
-reference notes bf16 for ``in_proj_a`` / ``in_proj_b``). The default block (64) is below mlx-vlm's smallest (512),
+The pack's dense tensors are fp32 unless ``dense_dtype`` says otherwise: the published dtypes of the un-rotated
+tensors were not established (the reference notes bf16 for ``in_proj_a`` / ``in_proj_b``); the build tests store them
+in bf16, which fp16 holds exactly at these magnitudes. The default block (64) is below mlx-vlm's smallest (512),
 so that rows of the tiny widths (128, 256) hold several blocks.
 """
 
@@ -101,8 +102,11 @@ def mlx_layout(key: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def write_pack(directory: Path, unfolded: Path, seed: int = 0, block: int = 64, **overrides) -> WrittenPack:
-    """A tiny pack in ``directory`` and its unfolded HF checkpoint in ``unfolded`` (see the module docstring)."""
+def write_pack(directory: Path, unfolded: Path, seed: int = 0, block: int = 64, dense_dtype=torch.float32,
+               **overrides) -> WrittenPack:
+    """A tiny pack in ``directory`` and its unfolded HF checkpoint in ``unfolded`` (see the module docstring);
+    ``dense_dtype``: the pack's dense language tensors in that dtype (bf16 as published for in_proj_a / in_proj_b),
+    ``unfolded`` holding the same values in fp32 (an offset norm as the stored ``1 + w`` less 1)."""
     write_checkpoint(unfolded, seed=seed, conditional=True, **{**GEOMETRY, **overrides})
     hf = load_file(str(unfolded / "model.safetensors"))
     generator = torch.Generator().manual_seed(seed + 1)
@@ -115,9 +119,15 @@ def write_pack(directory: Path, unfolded: Path, seed: int = 0, block: int = 64, 
         path = pack_path(key)
         if path is None:
             mlx = mlx_key(key)
-            tensors[mlx] = mlx_layout(mlx, tensor).contiguous()
             if mlx.startswith("vision_tower."):
                 written.vision_keys.append(mlx)
+                tensors[mlx] = mlx_layout(mlx, tensor).contiguous()
+                continue
+            stored = mlx_layout(mlx, tensor).to(dense_dtype).contiguous()
+            tensors[mlx] = stored
+            offset = mlx.endswith(OFFSET_NORMS) and tensor.dim() == 1
+            hf[key] = stored.float() - 1.0 if offset else stored.float().movedim(2, 1).contiguous() \
+                if stored.dim() == 3 else stored.float()
             continue
         rows, width = tensor.shape
         codes = torch.randint(0, 3, (rows, width), generator=generator, dtype=torch.uint8)

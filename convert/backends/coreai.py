@@ -422,8 +422,7 @@ def _check_signatures(path: Path, functions: dict[str, tuple[nn.Module, Function
 
 
 def _check_weights_stored_once(path: Path, functions: dict[str, tuple[nn.Module, FunctionSpec]]) -> None:
-    _, sections = _bytecode_sections((path / "main.mlirb").read_bytes())
-    stored = sum(len(data) for section, data, _ in sections if section == _RESOURCE)
+    stored = stored_weight_bytes(path)
     weights = max(_weight_bytes(module, spec) for module, spec in functions.values())
     # 4 KiB covers blob alignment padding, which matters only for toy-sized weights.
     if stored > WEIGHT_SHARING_BOUND * weights + 4096:
@@ -431,6 +430,12 @@ def _check_weights_stored_once(path: Path, functions: dict[str, tuple[nn.Module,
             f"{path} stores {stored} bytes of weight blobs for {weights} bytes of weights per function: the "
             "functions do not share their weights; build them over the same parameter tensors"
         )
+
+
+def stored_weight_bytes(path: Path) -> int:
+    """Bytes of the weight blobs a package stores (its bytecode's resource section: every constant, once)."""
+    _, sections = _bytecode_sections((path / "main.mlirb").read_bytes())
+    return sum(len(data) for section, data, _ in sections if section == _RESOURCE)
 
 
 def _weight_bytes(module: nn.Module, spec: FunctionSpec) -> int:

@@ -269,6 +269,11 @@ def _make_deterministic(path: Path) -> None:
     manifest_file.write_text(json.dumps(manifest, indent=4, sort_keys=True) + "\n")
 
 
+def stored_weight_bytes(path: Path) -> int:
+    """Bytes of the weight file a package stores (every constant above coremltools' inline size, once)."""
+    return sum(p.stat().st_size for p in (path / "Data" / "com.apple.CoreML" / "weights").glob("*.bin"))
+
+
 def stable_hash(path: Path) -> str:
     """sha256 over every file under ``path`` (or of the file itself), in sorted order, relative paths included."""
     return _digest(Path(path)).hex()

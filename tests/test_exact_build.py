@@ -1,0 +1,139 @@
+"""``target.quantization.method: exact`` end to end on a tiny Ternary Bonsai 2 pack (tests/prism_packs.py writes it
+from the published layout, with its unfolded Hugging Face checkpoint): both formats ship the pack's own 2-bit codes
+and scales with the Hadamard rotation in the graph; the gate against stock transformers on the unfolded weights is at
+fp32 rounding level; ``generate`` gives transformers' greedy ids on the torch modules and the Core AI runtime; a
+malformed pack exits 2 with one line naming the tensor and leaves no bundle."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from prism_packs import edit_json, edit_tensors, write_pack
+
+from convert import checks, gates
+from convert.backends import coreai, coreml
+from convert.cli import main
+
+NEW_TOKENS = 8
+PROMPT = "def push(self, item):\n    self.items.append(item)\n"
+RECIPE = """name: tiny-bonsai
+target:
+  source: path:pack
+  graphs: {prefill: 16, decode: 1, verify: 8}
+  context: 128
+  quantization: {method: exact}
+  gate:
+    data: {samples: 4, length: 64}
+    greedy_tokens: 4
+backends: [coreai, coreml]
+"""
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("bonsai")
+    write_pack(root / "pack", root / "unfolded", seed=3, dense_dtype=torch.bfloat16)
+    (root / "tiny-bonsai.yaml").write_text(RECIPE)
+    return root
+
+
+@pytest.fixture(scope="module")
+def bundle(written) -> Path:
+    out = written / "bundle"
+    result = CliRunner().invoke(main, ["build", str(written / "tiny-bonsai.yaml"), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _manifest(bundle: Path) -> dict:
+    return json.loads((bundle / "manifest.json").read_text())
+
+
+def test_the_bundle_ships_the_packs_codes_at_under_a_fifth_of_fp16(bundle):
+    m = _manifest(bundle)
+    quant = m["quantization"]
+    assert (quant["method"], quant["bits"], quant["group_size"]) == ("exact", 2, 128)
+    assert {layer["method"] for layer in quant["layers"]} == {"exact2"} and len(quant["layers"]) == 15
+    assert quant["kept_fp16"] == ["layers.0.linear_attn.in_proj_a", "layers.0.linear_attn.in_proj_b"]
+    fp16_bytes = 2 * m["weights"]["parameter_count"]
+    stored = {"coreai": coreai.stored_weight_bytes(bundle / "tiny-bonsai.aimodel"),
+              "coreml": coreml.stored_weight_bytes(bundle / "tiny-bonsai.mlpackage")}
+    assert all(size <= 0.2 * fp16_bytes for size in stored.values()), (stored, fp16_bytes)
+    checks = {p["format"]: p["check"] for p in m["packages"]}
+    assert checks["coreml"]["weights_bit_exact"] is True
+    assert checks["coreai"]["max_output_delta"] <= 0.02 and checks["coreai"]["argmax_compared"] > 0
+
+
+def test_the_gate_against_the_unfolded_transformers_model_is_at_rounding_level(bundle):
+    metrics = _manifest(bundle)["gate"]["metrics"]
+    assert metrics["kl_mean"] < 1e-5
+    assert metrics["top1"] == 1.0
+
+
+def _transformers_greedy(unfolded: Path) -> tuple[list[int], list[float]]:
+    """transformers' greedy ids after ``PROMPT`` and, at each step, the gap between its two largest logits."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(unfolded))
+    model = gates.load_reference(unfolded)
+    ids = tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    gaps = [float(step[0].topk(2).values[0] - step[0].topk(2).values[1]) for step in out.logits]
+    return out.sequences[0, len(ids) :].tolist(), gaps
+
+
+@pytest.mark.parametrize("runtime", ["torch", "coreai"])
+def test_generate_gives_the_transformers_greedy_ids(bundle, written, runtime):
+    """The bundle computes in fp16 and transformers in fp32: the ids may part only at a step whose two best logits are
+    within the near-tie margin (``checks.NEAR_TIE_LOGITS``, the artifact gate's), where either may win. The random
+    tiny pack's logits are flat (the 7th step's two best are 0.010 apart): the first six ids must agree."""
+    args = ["generate", str(bundle), "--prompt", PROMPT, "-n", str(NEW_TOKENS), "--runtime", runtime, "--json"]
+    if runtime == "torch":
+        args += ["-r", str(written / "tiny-bonsai.yaml")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    ids = json.loads(result.output.strip().splitlines()[-1])["generated_ids"]
+    expected, gaps = _transformers_greedy(written / "unfolded")
+    differ = next((i for i, (a, b) in enumerate(zip(ids, expected, strict=True)) if a != b), None)
+    assert differ is None or (differ >= 6 and gaps[differ] < checks.NEAR_TIE_LOGITS), (ids, expected, gaps)
+
+
+def _drop_signs(tensors):
+    del tensors["language_model.model.layers.0.mlp.down_proj.signs"]
+
+
+def _drop_matrix(tensors):
+    for part in ("weight", "scales", "biases", "signs"):
+        del tensors[f"language_model.model.layers.1.self_attn.o_proj.{part}"]
+
+
+def _block_not_dividing(config):
+    for record in config["modules"]:
+        record["block"] = 256  # the tiny widths are 128 and 256: 256 does not divide 128
+
+
+@pytest.mark.parametrize("break_pack, named", [
+    (lambda pack: edit_tensors(pack, _drop_signs), "language_model.model.layers.0.mlp.down_proj.signs"),
+    (lambda pack: edit_tensors(pack, _drop_matrix), "language_model.model.layers.1.self_attn.o_proj.weight"),
+    (lambda pack: edit_json(pack / "config.json", _block_not_dividing), "block 256, which does not divide"),
+    (lambda pack: (pack / "model.safetensors").rename(pack / "Ternary-Bonsai-2-27B-PQ2_0.gguf"),
+     "GGUF packs are not read"),
+], ids=["missing signs", "module list names a missing matrix", "block does not divide", "GGUF"])
+def test_a_malformed_pack_exits_2_naming_the_tensor_and_leaves_no_bundle(written, tmp_path, break_pack, named):
+    import shutil
+
+    shutil.copytree(written / "pack", tmp_path / "pack")
+    (tmp_path / "tiny-bonsai.yaml").write_text(RECIPE)
+    if named.startswith("GGUF"):
+        (tmp_path / "pack" / "config.json").unlink()
+    break_pack(tmp_path / "pack")
+    out = tmp_path / "bundle"
+    result = CliRunner().invoke(main, ["build", str(tmp_path / "tiny-bonsai.yaml"), "-o", str(out)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and named in lines[0] and "Traceback" not in result.output, result.output
+    assert not out.exists() and not list(tmp_path.glob(".bundle*"))
