@@ -27,6 +27,7 @@ from convert.compress import apply_quantized
 from convert.drafter import DrafterPlan, plan_drafter
 from convert.errors import GateError, InputError
 from convert.gates import GateReport
+from convert.hadamard import rotation_lines
 from convert.host import TargetDriver
 from convert.models import Layout, family_for, family_of
 from convert.packaging import package_formats
@@ -43,9 +44,10 @@ from convert.parts import (
     part_calls,
     plan_parts,
     recorded_calls,
+    shipped_line,
 )
 from convert.parts import plan_lines as parts_lines
-from convert.prism import exact_weights, read_pack, unfolded_snapshot
+from convert.prism import exact_weights, read_pack, source_config, unfolded_snapshot
 from convert.processes import in_fresh_process, in_this_process
 from convert.progress import console, stage
 from convert.quantize import QuantizeResult, estimate_lines, quantize_checkpoint, summary
@@ -119,10 +121,11 @@ def make_plan(recipe_path: Path, output: str | None = None) -> Plan:
     """Validate the recipe and the checkpoint's config and headers; reads no weights."""
     recipe = load_recipe(recipe_path)
     snapshot = resolve(recipe.target.source, recipe_path.resolve().parent)
+    contract.check(source_config(snapshot.directory), recipe.target.contract, str(snapshot.directory / "config.json"),
+                   "target.contract")
     snapshot = unfolded_snapshot(snapshot, recipe.target.quantization, str(recipe_path),
                                  recipe.target.max_host_memory_gb * 1e9)
     config_path = snapshot.directory / "config.json"
-    contract.check(snapshot.config(), recipe.target.contract, str(config_path), "target.contract")
     family = family_for(snapshot.config(), str(config_path))
     args = family.Args.from_config(snapshot.config(), where=str(config_path))
     check_against_model(recipe, args.num_hidden_layers, args.max_position_embeddings, recipe_path)
@@ -623,7 +626,9 @@ def describe_plan(plan: Plan) -> list[str]:
         "  functions:",
         *function_lines(plan.specs),
         *size_lines(plan.parameter_count, recipe.backends),
+        shipped_line(args, recipe.target),
         *parts_lines(args, recipe.target, plan.parts),
+        *(rotation_lines(args, recipe.target, read_pack(plan.snapshot.packed).block) if plan.snapshot.packed else []),
         f"  states: {plan.state_bytes / mib:.1f} MiB in all",
         *estimate_lines(args, recipe.target),
         memory_line(recipe.target, plan.peak_memory_bytes),

@@ -125,13 +125,17 @@ def _target_lines(pinned: dict, target, backends: list[str], where: str) -> list
     args = family.Args.from_config(pinned, where)
     specs = family.function_specs(args, target, torch.float16)
     total = sum(s.nbytes for s in specs[0].states) / 2**20
-    from convert.parts import build_memory_bytes, memory_line, plan_lines, plan_parts
+    from convert.hadamard import rotation_lines
+    from convert.parts import build_memory_bytes, memory_line, plan_lines, plan_parts, shipped_line
+    from convert.prism import BLOCK_FIELD
     from convert.quantize import estimate_lines
 
     parts = plan_parts(args, target)
+    rotations = rotation_lines(args, target, lookup(pinned, BLOCK_FIELD) if lookup(pinned, BLOCK_FIELD) is not
+                               _MISSING else None) if target.quantization.method == "exact" else []
     return [*family.plan_lines(args, target), "  functions:", *function_lines(specs),
-            *size_lines(args.parameter_count, backends), *plan_lines(args, target, parts),
-            f"  states: {total:.1f} MiB in all", *estimate_lines(args, target),
+            *size_lines(args.parameter_count, backends), shipped_line(args, target), *plan_lines(args, target, parts),
+            *rotations, f"  states: {total:.1f} MiB in all", *estimate_lines(args, target),
             memory_line(target, build_memory_bytes(args, target, parts, specs))]
 
 

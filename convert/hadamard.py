@@ -118,3 +118,27 @@ def butterflies(blocks: torch.Tensor, block: int) -> torch.Tensor:
         even, odd = blocks[..., 0::2], blocks[..., 1::2]
         blocks = torch.cat([even + odd, even - odd], dim=-1)
     return blocks
+
+
+def rotation_lines(args, target, block: int | None) -> list[str]:
+    """The plan's line on the rotations an ``exact`` target computes a token: one transform before each rotated
+    linear (every quantized one) and one after the embedding lookup, each ``kronecker_factors(block)``'s two products
+    (b1 + b2 multiply-adds a feature); against the linears' own multiply-adds."""
+    from convert.models import family_of
+    from convert.quantize import kept_modules
+    from convert.stream import parameters_on_meta
+
+    if block is None:
+        return ["  rotations: pin prism.hadamard.block_size (the pack's hadamard.json) in target.contract to plan "
+                "their work"]
+    with parameters_on_meta():
+        core = family_of(args).build_core(args, target)
+    keep = kept_modules(core, target.quantization)
+    linears = [m for n, m in core.named_modules() if isinstance(m, nn.Linear) and n not in keep]
+    features = sum(m.in_features for m in linears) + args.hidden_size  # the embedding's rows
+    left, right = kronecker_factors(block)
+    work = (left.shape[0] + right.shape[0]) * features
+    linear_work = sum(m.in_features * m.out_features for m in linears)
+    return [f"  rotations (block {block}, {left.shape[0]} x {right.shape[0]} Kronecker): {len(linears) + 1} signed "
+            f"Hadamard transforms a token over {features:,} features: {work:,} multiply-adds a token, "
+            f"{100 * work / linear_work:.2f}% of the linears' {linear_work:,}"]

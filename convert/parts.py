@@ -375,6 +375,13 @@ def _vocab_split(name: str, vocab: int, row_bytes: float, fixed: int, limit: int
     return [(f"{name}-{k + 1}of{len(ranges)}", r) for k, r in enumerate(ranges)]
 
 
+def shipped_line(args, target) -> str:
+    """The plan's line on the weights as the recipe ships them (every part together), against fp16."""
+    total = piece_sizes(args, target).total(args.vocab_size, args.tie_word_embeddings)
+    return (f"  shipped weights: {size_text(total)} per format ({8 * total / args.parameter_count:.2f} bits a "
+            f"parameter; {size_text(2 * args.parameter_count)} in fp16)")
+
+
 def part_bytes(part: Part, sizes: Sizes) -> int:
     """The planned bytes of ``part``."""
     total = sum(sizes.layers[i] for i in part.layer_indices) + (sizes.layer_constants if part.layer_indices else 0)

@@ -472,6 +472,21 @@ def write_unfolded(pack: Pack, directory: Path) -> Path:
     return directory
 
 
+BLOCK_FIELD = "prism.hadamard.block_size"  # a recipe contract may pin it: hadamard.json's field
+
+
+def source_config(directory: Path) -> dict:
+    """What a recipe's ``target.contract`` is checked against: config.json, and for a pack also hadamard.json's
+    fields (``prism.hadamard.block_size`` ...), so that a contract pins the rotation too."""
+    refuse_gguf(directory)
+    config = read_json(directory / "config.json")
+    if config.get("model_type") != MODEL_TYPE or not (directory / HADAMARD_FILE).is_file():
+        return config
+    from convert.contract import as_config
+
+    return {**config, **as_config(read_json(directory / HADAMARD_FILE))}
+
+
 def unfolded_snapshot(snapshot: Snapshot, quant, where: str, max_bytes: float) -> Snapshot:
     """The snapshot a build reads: a Prism pack's unfolded checkpoint (``write_unfolded``, written once into the build
     cache directory under a key of the pack's file hashes and this module's code) with the pack as its source, or

@@ -137,3 +137,14 @@ def test_a_malformed_pack_exits_2_naming_the_tensor_and_leaves_no_bundle(written
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and named in lines[0] and "Traceback" not in result.output, result.output
     assert not out.exists() and not list(tmp_path.glob(".bundle*"))
+
+
+def test_a_contract_pins_the_packs_rotation(written, tmp_path):
+    """target.contract is checked against config.json and hadamard.json: a pack of another block is refused."""
+    recipe = RECIPE.replace("source: path:pack", f"source: path:{written / 'pack'}").replace(
+        "  quantization: {method: exact}\n",
+        "  quantization: {method: exact}\n  contract: {schema_version: 2, prism.hadamard.block_size: 1024}\n")
+    (tmp_path / "r.yaml").write_text(recipe)
+    result = CliRunner().invoke(main, ["build", str(tmp_path / "r.yaml"), "--dry-run"])
+    assert result.exit_code == 2, result.output
+    assert "target.contract.prism.hadamard.block_size: the recipe pins 1024; config.json has 64" in result.output
