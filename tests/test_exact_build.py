@@ -12,12 +12,12 @@ import torch
 from click.testing import CliRunner
 from prism_packs import edit_json, edit_tensors, write_pack
 
-from convert import checks, gates
+from convert import gates
 from convert.backends import coreai, coreml
 from convert.cli import main
 
 NEW_TOKENS = 8
-PROMPT = "def push(self, item):\n    self.items.append(item)\n"
+MIN_GAP = 0.1  # the prompt's greedy steps have no near tie: the two best logits at least this far apart
 RECIPE = """name: tiny-bonsai
 target:
   source: path:pack
@@ -72,13 +72,22 @@ def test_the_gate_against_the_unfolded_transformers_model_is_at_rounding_level(b
     assert metrics["top1"] == 1.0
 
 
+def _prompt() -> str:
+    """A held-out text whose greedy continuation on the random tiny pack has no near tie (found by scanning the
+    eval split; ``MIN_GAP`` is asserted): most prompts have a step whose two best logits are under 0.05 apart, where
+    fp16 and fp32 may rightly pick different ids."""
+    from fixtures.corpus import read_split
+
+    return read_split("eval")[14].text[:120]
+
+
 def _transformers_greedy(unfolded: Path) -> tuple[list[int], list[float]]:
-    """transformers' greedy ids after ``PROMPT`` and, at each step, the gap between its two largest logits."""
+    """transformers' greedy ids after the prompt and, at each step, the gap between its two largest logits."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(unfolded))
     model = gates.load_reference(unfolded)
-    ids = tokenizer.encode(PROMPT)
+    ids = tokenizer.encode(_prompt())
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)
@@ -88,18 +97,16 @@ def _transformers_greedy(unfolded: Path) -> tuple[list[int], list[float]]:
 
 @pytest.mark.parametrize("runtime", ["torch", "coreai"])
 def test_generate_gives_the_transformers_greedy_ids(bundle, written, runtime):
-    """The bundle computes in fp16 and transformers in fp32: the ids may part only at a step whose two best logits are
-    within the near-tie margin (``checks.NEAR_TIE_LOGITS``, the artifact gate's), where either may win. The random
-    tiny pack's logits are flat (the 7th step's two best are 0.010 apart): the first six ids must agree."""
-    args = ["generate", str(bundle), "--prompt", PROMPT, "-n", str(NEW_TOKENS), "--runtime", runtime, "--json"]
+    """The bundle computes in fp16 and transformers in fp32, on a prompt without near ties: the same ids."""
+    args = ["generate", str(bundle), "--prompt", _prompt(), "-n", str(NEW_TOKENS), "--runtime", runtime, "--json"]
     if runtime == "torch":
         args += ["-r", str(written / "tiny-bonsai.yaml")]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     ids = json.loads(result.output.strip().splitlines()[-1])["generated_ids"]
     expected, gaps = _transformers_greedy(written / "unfolded")
-    differ = next((i for i, (a, b) in enumerate(zip(ids, expected, strict=True)) if a != b), None)
-    assert differ is None or (differ >= 6 and gaps[differ] < checks.NEAR_TIE_LOGITS), (ids, expected, gaps)
+    assert min(gaps) >= MIN_GAP, gaps
+    assert ids == expected
 
 
 def _drop_signs(tensors):
