@@ -117,14 +117,15 @@ class Plan:
         return BASE_BYTES + 6 * self.parameter_count + WHOLE_BYTES_PER_PARAMETER * self.drafter.args.parameter_count
 
 
-def make_plan(recipe_path: Path, output: str | None = None) -> Plan:
-    """Validate the recipe and the checkpoint's config and headers; reads no weights."""
+def make_plan(recipe_path: Path, output: str | None = None, cache_root: Path | None = None) -> Plan:
+    """Validate the recipe and the checkpoint's config and headers; reads no weights (but a Prism pack's, which is
+    unfolded once into ``cache_root``, default the build cache's directory: ``convert.prism.unfolded_snapshot``)."""
     recipe = load_recipe(recipe_path)
     snapshot = resolve(recipe.target.source, recipe_path.resolve().parent)
     contract.check(source_config(snapshot.directory), recipe.target.contract, str(snapshot.directory / "config.json"),
                    "target.contract")
     snapshot = unfolded_snapshot(snapshot, recipe.target.quantization, str(recipe_path),
-                                 recipe.target.max_host_memory_gb * 1e9)
+                                 recipe.target.max_host_memory_gb * 1e9, cache_root)
     config_path = snapshot.directory / "config.json"
     family = family_for(snapshot.config(), str(config_path))
     args = family.Args.from_config(snapshot.config(), where=str(config_path))

@@ -64,7 +64,7 @@ def build(recipe: Path, output: str | None, dry_run: bool, cache_dir: Path | Non
     from convert.errors import SourceUnavailable
 
     try:
-        plan = make_plan(recipe, output)
+        plan = make_plan(recipe, output, cache_dir)
     except SourceUnavailable as unavailable:
         if not dry_run:
             raise

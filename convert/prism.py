@@ -487,9 +487,11 @@ def source_config(directory: Path) -> dict:
     return {**config, **as_config(read_json(directory / HADAMARD_FILE))}
 
 
-def unfolded_snapshot(snapshot: Snapshot, quant, where: str, max_bytes: float) -> Snapshot:
-    """The snapshot a build reads: a Prism pack's unfolded checkpoint (``write_unfolded``, written once into the build
-    cache directory under a key of the pack's file hashes and this module's code) with the pack as its source, or
+def unfolded_snapshot(snapshot: Snapshot, quant, where: str, max_bytes: float,
+                      cache_root: Path | None = None) -> Snapshot:
+    """The snapshot a build reads: a Prism pack's unfolded checkpoint (``write_unfolded``, written once into
+    ``cache_root``, default the build cache's directory, under a key of the pack's file hashes and this module's
+    code; also under ``--no-cache``: the reference reads it from disk) with the pack as its source, or
     ``snapshot`` as it is. A pack needs ``quant`` method ``exact`` and ``exact`` needs a pack; an unfolded checkpoint
     larger than ``max_bytes`` (it is written from memory, in fp32) is refused."""
     refuse_gguf(snapshot.directory)
@@ -512,7 +514,7 @@ def unfolded_snapshot(snapshot: Snapshot, quant, where: str, max_bytes: float) -
                          "streamed unfolding, which is not built yet")
     record = {"pack": {r.path: r.sha256 for r in file_records(pack.directory)},
               "code": build_cache.code_fingerprint(("convert.prism",))}
-    directory = build_cache.default_directory() / "unfolded" / build_cache.key(record)
+    directory = (cache_root or build_cache.default_directory()) / "unfolded" / build_cache.key(record)
     if not (directory / "config.json").is_file():
         directory.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".unfolding-", dir=directory.parent) as scratch:
