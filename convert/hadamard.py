@@ -3,25 +3,29 @@
 A rotated linear computes ``y = W' . H(s * x)`` and the rotated embedding turns a looked-up row ``r`` into
 ``s * H(r)``; ``H`` is the normalised Sylvester transform of each block of ``block`` consecutive features
 (``convert/prism.py`` says where this comes from). ``SignedHadamard`` computes either direction in the dtype of its
-input, its constants cast to it: fp16 in the packages, where they are exact (the signs +-1, the Kronecker factors
-+-1 and +-1/sqrt(block), a power of two at the 27B block of 1024), and fp32 when the gates run the modules in fp32.
+input, its constants cast to it: fp16 in the packages, where they are exact (the signs +-1, the butterflies' scale
+1/sqrt(block), a power of two at the 27B block of 1024), and fp32 when the gates run the modules in fp32.
 MLX computes the transform in fp32 and rounds to fp16 once; the fp16 graph rounds inside and after each product.
 
 Three forms, measured by ``bench/hadamard.py`` at the 27B widths (n 5120, 6144, 17408; block 1024; S 1 to 64 rows;
 N(0, 1) inputs; errors against the fp64 formula, "floor" the fp16 rounding of the exact value):
 
-* ``kronecker`` (the default): ``H_b = H_b1 (x) H_b2``, b1 = b2 = 32, two small matmuls on the [..., n/b, b1, b2]
+* ``kronecker``: ``H_b = H_b1 (x) H_b2``, b1 = b2 = 32, two small matmuls on the [..., n/b, b1, b2]
   view. fp32 within 1.5e-6; fp16 within 1.65x the floor in torch, which accumulates an fp16 matmul in fp32, and
   8.7x (8.5e-3, n 5120, S 8) on the Linux Core AI runtime, which accumulates it in fp16 (2048 plus 63 ones sums to
   2048 there); 64 multiply-adds a feature; 4 KiB of fp16 constants; 8 ops in the Core AI graph, 6 in Core ML's.
 * ``matmul``: one b x b matmul on the [..., n/b, b] view. At the floor in torch but 21x it on the Core AI runtime
   (3.7e-2: 1024-term fp16 sums); 1024 multiply-adds a feature (18M a token at n 17408, a fifth of that width's
   down projection); a 2 MiB constant; 4 ops.
-* ``butterfly``: log2(b) add/sub stages (no constant, 10 adds a feature), then the scale. Elementwise, so it rounds
-  the same everywhere: 1.7-3.6x the floor in torch, 2.6x on the runtime (3.5e-3); but 54 ops in either format.
+* ``butterfly`` (the default): log2(b) add/sub stages (no constant, 10 adds a feature), then the scale.
+  Elementwise, so it rounds the same everywhere: 1.7-3.6x the floor in torch, 2.6x on the runtime (3.5e-3); but
+  54 ops in either format.
 
-The Kronecker form keeps the error within a few fp16 spacings on both runtimes at 8 ops and 4 KiB; the butterflies
-are up to 2.4x closer under fp16 accumulation at 7x the ops, the single matmul the furthest off there.
+The butterflies ship: they are the closest under fp16 accumulation, where it matters. Inside a model the Kronecker
+form's error grows: a tiny Ternary Bonsai pack built as parts (tests/test_exact_build.py) had its Gated DeltaNet
+layer part's rows on the Core AI runtime 3.7% (relative) off the torch part's in verify with the Kronecker form, over
+the package check's 2% bound, and within it with the butterflies. They cost more ops in the graph (54 a transform at
+block 1024, against 8) and no constant; the Kronecker form stays measured beside them.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ class SignedHadamard(nn.Module):
     """[..., n] -> [..., n]: ``H(s * x)``, or ``s * H(x)`` when ``inverse`` (``H`` is its own inverse), ``n`` the
     width of ``signs``. The buffers are fp32; ``.to(dtype)`` or the input's dtype sets what it computes in."""
 
-    def __init__(self, signs: torch.Tensor, block: int, inverse: bool = False, form: str = "kronecker"):
+    def __init__(self, signs: torch.Tensor, block: int, inverse: bool = False, form: str = "butterfly"):
         super().__init__()
         check_signs(signs)
         check_block(block, signs.numel())
@@ -122,8 +126,8 @@ def butterflies(blocks: torch.Tensor, block: int) -> torch.Tensor:
 
 def rotation_lines(args, target, block: int | None) -> list[str]:
     """The plan's line on the rotations an ``exact`` target computes a token: one transform before each rotated
-    linear (every quantized one) and one after the embedding lookup, each ``kronecker_factors(block)``'s two products
-    (b1 + b2 multiply-adds a feature); against the linears' own multiply-adds."""
+    linear (every quantized one) and one after the embedding lookup, each log2(block) butterfly additions and two
+    multiplications (the signs, the scale) a feature; against the linears' multiply-adds."""
     from convert.models import family_of
     from convert.quantize import kept_modules
     from convert.stream import parameters_on_meta
@@ -136,9 +140,8 @@ def rotation_lines(args, target, block: int | None) -> list[str]:
     keep = kept_modules(core, target.quantization)
     linears = [m for n, m in core.named_modules() if isinstance(m, nn.Linear) and n not in keep]
     features = sum(m.in_features for m in linears) + args.hidden_size  # the embedding's rows
-    left, right = kronecker_factors(block)
-    work = (left.shape[0] + right.shape[0]) * features
+    work = (block.bit_length() - 1 + 2) * features
     linear_work = sum(m.in_features * m.out_features for m in linears)
-    return [f"  rotations (block {block}, {left.shape[0]} x {right.shape[0]} Kronecker): {len(linears) + 1} signed "
-            f"Hadamard transforms a token over {features:,} features: {work:,} multiply-adds a token, "
-            f"{100 * work / linear_work:.2f}% of the linears' {linear_work:,}"]
+    return [f"  rotations (block {block}, butterflies): {len(linears) + 1} signed Hadamard transforms a token over "
+            f"{features:,} features: {work:,} additions and multiplications a token, {100 * work / linear_work:.2f}% "
+            f"of the linears' {linear_work:,} multiply-adds"]

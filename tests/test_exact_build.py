@@ -155,3 +155,24 @@ def test_a_contract_pins_the_packs_rotation(written, tmp_path):
     result = CliRunner().invoke(main, ["build", str(tmp_path / "r.yaml"), "--dry-run"])
     assert result.exit_code == 2, result.output
     assert "target.contract.prism.hadamard.block_size: the recipe pins 1024; config.json has 64" in result.output
+
+
+def test_a_gated_deltanet_part_on_the_core_ai_runtime_computes_what_its_torch_part_does(written, tmp_path):
+    """The rotation inside a layer, in fp16 on the runtime: the tiny pack built as parts, its Gated DeltaNet layer
+    part's rows replayed on the Core AI runtime stay within the package check's bound (they were 3.7% off with the
+    Kronecker form of the transform, convert/hadamard.py)."""
+    from convert.build import exact_result, make_plan
+    from convert.packaging import package_formats
+    from convert.parts import recorded_calls
+    from convert.shipped import PartLoader
+
+    recipe = RECIPE.replace("source: path:pack", f"source: path:{written / 'pack'}").replace(
+        "  context: 128\n", "  context: 128\n  max_part_mb: 0.06\n")
+    (tmp_path / "r.yaml").write_text(recipe)
+    plan = make_plan(tmp_path / "r.yaml")
+    assert [p.name for p in plan.parts] == ["embed", "layers-0-0", "layers-1-1", "head"]
+    loader = PartLoader(plan, exact_result(plan))
+    pieces = loader.load(plan.parts)
+    calls = recorded_calls(plan.parts, pieces, [], loader.outline.contract, plan.args.vocab_size, False)
+    (done,) = package_formats(["coreai"], pieces[1], tmp_path, "layers-0-0", calls[1], every_function=True)
+    assert done.check["runtime_calls"] > 0 and done.check["max_output_delta"] < 0.02

@@ -49,14 +49,15 @@ def test_dflash2_27b_plans_from_its_contract():
 def test_bonsai2_27b_plans_the_exact_pack_from_its_contract():
     """The ternary pack shipped as it is: the bundle size from the real shapes (2-bit codes and an fp16 scale per 128
     columns; in_proj_a / in_proj_b, norms, conv and A_log fp16), under forge's 9.9 GB target, and the rotations'
-    work: 401 rotated linears and the embedding, 64 multiply-adds a feature at block 1024."""
+    work: 401 rotated linears and the embedding, 10 butterfly additions and 2 multiplications a feature at block
+    1024."""
     result = dry_run(RECIPES / "bonsai2_27b_dflash2.yaml")
     assert result.exit_code == 0, result.output
     out = result.output
     assert "parameters: 26,895,998,464" in out
     assert "shipped weights: 6.70 GiB per format (2.14 bits a parameter; 50.10 GiB in fp16)" in out
-    assert "rotations (block 1024, 32 x 32 Kronecker): 402 signed Hadamard transforms a token over 2,910,208 " \
-        "features: 186,253,312 multiply-adds a token, 0.73% of the linears' 25,598,361,600" in out
+    assert "rotations (block 1024, butterflies): 402 signed Hadamard transforms a token over 2,910,208 features: " \
+        "34,922,496 additions and multiplications a token, 0.14% of the linears' 25,598,361,600 multiply-adds" in out
     assert "parts: 40 (target.max_part_mb 2000" in out and "estimated quantize time" not in out
     assert "drafter dflash2 hf://ProCreations/Ternary-Bonsai-2-27B-DFlash2@4cfb6ad" in out
 
