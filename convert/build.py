@@ -47,7 +47,7 @@ from convert.parts import (
     shipped_line,
 )
 from convert.parts import plan_lines as parts_lines
-from convert.prism import exact_weights, read_pack, source_config, unfolded_snapshot
+from convert.prism import exact_weights, pack_block, read_pack, source_config, unfolded_snapshot
 from convert.processes import in_fresh_process, in_this_process
 from convert.progress import console, stage
 from convert.quantize import QuantizeResult, estimate_lines, quantize_checkpoint, summary
@@ -169,13 +169,7 @@ def shipped_modules(plan: Plan, cache: BuildCache | None = None,
     (``convert/quantize.py``) before the modules are loaded; ``file_hashes``: sha256 by source file name, when
     known."""
     quant = plan.recipe.target.quantization
-    result = None
-    if quant.format == "exact2":
-        result = exact_result(plan)
-    elif quant.format:
-        result = quantize_checkpoint(plan.snapshot.directory, plan.args, plan.recipe.target, plan.layout, quant,
-                                     plan.recipe_path.resolve().parent, cache=cache or BuildCache(),
-                                     file_hashes=file_hashes)
+    result = quantize_stage(plan, cache or BuildCache(), file_hashes, in_memory=True)
     with stage("load weights (safetensors, memory-mapped)"):
         tensors = load_tensors(plan.snapshot.directory)
         modules = build_modules(plan.args, plan.recipe.target, tensors, SHIP_DTYPE, plan.layout)
@@ -255,7 +249,7 @@ def parts_loader(plan: Plan, cache: BuildCache, stack: ExitStack, file_hashes: d
     into a scratch cache beside the output (removed when ``stack`` closes) when it is disabled (``--no-cache``)."""
     from convert.shipped import PartLoader
 
-    return PartLoader(plan, quantize_parts(plan, parts_cache(plan, cache, stack), file_hashes))
+    return PartLoader(plan, quantize_stage(plan, parts_cache(plan, cache, stack), file_hashes))
 
 
 def parts_cache(plan: Plan, cache: BuildCache, stack: ExitStack) -> BuildCache:
@@ -268,15 +262,18 @@ def parts_cache(plan: Plan, cache: BuildCache, stack: ExitStack) -> BuildCache:
         prefix=".quantize-", dir=plan.output.resolve().parent))))
 
 
-def quantize_parts(plan: Plan, cache: BuildCache, file_hashes: dict[str, str] | None) -> QuantizeResult | None:
-    """The quantize stage of a parted target, into ``cache``'s entries only (None: the recipe does not quantize)."""
+def quantize_stage(plan: Plan, cache: BuildCache, file_hashes: dict[str, str] | None,
+                   in_memory: bool = False) -> QuantizeResult | None:
+    """The quantize stage (None: the recipe does not quantize): a pre-quantized pack's own weights (``exact``), or
+    ``quantize_checkpoint`` into ``cache``, its weights held or (``in_memory`` False: a parted target) in the cache's
+    entries only."""
     quant = plan.recipe.target.quantization
     if not quant.format:
         return None
     if quant.format == "exact2":
         return exact_result(plan)
     return quantize_checkpoint(plan.snapshot.directory, plan.args, plan.recipe.target, plan.layout, quant,
-                               plan.recipe_path.resolve().parent, cache=cache, in_memory=False,
+                               plan.recipe_path.resolve().parent, cache=cache, in_memory=in_memory,
                                file_hashes=file_hashes)
 
 
@@ -353,7 +350,7 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
 
     run = in_fresh_process if plan.parameter_count > CHAINED_RUN_PARAMETERS else in_this_process
     with ExitStack() as stack:
-        result = run(quantize_parts, plan, parts_cache(plan, cache, stack), {r.path: r.sha256 for r in source_files})
+        result = run(quantize_stage, plan, parts_cache(plan, cache, stack), {r.path: r.sha256 for r in source_files})
         report = run(_gate_parts, plan, result)
         _print_gate(report, failed_report)
         loader = PartLoader(plan, result)
@@ -632,7 +629,7 @@ def describe_plan(plan: Plan) -> list[str]:
         *size_lines(plan.parameter_count, recipe.backends),
         shipped_line(args, recipe.target),
         *parts_lines(args, recipe.target, plan.parts),
-        *(rotation_lines(args, recipe.target, read_pack(plan.snapshot.packed).block) if plan.snapshot.packed else []),
+        *(rotation_lines(args, recipe.target, pack_block(plan.snapshot.packed)) if plan.snapshot.packed else []),
         f"  states: {plan.state_bytes / mib:.1f} MiB in all",
         *estimate_lines(args, recipe.target),
         memory_line(recipe.target, plan.peak_memory_bytes),

@@ -131,8 +131,9 @@ def _target_lines(pinned: dict, target, backends: list[str], where: str) -> list
     from convert.quantize import estimate_lines
 
     parts = plan_parts(args, target)
-    rotations = rotation_lines(args, target, lookup(pinned, BLOCK_FIELD) if lookup(pinned, BLOCK_FIELD) is not
-                               _MISSING else None) if target.quantization.method == "exact" else []
+    block = lookup(pinned, BLOCK_FIELD)
+    rotations = rotation_lines(args, target, None if block is _MISSING else block) \
+        if target.quantization.method == "exact" else []
     return [*family.plan_lines(args, target), "  functions:", *function_lines(specs),
             *size_lines(args.parameter_count, backends), shipped_line(args, target), *plan_lines(args, target, parts),
             *rotations, f"  states: {total:.1f} MiB in all", *estimate_lines(args, target),

@@ -80,6 +80,7 @@ CONFIG_FIELDS = {
     "gdn_activation_layout": "grouped",
     "quantization": {"bits": 2, "group_size": GROUP_SIZE, "mode": "affine"},
 }
+BLOCK_FIELD = "prism.hadamard.block_size"  # hadamard.json's block size; a recipe contract may pin it
 HADAMARD_FIELDS = {
     "prism.hadamard.version": 1,
     "prism.hadamard.transform": "normalized-sylvester-walsh-hadamard",
@@ -168,7 +169,7 @@ def _read_hadamard(manifest: dict, path: Path) -> tuple[int, dict[int, torch.Ten
     for field, expected in HADAMARD_FIELDS.items():
         if manifest.get(field) != expected:
             raise InputError(f"{path}: {field} is {manifest.get(field)!r}; this reader knows {expected!r}")
-    block = manifest.get("prism.hadamard.block_size")
+    block = manifest.get(BLOCK_FIELD)
     if not _power_of_two(block):
         raise InputError(f"{path}: prism.hadamard.block_size {block!r} is not a power of two")
     widths = manifest.get("prism.hadamard.sign_widths")
@@ -472,9 +473,6 @@ def write_unfolded(pack: Pack, directory: Path) -> Path:
     return directory
 
 
-BLOCK_FIELD = "prism.hadamard.block_size"  # a recipe contract may pin it: hadamard.json's field
-
-
 def source_config(directory: Path) -> dict:
     """What a recipe's ``target.contract`` is checked against: config.json, and for a pack also hadamard.json's
     fields (``prism.hadamard.block_size`` ...), so that a contract pins the rotation too."""
@@ -485,6 +483,11 @@ def source_config(directory: Path) -> dict:
     from convert.contract import as_config
 
     return {**config, **as_config(read_json(directory / HADAMARD_FILE))}
+
+
+def pack_block(directory: Path) -> int:
+    """The Hadamard block of a pack ``read_pack`` has checked (hadamard.json's, without reading the tensors again)."""
+    return read_json(directory / HADAMARD_FILE)[BLOCK_FIELD]
 
 
 def unfolded_snapshot(snapshot: Snapshot, quant, where: str, max_bytes: float,
