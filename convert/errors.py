@@ -16,3 +16,12 @@ class GateError(Exception):
     """A numeric or identity check failed; nothing is published. Exit 1."""
 
     exit_code = 1
+
+
+QUOTE_LIMIT = 200
+
+
+def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error names the offending value without echoing a huge one."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
