@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from convert.errors import InputError, SourceUnavailable
+from convert.errors import InputError, SourceUnavailable, quote
 
 HF_PATTERN = re.compile(r"^hf://(?P<repo>[\w.-]+/[\w.-]+)@(?P<revision>[^@\s]+)$")
 PINNED = re.compile(r"^[0-9a-f]{7,40}$")
@@ -111,12 +111,18 @@ def _cached_snapshot(cache: Path, repo: str, revision: str) -> Path | None:
 
 
 def read_json(path: Path) -> dict:
+    """A JSON object file (config.json, an index, hadamard.json); anything else is refused naming the file."""
     if not path.is_file():
         raise InputError(f"{path}: missing; a Hugging Face checkpoint needs it")
     try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: not valid JSON ({exc})") from None
+        value = json.loads(path.read_text())
+    except RecursionError:
+        raise InputError(f"{path}: nested too deeply to read; re-download or fix the file") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of too many digits
+        raise InputError(f"{path}: not valid JSON ({str(exc).splitlines()[0][:200]})") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: holds a JSON {type(value).__name__}, not an object; re-download or fix the file")
+    return value
 
 
 def sha256_file(path: Path) -> str:
@@ -146,10 +152,9 @@ def weight_files(directory: Path) -> list[Path]:
     """The safetensors files of a checkpoint, from the index when sharded; refuses pickle-only checkpoints."""
     index = directory / SAFETENSORS_INDEX
     if index.is_file():
-        shards = sorted(set(read_json(index).get("weight_map", {}).values()))
-        if not shards:
-            raise InputError(f"{index}: weight_map is empty")
-        files = [directory / s for s in shards]
+        files = [_shard_path(directory, index, shard) for shard in sorted(set(_weight_map(index).values()))]
+        if not files:
+            raise InputError(f"{index}: weight_map is empty; re-download the checkpoint")
         for f in files:
             if not f.is_file():
                 raise InputError(f"{index}: shard {f.name} is missing; re-download the checkpoint")
@@ -169,10 +174,71 @@ def weight_files(directory: Path) -> list[Path]:
     raise InputError(f"{directory}: no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}; the checkpoint has no weights")
 
 
-def check_safetensors(path: Path) -> dict[str, tuple[int, ...]]:
-    """Validate a safetensors file's header against its size, without reading tensor data.
+def _weight_map(index: Path) -> dict[str, str]:
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise InputError(f"{index}: weight_map is {_value(weight_map)}; expected an object of tensor name -> shard "
+                         "file; re-download the checkpoint")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise InputError(f"{index}: weight_map[{_name(name)}] is {_value(shard)}; expected a shard file name; "
+                             "re-download the checkpoint")
+    return weight_map
 
-    Returns tensor name -> shape. A truncated or corrupt file is refused naming the file.
+
+def _shard_path(directory: Path, index: Path, shard: str) -> Path:
+    """A shard the index names, inside the checkpoint: a relative path without ``..``, in a directory that resolves
+    under the checkpoint's (the file itself may be a link, as the Hugging Face cache's are, into its blobs)."""
+    parts = shard.replace("\\", "/").split("/")
+    inside = shard and not Path(shard).is_absolute() and not shard.startswith(("/", "\\")) and ".." not in parts
+    path = directory / shard
+    if inside:
+        try:
+            path.parent.resolve().relative_to(directory.resolve())
+        except ValueError:
+            inside = False
+    if not inside:
+        raise InputError(f"{index}: shard {_value(shard)} is outside the checkpoint directory; shard paths must stay "
+                         "inside it")
+    if not shard.endswith(".safetensors"):
+        raise InputError(f"{index}: shard {_value(shard)} is not a .safetensors file; spec-convert reads safetensors "
+                         "only")
+    return path
+
+
+# The safetensors format's dtypes and their sizes in bits (safetensors/src/tensor.rs, Dtype::bitsize).
+SAFETENSORS_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
+                    "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64,
+                    "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+MAX_HEADER_BYTES = 100_000_000  # safetensors refuses a larger header
+USIZE = 2**64  # the format's sizes and offsets are 64-bit
+TENSOR_FIELDS = {"dtype", "shape", "data_offsets"}
+REDOWNLOAD = "re-download or re-save the checkpoint"
+NAME_LIMIT, VALUE_LIMIT = 100, 80  # characters of a quoted tensor name / header value in an error
+
+
+def _unique_object(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        duplicate = next(k for i, k in enumerate(keys) if k in keys[:i])
+        raise _DuplicateKey(duplicate)
+    return dict(pairs)
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def check_safetensors(path: Path) -> dict[str, tuple[int, ...]]:
+    """Validate a safetensors file's header fully (the format's rules, as the safetensors library applies them),
+    without reading tensor data: the header is a JSON object of unique keys; each tensor has exactly dtype, shape and
+    data_offsets, a known dtype, a shape of non-negative integers and offsets that hold exactly its bytes; the
+    tensors cover the data from 0 to the end of the file with no gap, overlap or trailing byte; ``__metadata__``
+    maps strings to strings. Returns tensor name -> shape; anything else is refused naming the file (and the tensor).
     """
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -181,19 +247,90 @@ def check_safetensors(path: Path) -> dict[str, tuple[int, ...]]:
             raise InputError(f"{path}: truncated safetensors file ({size} bytes); re-download it")
         (header_len,) = struct.unpack("<Q", head)
         if header_len > size - 8:
-            raise InputError(f"{path}: truncated safetensors header; re-download it")
-        try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise InputError(f"{path}: corrupt safetensors header; re-download it") from None
-    header.pop("__metadata__", None)
-    data_end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
-    if 8 + header_len + data_end > size:
-        raise InputError(
-            f"{path}: truncated: the header needs {8 + header_len + data_end} bytes, the file has {size}; "
-            "re-download it"
-        )
-    return {name: tuple(v["shape"]) for name, v in header.items()}
+            raise InputError(f"{path}: truncated safetensors header ({header_len} bytes declared, the file has "
+                             f"{size}); re-download it")
+        if header_len > MAX_HEADER_BYTES:
+            raise InputError(f"{path}: safetensors header of {header_len} bytes, over the format's "
+                             f"{MAX_HEADER_BYTES}; {REDOWNLOAD}")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_object, parse_constant=_refuse_constant)
+    except _DuplicateKey as duplicate:
+        raise InputError(f"{path}: corrupt safetensors header: key {_value(duplicate.args[0])} appears twice; "
+                         f"{REDOWNLOAD}") from None
+    except RecursionError:
+        raise InputError(f"{path}: corrupt safetensors header (nested too deeply); {REDOWNLOAD}") from None
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError, NaN / Infinity, an integer of too many digits
+        raise InputError(f"{path}: corrupt safetensors header (not valid JSON); {REDOWNLOAD}") from None
+    if not isinstance(header, dict):
+        raise InputError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, not an object); "
+                         f"{REDOWNLOAD}")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (isinstance(metadata, dict) and
+                                     all(isinstance(v, str) for v in metadata.values())):
+        raise InputError(f"{path}: __metadata__ is {_value(metadata)}; the format maps strings to strings; "
+                         f"{REDOWNLOAD}")
+    data = size - 8 - header_len
+    spans = sorted((_tensor_span(path, name, info, data), name) for name, info in header.items())
+    end = 0
+    for (begin, stop), name in spans:
+        if begin != end:
+            what = f"start at byte {begin}, but the previous tensor ends at {end}"
+            what += " (overlap)" if begin < end else " (a gap)"
+            raise InputError(f"{path}: tensor {_name(name)}: data_offsets {what}; {REDOWNLOAD}")
+        end = stop
+    if end < data:
+        raise InputError(f"{path}: {data - end} bytes after the last tensor's data; {REDOWNLOAD}")
+    return {name: tuple(info["shape"]) for name, info in header.items()}
+
+
+def _tensor_span(path: Path, name: str, info, data: int) -> tuple[int, int]:
+    """A header entry's (begin, end) data offsets once its fields agree with each other and lie in the ``data``
+    bytes after the header."""
+    def refuse(what: str) -> InputError:
+        return InputError(f"{path}: tensor {_name(name)}: {what}; {REDOWNLOAD}")
+
+    if not isinstance(info, dict) or set(info) != TENSOR_FIELDS:
+        fields = sorted(info) if isinstance(info, dict) else type(info).__name__
+        raise refuse(f"entry is {_value(fields)}; expected exactly dtype, shape and data_offsets")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_BITS:
+        raise refuse(f"dtype {_value(dtype)} is not a safetensors dtype")
+    if not isinstance(shape, list) or not all(_natural(d) for d in shape):
+        raise refuse(f"shape {_value(shape)} is not a list of non-negative 64-bit integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_natural(o) for o in offsets)):
+        raise refuse(f"data_offsets {_value(offsets)} are not two non-negative 64-bit integers")
+    begin, stop = offsets
+    if begin > stop:
+        raise refuse(f"data_offsets {_value(offsets)} end before they begin")
+    if stop > data:
+        raise InputError(f"{path}: tensor {_name(name)}: truncated: data_offsets {_value(offsets)} run past the "
+                         f"{data} bytes of data the file holds; re-download it")
+    count = 1  # as the format counts: elements, then bits, each within 64 bits
+    for dim in shape:
+        count *= dim
+        if count >= USIZE:
+            break
+    bits = count * SAFETENSORS_BITS[dtype]
+    if bits >= USIZE:
+        raise refuse(f"shape {_value(shape)} has more elements than a safetensors file can count")
+    if bits % 8 or bits // 8 != stop - begin:
+        need = ("a fractional number of bytes" if bits % 8 else f"{bits // 8} bytes" if bits // 8 <= data
+                else "more bytes than the file holds")
+        raise refuse(f"shape {_value(shape)} of {dtype} needs {need}, data_offsets hold {stop - begin}")
+    return begin, stop
+
+
+def _name(name: str) -> str:
+    return quote(name, NAME_LIMIT)
+
+
+def _value(value) -> str:
+    return quote(value, VALUE_LIMIT)
+
+
+def _natural(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < USIZE
 
 
 def tensor_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
@@ -202,7 +339,7 @@ def tensor_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     for path in weight_files(directory):
         for name, shape in check_safetensors(path).items():
             if name in shapes:
-                raise InputError(f"{path}: tensor {name!r} also appears in another shard")
+                raise InputError(f"{path}: tensor {_name(name)} also appears in another shard")
             shapes[name] = shape
     return shapes
 
@@ -234,6 +371,7 @@ def load_tensors(directory: Path) -> dict[str, torch.Tensor]:
     """Read every tensor through safetensors' memory map (no pickle, no copy of the whole file)."""
     tensors: dict[str, torch.Tensor] = {}
     for path in weight_files(directory):
+        check_safetensors(path)
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
