@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from convert.errors import InputError, SourceUnavailable
+from convert import fields
+from convert.errors import InputError, SourceUnavailable, quote
 from convert.recipe import Recipe
 
 _MISSING = object()
@@ -49,6 +50,9 @@ def as_config(contract: dict) -> dict:
         *parents, last = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise InputError(f"contract: {quote(key)} pins a field inside {quote(part)}, which the contract also "
+                                 f"pins as {quote(node)}; pin one or the other")
         node[last] = value
     return config
 
@@ -57,13 +61,17 @@ def describe(recipe: Recipe, recipe_path: Path, unavailable: SourceUnavailable) 
     """The plan of a recipe whose sources are not here, from its contracts (``build --dry-run``)."""
     target = recipe.target
     pinned = as_config(target.contract)
-    text = pinned.get("text_config", pinned)  # Qwen3.5-style configs nest the text model's fields
+    where = f"{recipe_path}: target.contract"
+    text = fields.section(pinned, where)  # Qwen3.5-style configs nest the text model's fields
     if not pinned:
         raise InputError(f"{unavailable} (and target.contract is empty: nothing to plan from)")
     need = [k for k in ("hidden_size", "vocab_size") if k not in text]
     if need:
-        raise InputError(f"{recipe_path}: target.contract: pin {', '.join(need)} to plan without the checkpoint")
-    hidden, vocab, layers = text["hidden_size"], text["vocab_size"], text.get("num_hidden_layers")
+        raise InputError(f"{where}: pin {', '.join(need)} to plan without the checkpoint")
+    hidden, vocab = fields.integer(text, "hidden_size", where), fields.integer(text, "vocab_size", where)
+    layers = text.get("num_hidden_layers")
+    if layers is not None:
+        layers = fields.check_integer(layers, "num_hidden_layers", where, maximum=fields.MAX_LAYERS)
     taps = list(target.taps or [])
     if layers is not None and any(t >= layers for t in taps):
         raise InputError(f"{recipe_path}: target.taps {taps}: a layer is out of range (the contract pins "
@@ -132,6 +140,8 @@ def _target_lines(pinned: dict, target, backends: list[str], where: str) -> list
 
     parts = plan_parts(args, target)
     block = lookup(pinned, BLOCK_FIELD)
+    if block is not _MISSING:
+        fields.check_integer(block, BLOCK_FIELD, where)
     rotations = rotation_lines(args, target, None if block is _MISSING else block) \
         if target.quantization.method == "exact" else []
     return [*family.plan_lines(args, target), "  functions:", *function_lines(specs),

@@ -31,7 +31,8 @@ from types import ModuleType
 
 import torch
 
-from convert.errors import InputError
+from convert import fields
+from convert.errors import InputError, quote
 
 FAMILIES = ("qwen3_5", "qwen3")  # first match wins
 DTYPE_NAMES = {torch.float16: "float16", torch.float32: "float32"}
@@ -76,7 +77,9 @@ def family_of(args) -> ModuleType:
 
 def family_for(config: dict, where: str = "config.json") -> ModuleType:
     """The family whose config this is, or an error naming the model type and what is supported."""
-    text = config.get("text_config", config)
+    text = fields.section(config, where)
+    for section in (config, text):  # the families' ``accepts`` read these as lists of names
+        fields.strings(section, "architectures", where)
     model_type = str(text.get("model_type") or config.get("model_type") or "")
     for key in (model_type, str(config.get("model_type") or "")):
         if key in REFUSED:
@@ -86,8 +89,8 @@ def family_for(config: dict, where: str = "config.json") -> ModuleType:
         if module.accepts(config):
             return module
     archs = config.get("architectures") or []
-    raise InputError(f"{where}: architectures {archs} (model_type {model_type or 'not set'!r}) is not a supported "
-                     "target: Qwen3 dense (Qwen3ForCausalLM) or the Qwen3.5 family (Qwen3_5ForCausalLM, "
+    raise InputError(f"{where}: architectures {quote(archs)} (model_type {quote(model_type or 'not set')}) is not a "
+                     "supported target: Qwen3 dense (Qwen3ForCausalLM) or the Qwen3.5 family (Qwen3_5ForCausalLM, "
                      "Qwen3_5ForConditionalGeneration)")
 
 

@@ -55,8 +55,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from convert import fields
 from convert.backends.base import FunctionSpec, TensorSpec
-from convert.errors import InputError
+from convert.errors import InputError, quote
 from convert.export import ExportModules, FunctionModule
 from convert.models.qwen3 import MLP, RMSNorm, layer_shapes, rotate
 from convert.sources import check_safetensors, read_json, weight_files
@@ -108,10 +109,11 @@ class DFlash2Args:
 
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> DFlash2Args:
-        archs = config.get("architectures") or []
+        archs = fields.strings(config, "architectures", where) or []
         found = [a for a in archs if a in ARCHITECTURES]
         if len(archs) != 1 or not found:
-            raise InputError(f"{where}: field 'architectures' is {archs}; expected one of {list(ARCHITECTURES)}")
+            raise InputError(f"{where}: field 'architectures' is {quote(archs)}; expected one of "
+                             f"{list(ARCHITECTURES)}")
         architecture = found[0]
         draft = config.get("dflash_config")
         if not isinstance(draft, dict):
@@ -121,7 +123,7 @@ class DFlash2Args:
         def value(name):  # dflash_config wins, then the top level (as upstream's _draft_value)
             return draft[name] if draft.get(name) is not None else config.get(name)
 
-        def integer(name, in_draft=False, required=True):
+        def integer(name, in_draft=False, required=True, maximum=fields.INT_LIMIT - 1):
             """A top-level field, or (``in_draft``) a dflash_config field that may also sit at the top level."""
             raw = value(name) if in_draft else config.get(name)
             field = f"dflash_config.{name}" if in_draft else name
@@ -129,15 +131,17 @@ class DFlash2Args:
                 if required:
                     raise InputError(f"{where}: field {field!r} is missing; a {architecture} drafter needs it")
                 return None
-            if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
-                raise InputError(f"{where}: field {field!r} is {raw!r}; expected a non-negative integer")
+            if isinstance(raw, bool) or not isinstance(raw, int) or not 0 <= raw <= maximum:
+                bound = "below 2**31" if maximum == fields.INT_LIMIT - 1 else f"at most {maximum}"
+                raise InputError(f"{where}: field {field!r} is {quote(raw)}; expected a non-negative integer ({bound})")
             return raw
 
         taps = draft.get("target_layer_ids")
-        if not isinstance(taps, list) or not taps or not all(isinstance(t, int) and t >= 0 for t in taps):
+        if not isinstance(taps, list) or not taps or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < fields.INT_LIMIT for t in taps):
             raise InputError(
-                f"{where}: field 'dflash_config.target_layer_ids' is {taps!r}; expected the explicit list of tapped "
-                "target layers (0-based, output of layer i); it is never recomputed from a formula"
+                f"{where}: field 'dflash_config.target_layer_ids' is {quote(taps)}; expected the explicit list of "
+                "tapped target layers (0-based, output of layer i); it is never recomputed from a formula"
             )
         if len(set(taps)) != len(taps):
             raise InputError(f"{where}: field 'dflash_config.target_layer_ids' {taps} repeats a layer")
@@ -146,7 +150,7 @@ class DFlash2Args:
             raise InputError(f"{where}: field 'dflash_config.target_layer_ids' {taps} names a layer past the target's "
                              f"num_target_layers {target_layers}")
         hidden, heads = integer("hidden_size"), integer("num_attention_heads")
-        layers = integer("num_hidden_layers")
+        layers = integer("num_hidden_layers", maximum=fields.MAX_LAYERS)
         if value("block_size") is None:
             raise InputError(f"{where}: field 'dflash_config.block_size' (or top-level 'block_size') is missing")
         conv = {k: value(k) for k in ("conv_kernel_size", "conv_group_size")}
@@ -159,7 +163,8 @@ class DFlash2Args:
                     f"{where}: field 'dflash_config.{missing[0]}' is missing; a {architecture} {kind} needs "
                     f"{' and '.join(group)}"
                 )
-        rope = config.get("rope_parameters") or {}
+        rope = fields.mapping(config, "rope_parameters", where)
+        theta = fields.number(config, "rope_theta", where, 10000.0)
         args = cls(
             architecture=architecture,
             hidden_size=hidden,
@@ -169,8 +174,8 @@ class DFlash2Args:
             num_key_value_heads=integer("num_key_value_heads", required=False) or heads,
             head_dim=integer("head_dim", required=False) or (hidden // heads if heads else 0),
             vocab_size=integer("vocab_size"),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            rms_norm_eps=fields.number(config, "rms_norm_eps", where, 1e-6),
+            rope_theta=fields.number(rope, "rope_theta", where, theta, field="rope_parameters.rope_theta"),
             layer_windows=_layer_windows(config, layers, where),
             target_layer_ids=tuple(taps),
             block_size=integer("block_size", in_draft=True),
@@ -233,12 +238,12 @@ def _refuse_unsupported(config: dict, draft: dict, where: str) -> None:
     )
     for field, found, unsupported, what in checks:
         if unsupported(found):
-            raise InputError(f"{where}: field {field!r} is {found!r}: {what} is not supported")
-    rope = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
+            raise InputError(f"{where}: field {field!r} is {quote(found)}: {what} is not supported")
+    rope = fields.mapping(config, "rope_parameters", where)
+    scaling = fields.mapping(config, "rope_scaling", where)
     rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type != "default":
-        raise InputError(f"{where}: rope type {rope_type!r} is not supported (only 'default')")
+        raise InputError(f"{where}: rope type {quote(rope_type)} is not supported (only 'default')")
 
 
 def _layer_windows(config: dict, layers: int, where: str) -> tuple[int | None, ...]:
@@ -252,15 +257,16 @@ def _layer_windows(config: dict, layers: int, where: str) -> tuple[int | None, .
         raise InputError(f"{where}: field 'sliding_window' is {window!r}; expected a positive integer or null")
     types = config.get("layer_types")
     if types is None:
-        start = int(config.get("max_window_layers", 28))
-        sliding = bool(config.get("use_sliding_window")) and window is not None
+        start = fields.integer(config, "max_window_layers", where, 28, minimum=0)
+        sliding = fields.flag(config, "use_sliding_window", where) and window is not None
         return tuple(window if sliding and i >= start else None for i in range(layers))
     if not isinstance(types, list) or len(types) != layers:
-        raise InputError(f"{where}: field 'layer_types' has {len(types) if isinstance(types, list) else types!r} "
+        raise InputError(f"{where}: field 'layer_types' has {len(types) if isinstance(types, list) else quote(types)} "
                          f"entries; expected one per draft layer ({layers})")
-    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    unknown = sorted(set(fields.strings(config, "layer_types", where)) - {"sliding_attention", "full_attention"})
     if unknown:
-        raise InputError(f"{where}: field 'layer_types' has {unknown}; expected sliding_attention or full_attention")
+        raise InputError(f"{where}: field 'layer_types' has {quote(unknown)}; expected sliding_attention or "
+                         "full_attention")
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 

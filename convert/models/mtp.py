@@ -68,8 +68,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from convert import fields
 from convert.backends.base import FunctionSpec, TensorSpec
-from convert.errors import InputError
+from convert.errors import InputError, quote
 from convert.export import ExportModules, FunctionModule
 from convert.models.qwen3 import DecoderLayer, Qwen3Args, RMSNorm, layer_shapes, register_positions
 from convert.models.qwen3_5 import GatedAttention, ZeroCentredRMSNorm, zero_centre_norms
@@ -119,9 +120,10 @@ class MTPArgs:
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> MTPArgs:
         """The head's shapes from the target's config (``text_config`` when present) plus its head count."""
-        top, text = config, config.get("text_config", config)
+        top, text = config, fields.section(config, where)
         count_field, count = next(
-            ((f, int(c[f])) for c in (text, top) for f in HEAD_COUNT_FIELDS if c.get(f) is not None), (None, 0)
+            ((f, fields.integer(c, f, where, minimum=0)) for c in (text, top) for f in HEAD_COUNT_FIELDS
+             if c.get(f) is not None), (None, 0)
         )
         if not count:
             raise InputError(
@@ -133,49 +135,55 @@ class MTPArgs:
         model_type = str(text.get("model_type") or top.get("model_type") or "")
         zero_centred = model_type in ZERO_CENTRED_MODEL_TYPES
         family = model_type in QWEN_NEXT_FAMILY
-        rope = text.get("rope_parameters") or {}
-        scaling = text.get("rope_scaling") or {}
+        rope = fields.mapping(text, "rope_parameters", where)
+        scaling = fields.mapping(text, "rope_scaling", where)
         rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
         if rope_type != "default":
-            raise InputError(f"{where}: rope type {rope_type!r} is not supported for an MTP head (only 'default')")
+            raise InputError(f"{where}: rope type {quote(rope_type)} is not supported for an MTP head (only "
+                             "'default')")
         # transformers' PreTrainedConfig.convert_rope_params_to_dict: rope_parameters first, then the top-level
         # field, then the config class's default (0.25 for the Qwen3-Next / Qwen3.5 configs, else none: 1.0)
         partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor"))
-        partial = float(partial if partial is not None else FAMILY_PARTIAL_ROTARY if family else 1.0)
+        partial = fields.check_number(partial if partial is not None else FAMILY_PARTIAL_ROTARY if family else 1.0,
+                                      "partial_rotary_factor", where, positive=False)
         gate = text.get("attn_output_gate", top.get("attn_output_gate"))
-        try:
-            hidden = int(text["hidden_size"])
-            heads = int(text["num_attention_heads"])
-            head_dim = int(text.get("head_dim") or (FAMILY_HEAD_DIM if family else hidden // heads))
-            # compute_default_rope_parameters: dim = int(head_dim * partial_rotary_factor)
-            rotary_dim = int(head_dim * partial)
-            if not (0 < partial <= 1 and rotary_dim > 0 and rotary_dim % 2 == 0):
-                raise InputError(
-                    f"{where}: partial_rotary_factor={partial} gives {rotary_dim} rotary dims of head_dim {head_dim}: "
-                    "an MTP head needs a positive even number, at most head_dim"
-                )
-            tie = text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
-            return cls(
-                hidden_size=hidden,
-                num_attention_heads=heads,
-                num_key_value_heads=int(text.get("num_key_value_heads") or heads),
-                head_dim=head_dim,
-                intermediate_size=int(text["intermediate_size"]),
-                vocab_size=int(text["vocab_size"]),
-                rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
-                tie_word_embeddings=bool(tie),
-                attention_bias=bool(text.get("attention_bias", False)),
-                max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-                num_hidden_layers=int(text["num_hidden_layers"]),
-                mtp_layers=count,
-                zero_centred_norm=zero_centred,
-                model_type=model_type,
-                attn_output_gate=bool(family if gate is None else gate),
-                rotary_dim=rotary_dim,
+        need = " needed for an MTP head"
+        hidden = fields.integer(text, "hidden_size", where, needed=need)
+        heads = fields.integer(text, "num_attention_heads", where, needed=need)
+        head_dim = fields.integer(text, "head_dim", where, FAMILY_HEAD_DIM if family else hidden // heads)
+        # compute_default_rope_parameters: dim = int(head_dim * partial_rotary_factor)
+        rotary_dim = int(head_dim * partial) if 0 < partial <= 1 else 0
+        if not (0 < partial <= 1 and rotary_dim > 0 and rotary_dim % 2 == 0):
+            raise InputError(
+                f"{where}: partial_rotary_factor={partial} gives {rotary_dim} rotary dims of head_dim {head_dim}: "
+                "an MTP head needs a positive even number, at most head_dim"
             )
-        except KeyError as missing:
-            raise InputError(f"{where}: missing field {missing.args[0]!r} needed for an MTP head") from None
+        kv_heads = fields.integer(text, "num_key_value_heads", where, heads)
+        if heads % kv_heads:
+            raise InputError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                             f"{kv_heads}")
+        tie = text.get("tie_word_embeddings", top.get("tie_word_embeddings"))
+        theta = fields.number(text, "rope_theta", where, 10000.0)
+        return cls(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=fields.integer(text, "intermediate_size", where, needed=need),
+            vocab_size=fields.integer(text, "vocab_size", where, needed=need),
+            rms_norm_eps=fields.number(text, "rms_norm_eps", where, 1e-6),
+            rope_theta=fields.number(rope, "rope_theta", where, theta, field="rope_parameters.rope_theta"),
+            tie_word_embeddings=fields.check_flag(False if tie is None else tie, "tie_word_embeddings", where),
+            attention_bias=fields.flag(text, "attention_bias", where),
+            max_position_embeddings=fields.integer(text, "max_position_embeddings", where, 32768),
+            num_hidden_layers=fields.integer(text, "num_hidden_layers", where, maximum=fields.MAX_LAYERS,
+                                             needed=need),
+            mtp_layers=count,
+            zero_centred_norm=zero_centred,
+            model_type=model_type,
+            attn_output_gate=fields.check_flag(family if gate is None else gate, "attn_output_gate", where),
+            rotary_dim=rotary_dim,
+        )
 
     @property
     def q_rows(self) -> int:

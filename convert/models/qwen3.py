@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from convert import export
+from convert import export, fields
 from convert.backends.base import FunctionSpec, TensorSpec
-from convert.errors import InputError
+from convert.errors import InputError, quote
 from convert.models import DTYPE_NAMES, Layout, function_widths
 from convert.parts import Part, build_embedding, build_head, part_input, part_outputs, part_tensors
 
@@ -74,46 +74,52 @@ class Qwen3Args:
 
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> Qwen3Args:
-        """Read transformers v4 (``rope_theta``) and v5 (``rope_parameters``) config styles."""
-        config = config.get("text_config", config)
-        archs = config.get("architectures") or []
+        """Read transformers v4 (``rope_theta``) and v5 (``rope_parameters``) config styles; a field of the wrong
+        type or a size below 1 is refused naming it (``convert/fields.py``)."""
+        config = fields.section(config, where)
+        archs = fields.strings(config, "architectures", where) or []
         if archs and not set(archs) & set(ARCHITECTURES):
-            raise InputError(f"{where}: architectures {archs} is not a Qwen3 dense model ({', '.join(ARCHITECTURES)})")
-        rope = config.get("rope_parameters") or {}
-        scaling = config.get("rope_scaling") or {}
+            raise InputError(f"{where}: architectures {quote(archs)} is not a Qwen3 dense model "
+                             f"({', '.join(ARCHITECTURES)})")
+        rope = fields.mapping(config, "rope_parameters", where)
+        scaling = fields.mapping(config, "rope_scaling", where)
         rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
         if rope_type != "default":
-            raise InputError(f"{where}: rope type {rope_type!r} is not supported yet (only 'default')")
-        if config.get("use_sliding_window"):
+            raise InputError(f"{where}: rope type {quote(rope_type)} is not supported yet (only 'default')")
+        if fields.flag(config, "use_sliding_window", where):
             raise InputError(f"{where}: use_sliding_window=true is not supported (full attention only)")
-        layer_types = config.get("layer_types") or []
+        layer_types = fields.strings(config, "layer_types", where) or []
         if any(t != "full_attention" for t in layer_types):
             kinds = sorted(set(layer_types))
-            raise InputError(f"{where}: layer_types {kinds}: only full_attention layers are supported")
-        try:
-            hidden = int(config["hidden_size"])
-            heads = int(config["num_attention_heads"])
-            eos = config.get("eos_token_id")
-            return cls(
-                hidden_size=hidden,
-                num_hidden_layers=int(config["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
-                intermediate_size=int(config["intermediate_size"]),
-                vocab_size=int(config["vocab_size"]),
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
-                attention_bias=bool(config.get("attention_bias", False)),
-                bos_token_id=config.get("bos_token_id"),
-                eos_token_id=eos[0] if isinstance(eos, list) else eos,
-                pad_token_id=config.get("pad_token_id"),
-                mtp_layers=int(config.get("mtp_num_hidden_layers") or config.get("num_nextn_predict_layers") or 0),
-            )
-        except KeyError as missing:
-            raise InputError(f"{where}: missing field {missing.args[0]!r} needed for a Qwen3 model") from None
+            raise InputError(f"{where}: layer_types {quote(kinds)}: only full_attention layers are supported")
+        need = " needed for a Qwen3 model"
+        hidden = fields.integer(config, "hidden_size", where, needed=need)
+        heads = fields.integer(config, "num_attention_heads", where, needed=need)
+        kv_heads = fields.integer(config, "num_key_value_heads", where, heads)
+        if heads % kv_heads:
+            raise InputError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                             f"{kv_heads}")
+        theta = fields.number(config, "rope_theta", where, 10000.0)
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=fields.integer(config, "num_hidden_layers", where, maximum=fields.MAX_LAYERS,
+                                             needed=need),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=fields.integer(config, "head_dim", where, hidden // heads),
+            intermediate_size=fields.integer(config, "intermediate_size", where, needed=need),
+            vocab_size=fields.integer(config, "vocab_size", where, needed=need),
+            rms_norm_eps=fields.number(config, "rms_norm_eps", where, 1e-6),
+            rope_theta=fields.number(rope, "rope_theta", where, theta, field="rope_parameters.rope_theta"),
+            tie_word_embeddings=fields.flag(config, "tie_word_embeddings", where),
+            max_position_embeddings=fields.integer(config, "max_position_embeddings", where, 32768),
+            attention_bias=fields.flag(config, "attention_bias", where),
+            bos_token_id=fields.token_id(config.get("bos_token_id"), "bos_token_id", where),
+            eos_token_id=fields.token_id(config.get("eos_token_id"), "eos_token_id", where),
+            pad_token_id=fields.token_id(config.get("pad_token_id"), "pad_token_id", where),
+            mtp_layers=fields.integer(config, "mtp_num_hidden_layers", where, 0, minimum=0)
+            or fields.integer(config, "num_nextn_predict_layers", where, 0, minimum=0),
+        )
 
     @property
     def parameter_count(self) -> int:

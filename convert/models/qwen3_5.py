@@ -40,8 +40,9 @@ from math import ceil, log2
 import torch
 from torch import nn
 
+from convert import fields
 from convert.backends.base import FunctionSpec, TensorSpec
-from convert.errors import InputError
+from convert.errors import InputError, quote
 from convert.export import NamedFunction
 from convert.models import DTYPE_NAMES, Layout, function_widths, qwen3
 from convert.models.qwen3 import (
@@ -114,40 +115,46 @@ class Qwen35Args:
 
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> Qwen35Args:
+        """The args from config.json (``text_config`` when nested); a field of the wrong type or a size below 1 is
+        refused naming it (``convert/fields.py``); an absent field takes transformers' default (``DEFAULTS``)."""
         nested = "text_config" in config
-        text = config.get("text_config", config)
+        text = fields.section(config, where)
         if text.get("hidden_act", "silu") != "silu":
-            raise InputError(f"{where}: hidden_act {text['hidden_act']!r}: only silu is supported")
-        rope = text.get("rope_parameters") or {}
-        scaling = text.get("rope_scaling") or {}
+            raise InputError(f"{where}: hidden_act {quote(text['hidden_act'])}: only silu is supported")
+        rope = fields.mapping(text, "rope_parameters", where)
+        scaling = fields.mapping(text, "rope_scaling", where)
         rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
         if rope_type != "default":
-            raise InputError(f"{where}: rope type {rope_type!r} is not supported yet (only 'default')")
-        try:
-            layers = int(text["num_hidden_layers"])
-            hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
-        except KeyError as missing:
-            raise InputError(f"{where}: missing field {missing.args[0]!r} needed for a Qwen3.5 model") from None
+            raise InputError(f"{where}: rope type {quote(rope_type)} is not supported yet (only 'default')")
+        need = " needed for a Qwen3.5 model"
+        layers = fields.integer(text, "num_hidden_layers", where, maximum=fields.MAX_LAYERS, needed=need)
+        hidden = fields.integer(text, "hidden_size", where, needed=need)
+        heads = fields.integer(text, "num_attention_heads", where, needed=need)
         layer_types = _layer_types(text, layers, where)
-        head_dim = int(text.get("head_dim") or DEFAULTS["head_dim"])
+
+        def size(name: str) -> int:  # a size field, transformers' default when absent
+            return fields.integer(text, name, where, DEFAULTS[name])
+
+        head_dim = size("head_dim")
         partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor"))
-        partial = float(DEFAULTS["partial_rotary_factor"] if partial is None else partial)
-        rotary_dim = int(head_dim * partial)  # transformers' compute_default_rope_parameters
+        partial = fields.check_number(DEFAULTS["partial_rotary_factor"] if partial is None else partial,
+                                      "partial_rotary_factor", where, positive=False)
+        rotary_dim = int(head_dim * partial) if 0 < partial <= 1 else 0  # compute_default_rope_parameters
         if not (0 < partial <= 1 and rotary_dim > 0 and rotary_dim % 2 == 0):
             raise InputError(f"{where}: partial_rotary_factor={partial} gives {rotary_dim} rotary dims of head_dim "
                              f"{head_dim}: needs a positive even number, at most head_dim")
-        key_heads = int(text.get("linear_num_key_heads") or DEFAULTS["linear_num_key_heads"])
-        value_heads = int(text.get("linear_num_value_heads") or DEFAULTS["linear_num_value_heads"])
+        key_heads, value_heads = size("linear_num_key_heads"), size("linear_num_value_heads")
         if LINEAR in layer_types and value_heads % key_heads:
             raise InputError(f"{where}: linear_num_value_heads {value_heads} is not a multiple of linear_num_key_heads "
                              f"{key_heads} (value head j reads key head j // (value heads / key heads))")
-        kv_heads = int(text.get("num_key_value_heads") or heads)
+        kv_heads = fields.integer(text, "num_key_value_heads", where, heads)
         if FULL in layer_types and heads % kv_heads:
             raise InputError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
                              f"{kv_heads}")
         eos = text.get("eos_token_id", config.get("eos_token_id"))
         # a nested config's tying is the top-level field (what Qwen3_5ForConditionalGeneration ties by)
-        tie = config.get("tie_word_embeddings", False) if nested else text.get("tie_word_embeddings", False)
+        tie = fields.flag(config if nested else text, "tie_word_embeddings", where)
+        theta = fields.number(text, "rope_theta", where, DEFAULTS["rope_theta"])
         return cls(
             hidden_size=hidden,
             num_hidden_layers=layers,
@@ -156,21 +163,21 @@ class Qwen35Args:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rotary_dim=rotary_dim,
-            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", DEFAULTS["rope_theta"]))),
-            intermediate_size=int(text.get("intermediate_size") or DEFAULTS["intermediate_size"]),
-            vocab_size=int(text.get("vocab_size") or DEFAULTS["vocab_size"]),
-            rms_norm_eps=float(text.get("rms_norm_eps", DEFAULTS["rms_norm_eps"])),
-            tie_word_embeddings=bool(tie),
-            max_position_embeddings=int(text.get("max_position_embeddings") or DEFAULTS["max_position_embeddings"]),
-            attention_bias=bool(text.get("attention_bias", False)),
+            rope_theta=fields.number(rope, "rope_theta", where, theta, field="rope_parameters.rope_theta"),
+            intermediate_size=size("intermediate_size"),
+            vocab_size=size("vocab_size"),
+            rms_norm_eps=fields.number(text, "rms_norm_eps", where, DEFAULTS["rms_norm_eps"]),
+            tie_word_embeddings=tie,
+            max_position_embeddings=size("max_position_embeddings"),
+            attention_bias=fields.flag(text, "attention_bias", where),
             linear_num_key_heads=key_heads,
             linear_num_value_heads=value_heads,
-            linear_key_head_dim=int(text.get("linear_key_head_dim") or DEFAULTS["linear_key_head_dim"]),
-            linear_value_head_dim=int(text.get("linear_value_head_dim") or DEFAULTS["linear_value_head_dim"]),
-            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim") or DEFAULTS["linear_conv_kernel_dim"]),
-            bos_token_id=text.get("bos_token_id", config.get("bos_token_id")),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
-            pad_token_id=text.get("pad_token_id", config.get("pad_token_id")),
+            linear_key_head_dim=size("linear_key_head_dim"),
+            linear_value_head_dim=size("linear_value_head_dim"),
+            linear_conv_kernel_dim=size("linear_conv_kernel_dim"),
+            bos_token_id=fields.token_id(text.get("bos_token_id", config.get("bos_token_id")), "bos_token_id", where),
+            eos_token_id=fields.token_id(eos, "eos_token_id", where),
+            pad_token_id=fields.token_id(text.get("pad_token_id", config.get("pad_token_id")), "pad_token_id", where),
         )
 
     @property
@@ -212,15 +219,16 @@ class Qwen35Args:
 
 
 def _layer_types(text: dict, layers: int, where: str) -> tuple[str, ...]:
-    types = text.get("layer_types")
+    types = fields.strings(text, "layer_types", where)
     if types is None:
-        interval = int(text.get("full_attention_interval") or DEFAULTS["full_attention_interval"])
+        interval = fields.integer(text, "full_attention_interval", where, DEFAULTS["full_attention_interval"])
         return tuple(LINEAR if (i + 1) % interval else FULL for i in range(layers))
     if len(types) != layers:
         raise InputError(f"{where}: layer_types has {len(types)} entries for num_hidden_layers {layers}")
     for i, kind in enumerate(types):
         if kind not in (LINEAR, FULL):
-            raise InputError(f"{where}: layer_types[{i}] is {kind!r}: a Qwen3.5 layer is {LINEAR!r} or {FULL!r}")
+            raise InputError(f"{where}: layer_types[{i}] is {quote(kind)}: a Qwen3.5 layer is {LINEAR!r} or "
+                             f"{FULL!r}")
     return tuple(types)
 
 
