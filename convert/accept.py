@@ -27,6 +27,9 @@ CORE_AI_TOKENS = 16  # the Core AI runtime's CPU reference emulates fp16: one sh
 
 
 def run_accept(recipe_path: Path, bundle: Path | None, runtime: str, tokens: int | None, prompts: int | None) -> dict:
+    if runtime == "coreai" and bundle is None:
+        raise InputError("--runtime coreai runs a built bundle's packages: give --bundle DIR")
+    pair = _open_pair(bundle) if runtime == "coreai" else None  # before any weight is built
     plan = make_plan(recipe_path)
     if plan.drafter is None:
         raise InputError(f"{recipe_path}: no drafter section; accept measures a target with its drafter")
@@ -42,9 +45,19 @@ def run_accept(recipe_path: Path, bundle: Path | None, runtime: str, tokens: int
     if runtime == "torch":
         acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules, held_out_prompts(plan))
         return {"runtime": "torch", "acceptance": acceptance, "ab": ab}
-    if bundle is None:
-        raise InputError("--runtime coreai runs a built bundle's packages: give --bundle DIR")
-    return _run_coreai(plan, bundle, target, target32, modules, fp16_modules)
+    return _run_coreai(plan, bundle, pair, target, target32, modules, fp16_modules)
+
+
+def _open_pair(bundle: Path):
+    """A pair bundle's target and drafter manifests, their kinds and files checked (the .aimodel packages hashed)."""
+    from convert.inspect import open_drafter, open_target
+
+    target_dir, drafter_dir = bundle / "target", bundle / "drafter"
+    if not (target_dir / "manifest.json").is_file():
+        raise InputError(f"{bundle}: not a pair bundle (no target/manifest.json); --bundle takes the directory that "
+                         "holds target/ and drafter/")
+    return open_target(target_dir, "accept --bundle", ("coreai",)), open_drafter(drafter_dir, "accept --bundle",
+                                                                                   ("coreai",))
 
 
 def _package(folder: Path) -> Path:
@@ -54,12 +67,11 @@ def _package(folder: Path) -> Path:
     return found[0]
 
 
-def _run_coreai(plan, bundle: Path, target, target32, modules, fp16_modules) -> dict:
-    from convert.inspect import read_manifest
+def _run_coreai(plan, bundle: Path, pair, target, target32, modules, fp16_modules) -> dict:
     from manifests import identity
 
     target_dir, drafter_dir = bundle / "target", bundle / "drafter"
-    target_manifest, drafter_manifest = read_manifest(target_dir), read_manifest(drafter_dir)
+    target_manifest, drafter_manifest = pair
     problems = identity.pair_mismatches(drafter_manifest, target_manifest, target_dir)
     if problems:
         raise GateError(f"check-pair: {problems[0]}")

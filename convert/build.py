@@ -207,10 +207,10 @@ def gate_bundle(recipe_path: Path, bundle: Path | None, report_path: Path) -> Ga
     artifact gate on its .aimodel, after checking the rebuilt weights are the bundle's (lm_head, embeddings). A
     parted target is gated layer by layer; its parts are chained on the runtime up to ``CHAINED_RUN_PARAMETERS``
     (above, the build's per-part replays are its artifact check)."""
-    from convert.inspect import read_manifest
+    from convert.inspect import open_target
 
+    manifest = open_target(bundle, "gate --bundle", ("coreai",)) if bundle is not None else None
     plan = make_plan(recipe_path)
-    manifest = read_manifest(bundle) if bundle is not None else None
     names = [p.path for p in manifest.packages if p.format == "coreai"] if manifest else []
     if manifest is not None and bool(manifest.parts) != (len(plan.parts) > 1):
         raise InputError(f"{bundle}: ships {len(manifest.parts or []) or 'one package per format, not'} parts, and "

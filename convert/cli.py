@@ -10,9 +10,10 @@ from pathlib import Path
 
 import click
 
-from convert.errors import GateError, InputError
+from convert.errors import GateError, InputError, one_line
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny_qwen3.yaml"
+CLICK_MESSAGE_LIMIT = 200  # click's usage errors echo the option's value whole
 
 
 def user_errors(func):
@@ -25,10 +26,10 @@ def user_errors(func):
         try:
             return func(*args, **kwargs)
         except (InputError, GateError) as exc:
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"error: {one_line(str(exc))}", err=True)
             sys.exit(exc.exit_code)
         except PackageError as exc:
-            click.echo(f"error: package check failed: {exc}", err=True)
+            click.echo(f"error: {one_line(f'package check failed: {exc}')}", err=True)
             sys.exit(GateError.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted: nothing was published", err=True)
@@ -37,7 +38,30 @@ def user_errors(func):
     return wrapper
 
 
-@click.group()
+class OneLineErrors(click.Group):
+    """Click's usage errors (a missing argument, ``--tokens -5``) as one line on stderr, exit 2, like every other
+    bad input: click would print the usage block and a blank line around it."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.Abort:
+            click.echo("interrupted: nothing was published", err=True)
+            sys.exit(130)
+        except click.exceptions.NoArgsIsHelpError as exc:  # the help, as click prints it
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            click.echo(f"error: {one_line(exc.format_message(), CLICK_MESSAGE_LIMIT)}{hint}", err=True)
+            sys.exit(exc.exit_code)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=OneLineErrors)
 @click.version_option(package_name="spec-convert")
 def main() -> None:
     """Convert speculative-decoding checkpoints into gated Core AI and Core ML bundles."""
@@ -103,8 +127,10 @@ def gate(recipe: Path, bundle: Path | None, report: Path) -> None:
 @click.option("--runtime", type=click.Choice(["torch", "coreai"]), default="torch", show_default=True,
               help="torch: the export modules with the shipped weights; coreai: the bundle's .aimodel packages")
 @click.option("--bundle", "-b", type=click.Path(path_type=Path), help="the built bundle (target/ and drafter/)")
-@click.option("--tokens", type=int, help="tokens generated per prompt (default: the recipe's drafter.accept.tokens)")
-@click.option("--prompts", type=int, help="held-out prompts (default: the recipe's drafter.accept.samples)")
+@click.option("--tokens", type=click.IntRange(min=1),
+              help="tokens generated per prompt (default: the recipe's drafter.accept.tokens)")
+@click.option("--prompts", type=click.IntRange(min=1),
+              help="held-out prompts (default: the recipe's drafter.accept.samples)")
 @click.option("--json", "as_json", is_flag=True, help="print the measurements as JSON")
 @user_errors
 def accept(recipe: Path, runtime: str, bundle: Path | None, tokens: int | None, prompts: int | None,
@@ -155,6 +181,7 @@ def check_pair(drafter_bundle: Path, target_bundle: Path) -> None:
     from manifests import identity
     from manifests.schema import DrafterManifest, Manifest
 
+    # the manifests alone: the target's files a drafter borrows are hashed by the pair check itself, naming the field
     drafter, target = read_manifest(drafter_bundle), read_manifest(target_bundle)
     if not isinstance(drafter, DrafterManifest):
         raise InputError(f"{drafter_bundle}: a target bundle, not a drafter's; the drafter bundle comes first")
@@ -172,12 +199,15 @@ def check_pair(drafter_bundle: Path, target_bundle: Path) -> None:
 @click.argument("bundle", type=click.Path(path_type=Path))
 @user_errors
 def inspect(bundle: Path) -> None:
-    """Print a bundle's manifest readably (a pair's target and drafter both)."""
+    """Print a bundle's manifest readably (a pair's target and drafter both); exit 1 when a file it records is not
+    there with its recorded size (files are not hashed here: the commands that read them do)."""
     from convert.bundle import parts
-    from convert.inspect import print_manifest, read_manifest
+    from convert.inspect import check_files, print_manifest, read_manifest
 
     for part in parts(bundle):
-        print_manifest(read_manifest(part))
+        manifest = read_manifest(part)
+        print_manifest(manifest)
+        check_files(part, manifest, hashed_bytes=-1)
 
 
 @main.command()

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from convert.bundle import MANIFEST
-from convert.errors import InputError
+from convert.errors import InputError, quote
 from convert.host import TargetDriver, module_driver
-from convert.inspect import read_manifest
+from convert.inspect import open_target
 from convert.parts import coreai_target
 from manifests.schema import Manifest
 
@@ -34,18 +34,31 @@ class Generation:
         return asdict(self)
 
 
-def target_bundle(bundle: Path) -> tuple[Path, Manifest]:
-    """The target part of a bundle (a pair's ``target/``) and its manifest."""
+def target_bundle(bundle: Path, run_formats: tuple[str, ...] = ()) -> tuple[Path, Manifest]:
+    """The target part of a bundle (a pair's ``target/``) and its manifest, its files checked
+    (``convert.inspect.open_target``; those of ``run_formats``' packages hashed)."""
     folder = bundle / "target" if not (bundle / MANIFEST).is_file() and (bundle / "target" / MANIFEST).is_file() \
         else bundle
-    manifest = read_manifest(folder)
-    if not isinstance(manifest, Manifest):
-        raise InputError(f"{folder}: a drafter bundle; generate runs a target (give the pair or its target/)")
+    manifest = open_target(folder, "generate (give the pair or its target/)", run_formats)
+    widths(manifest, folder)
     return folder, manifest
 
 
-def widths(manifest: Manifest) -> dict[str, int]:
-    return {f.name: next(t.shape[1] for t in f.inputs if t.name == "position_ids") for f in manifest.functions}
+def widths(manifest: Manifest, folder: Path | None = None) -> dict[str, int]:
+    """Tokens per call of each function (its ``position_ids`` input's ``[1, S]``); a manifest without prefill and
+    decode functions of that form is refused."""
+    found = {}
+    for i, f in enumerate(manifest.functions):
+        shapes = [t.shape for t in f.inputs if t.name == "position_ids"]
+        if len(shapes) != 1 or len(shapes[0]) != 2 or shapes[0][1] < 1:
+            raise InputError(f"{folder or manifest.name}: manifest.json functions[{i}] ({quote(f.name, 40)}): no "
+                             "position_ids input [1, S]; rebuild the bundle")
+        found[f.name] = shapes[0][1]
+    missing = [name for name in ("prefill", "decode") if name not in found]
+    if missing:
+        raise InputError(f"{folder or manifest.name}: manifest.json functions: no {' or '.join(missing)} function; "
+                         "rebuild the bundle")
+    return found
 
 
 def greedy(driver: TargetDriver, prompt: list[int], tokens: int, eos: int | None) -> list[int]:
@@ -60,7 +73,7 @@ def greedy(driver: TargetDriver, prompt: list[int], tokens: int, eos: int | None
 def generate(bundle: Path, prompt: str, tokens: int, runtime: str, recipe: Path | None = None) -> Generation:
     from transformers import AutoTokenizer
 
-    folder, manifest = target_bundle(bundle)
+    folder, manifest = target_bundle(bundle, ("coreai",) if runtime == "coreai" else ())
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
     ids = tokenizer.encode(prompt)
     if not ids:

@@ -8,39 +8,66 @@ from pathlib import Path
 from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from convert.bundle import MANIFEST
-from convert.errors import InputError
-from manifests.schema import SCHEMA_VERSION, DrafterManifest, Manifest
+from convert.errors import GateError, InputError, field_name, quote
+from manifests.schema import SCHEMA_VERSION, DrafterManifest, FileEntry, Manifest
+
+MANIFEST_BYTES_LIMIT = 64 * 2**20  # a 27B parted target's manifest is well under 1 MB
 
 
 def read_manifest(bundle: Path) -> Manifest | DrafterManifest:
-    """A target or drafter bundle's manifest (by its ``kind``), validated against the schema."""
+    """A target or drafter bundle's manifest (by its ``kind``), validated against the schema before anything reads
+    it; every way it can be damaged (not UTF-8, not JSON, nested past the parser, off the schema) is one InputError
+    naming the file and the field."""
     path = bundle / MANIFEST
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except OSError as exc:  # a name too long for this file system
+        raise InputError(f"{quote(str(bundle), 120)}: not a bundle ({exc.strerror})") from None
+    if not found:
         parts = [d.name for d in (bundle / "target", bundle / "drafter") if (d / MANIFEST).is_file()]
         hint = f" (it holds {' and '.join(f'{p}/' for p in parts)}: name one)" if parts else ""
         raise InputError(f"{bundle}: no {MANIFEST}; not a spec-convert bundle{hint}")
+    damaged = "the manifest is damaged; rebuild the bundle or copy it again"
     try:
-        data = json.loads(path.read_text())
-        model = DrafterManifest if isinstance(data, dict) and data.get("kind") == "drafter" else Manifest
-        return model.model_validate(data)
+        if path.stat().st_size > MANIFEST_BYTES_LIMIT:
+            raise InputError(f"{path}: {path.stat().st_size:,} bytes, over the {MANIFEST_BYTES_LIMIT:,} a manifest "
+                             f"takes; {damaged}")
+        text = path.read_bytes().decode("utf-8")
+        data = json.loads(text)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 text (byte {exc.start}); {damaged}") from None
     except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+        raise InputError(f"{path}: not JSON ({exc.msg} at line {exc.lineno}); {damaged}") from None
+    except RecursionError:
+        raise InputError(f"{path}: JSON nested too deeply for a manifest; {damaged}") from None
+    except ValueError as exc:  # an int of over 4300 digits
+        raise InputError(f"{path}: not JSON ({str(exc).split(':')[0][:120]}); {damaged}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: a manifest is a JSON object, this is {quote(data, 60)}; {damaged}")
+    model = DrafterManifest if data.get("kind") == "drafter" else Manifest
+    try:
+        return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        raise InputError(f"{path}: {field}: {err['msg']} (manifest does not match schema version "
-                         f"{SCHEMA_VERSION}; rebuild the bundle)") from None
+        got = "" if err["type"] in ("extra_forbidden", "missing") or isinstance(err.get("input"), dict | list) \
+            else f" (got {quote(err.get('input'), 80)})"
+        message = "unknown field" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        raise InputError(f"{path}: {field_name(err['loc']) or 'manifest'}: {message}{got} (the manifest does not "
+                         f"match schema version {SCHEMA_VERSION}; rebuild the bundle)") from None
 
 
 def print_manifest(m: Manifest | DrafterManifest) -> None:
     if isinstance(m, DrafterManifest):
         _print_drafter(m)
         return
-    out = Console(highlight=False)
+    out = Console(highlight=False, markup=False)  # a manifest's strings are printed as they are, never as markup
     a = m.architecture
-    out.print(f"[bold]{m.name}[/bold]  export id {m.export_id}")
+    out.print(Text.assemble((m.name, "bold"), f"  export id {m.export_id}"))
     out.print(f"  built {m.built_at} with spec-convert {m.toolchain.get('spec-convert')}")
     out.print(f"  source {m.source.reference} ({len(m.source.files)} files)")
     out.print(
@@ -91,9 +118,9 @@ def print_manifest(m: Manifest | DrafterManifest) -> None:
 
 
 def _print_drafter(m: DrafterManifest) -> None:
-    out = Console(highlight=False)
+    out = Console(highlight=False, markup=False)
     a, t = m.architecture, m.target
-    out.print(f"[bold]{m.name}[/bold]  drafter export id {m.export_id}")
+    out.print(Text.assemble((m.name, "bold"), f"  drafter export id {m.export_id}"))
     out.print(f"  built {m.built_at} with spec-convert {m.toolchain.get('spec-convert')}")
     out.print(f"  source {m.source.reference} ({len(m.source.files)} files), layout {a.layout}")
     out.print(f"  {a.kind} ({', '.join(a.architectures)}): {a.num_layers} layers, hidden {a.hidden_size}, heads "
@@ -114,3 +141,87 @@ def _print_drafter(m: DrafterManifest) -> None:
     for p in m.packages:
         out.print(f"  package {p.path}: {sum(f.size for f in p.files) / 2**20:.1f} MiB, "
                   + ", ".join(f"{k}={v}" for k, v in p.check.items()))
+
+
+# Opening a bundle for a command: its manifest through the schema, the kind the command takes, then its files
+# against the manifest's records, so that a damaged bundle is refused by name before anything parses or runs it (the
+# Core AI runtime aborts the process on a truncated main.mlirb, with no message).
+HASHED_BYTES = 64 * 2**20  # recorded files up to this size are hashed whenever a bundle is opened; larger ones are
+#                            checked by size, and hashed when the command runs them (``run_formats``)
+
+
+def open_target(folder: Path, command: str, run_formats: tuple[str, ...] = ()) -> Manifest:
+    """A target bundle's manifest, after its kind and its files (``check_files``) are checked."""
+    manifest = read_manifest(folder)
+    if not isinstance(manifest, Manifest):
+        raise InputError(f"{folder}: a drafter bundle; {command} takes a target bundle (a pair's target/)")
+    check_files(folder, manifest, run_formats)
+    return manifest
+
+
+def open_drafter(folder: Path, command: str, run_formats: tuple[str, ...] = ()) -> DrafterManifest:
+    """A drafter bundle's manifest, after its kind and its files (``check_files``) are checked."""
+    manifest = read_manifest(folder)
+    if not isinstance(manifest, DrafterManifest):
+        raise InputError(f"{folder}: a target bundle; {command} takes a drafter bundle (a pair's drafter/)")
+    check_files(folder, manifest, run_formats)
+    return manifest
+
+
+def recorded_files(folder: Path, manifest: Manifest | DrafterManifest) -> list[tuple[Path, FileEntry, str, str]]:
+    """Every file of the bundle its manifest records: (path, record, the manifest field, the package format or '')."""
+    files = [(folder / f.path, f, f"extra_files[{i}]", "") for i, f in enumerate(manifest.extra_files)]
+    for i, package in enumerate(manifest.packages):
+        base = (folder / package.path).parent
+        files += [(base / f.path, f, f"packages[{i}].files[{j}]", package.format) for j, f in enumerate(package.files)]
+    interface = getattr(manifest, "drafter_interface", None)
+    if interface is not None:
+        files += [(folder / interface.lm_head_file.path, interface.lm_head_file, "drafter_interface.lm_head_file", ""),
+                  (folder / interface.embeddings_file.path, interface.embeddings_file,
+                   "drafter_interface.embeddings_file", "")]
+    return files
+
+
+def check_files(folder: Path, manifest: Manifest | DrafterManifest, run_formats: tuple[str, ...] = (),
+                hashed_bytes: int = HASHED_BYTES) -> None:
+    """Refuse a bundle whose recorded files are missing (exit 2: incomplete) or differ from their records in size or,
+    for files up to ``hashed_bytes`` and those of the packages a command runs (``run_formats``), in sha256 (exit 1:
+    the integrity check failed). A Core AI package's ``main.hash`` is checked against its ``main.mlirb`` too."""
+    from manifests.identity import file_sha256
+
+    again = "copy the bundle again or rebuild it"
+    for path, record, field, package_format in recorded_files(folder, manifest):
+        shown = str(path)  # a long recorded path is named, not echoed whole
+        shown = shown if len(record.path) <= 120 else f"{shown[: len(shown) - len(record.path) + 120]}..."
+        try:
+            size = path.stat().st_size if path.is_file() else None
+        except OSError as exc:  # a name too long for this file system
+            raise InputError(f"{shown}: the manifest's {field} records it, it cannot be read ({exc.strerror}); "
+                             f"{again}") from None
+        if size is None:
+            raise InputError(f"{shown}: missing, the manifest's {field} records it; the bundle is incomplete: {again}")
+        if size != record.size:
+            raise GateError(f"{shown}: {size:,} bytes, the manifest's {field} records {record.size:,} (truncated or "
+                            f"changed after the build); {again}")
+        if (size <= hashed_bytes or package_format in run_formats) and file_sha256(path) != record.sha256:
+            raise GateError(f"{shown}: its sha256 differs from the manifest's {field}.sha256 (changed after the "
+                            f"build); {again}")
+    for package in manifest.packages:
+        if package.format == "coreai" and package.format in run_formats:
+            check_aimodel(folder / package.path)
+
+
+def check_aimodel(package: Path) -> None:
+    """A Core AI package's ``main.mlirb`` against the sha256 its ``main.hash`` holds (the runtime aborts the process
+    on a damaged program instead of raising): a package damaged after the build, or one not from a spec-convert
+    bundle manifest's records, is refused before the runtime opens it."""
+    from manifests.identity import file_sha256
+
+    program, recorded = package / "main.mlirb", package / "main.hash"
+    for path in (program, recorded):
+        if not path.is_file():
+            raise InputError(f"{path}: missing; not a complete Core AI package: copy the bundle again or rebuild it")
+    digest = recorded.read_bytes()[:100]  # the 32 bytes of the digest (coreai-core 1.0 writes them raw)
+    if file_sha256(program) not in (digest.hex(), digest.decode("latin-1").strip().lower()):
+        raise GateError(f"{program}: its sha256 is not the one {recorded.name} records (truncated or changed after "
+                        "the build); copy the bundle again or rebuild it")

@@ -97,13 +97,19 @@ def pair_mismatches(drafter, target, target_dir: Path) -> list[str]:
     problems: list[str] = []
     for record in BOUND_RECORDS[:4]:
         problems += _differences(f"target.{record}", wanted[record], found[record])
+    interface = target.drafter_interface
+    hashes = {r.path: _hash_or_missing(target_dir / r.path)
+              for r in (interface.lm_head_file, interface.embeddings_file)}
     if expect.mask_token_id is not None:
-        embeddings = target_dir / EMBEDDINGS_FILE
-        row = embedding_row_sha256(embeddings, expect.mask_token_id) if embeddings.is_file() else "missing"
-        problems += _differences("target.mask_row_sha256", expect.mask_row_sha256, row)
+        embeddings = interface.embeddings_file
+        if hashes[embeddings.path] == "missing":
+            problems += _differences("target.mask_row_sha256", expect.mask_row_sha256, "missing")
+        elif hashes[embeddings.path] == embeddings.sha256:  # else the file is not its manifest's: named below
+            problems += _differences("target.mask_row_sha256", expect.mask_row_sha256,
+                                     embedding_row_sha256(target_dir / embeddings.path, expect.mask_token_id))
     for record in BOUND_RECORDS[4:]:
         problems += _differences(f"target.{record}", wanted[record], found[record])
-    problems += _shipped_files(target, target_dir)
+    problems += _shipped_files(target, target_dir, hashes)
     if expect.hidden_convention is not None and not target.drafter_interface.hidden_output:
         problems.append(f"target.drafter_interface.hidden_output: the drafter reads the target's hidden states "
                         f"({expect.hidden_convention}); this target build does not return them")
@@ -125,18 +131,24 @@ def _differences(where: str, wanted, found) -> list[str]:
     return []
 
 
-def _shipped_files(target, target_dir: Path) -> list[str]:
-    """The borrowed files as they are in the bundle now, against the hashes its manifest records."""
+def _shipped_files(target, target_dir: Path, hashes: dict[str, str]) -> list[str]:
+    """The borrowed files as they are in the bundle now (``hashes``: sha256 by recorded path), against the hashes its
+    manifest records."""
     problems = []
     interface = target.drafter_interface
     for where, record in (("lm_head_file", interface.lm_head_file), ("embeddings_file", interface.embeddings_file)):
-        actual = _hash_or_missing(target_dir / record.path)
+        actual = hashes[record.path]
         if actual != record.sha256:
             problems.append(f"target.drafter_interface.{where}.sha256: {record.path} in the bundle hashes to "
                             f"{actual}; its manifest says {record.sha256}")
     shipped_tokenizer = target_dir / "tokenizer" / "tokenizer.json"
     if shipped_tokenizer.is_file():
-        shipped = tokenizer_identity(shipped_tokenizer)
+        try:
+            shipped = tokenizer_identity(shipped_tokenizer)
+        except Exception as exc:  # noqa: BLE001 - any parse failure of a damaged file is the same finding
+            first = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+            return [*problems, f"target.tokenizer: tokenizer/tokenizer.json in the bundle is not a readable "
+                    f"tokenizer ({first}); its manifest says {target.tokenizer.tokenizer_json_sha256}"]
         for key, value in shipped.items():
             if value != getattr(target.tokenizer, key):
                 problems.append(f"target.tokenizer.{key}: tokenizer/tokenizer.json in the bundle gives {value}; its "

@@ -9,10 +9,13 @@ every other field.
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Literal
+import math
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from convert.errors import quote
 
 SCHEMA_VERSION = "2"  # 2: architecture families beyond Qwen3 dense, the host contract
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
@@ -27,10 +30,39 @@ class Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+Size = Annotated[int, Field(ge=1, description="a size or count: a positive integer")]
+Count = Annotated[int, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+def inside(path: str) -> str:
+    """A recorded path stays inside the folder it is relative to (commands hash and open these files): relative,
+    '/'-separated, without '..', printable, at most 1024 characters."""
+    parts = PurePosixPath(path).parts
+    if not parts or path.startswith("/") or "\\" in path or ".." in parts or not path.isprintable() \
+            or len(path) > 1024:
+        raise ValueError("a relative path inside the bundle ('/'-separated, no '..', printable, up to 1024 "
+                         "characters)")
+    return path
+
+
 class FileEntry(Model):
-    path: str
+    path: str = Field(description="relative to the bundle's folder that holds the package (a package's files) or to "
+                      "the bundle (the others), '/'-separated")
     sha256: str
-    size: int
+    size: Count
+
+    @field_validator("path")
+    @classmethod
+    def _inside(cls, path: str) -> str:
+        return inside(path)
+
+
+def _range(rows: list[int] | None) -> list[int] | None:
+    """[first, end) with 0 <= first <= end."""
+    if rows is not None and not (len(rows) == 2 and 0 <= rows[0] <= rows[1]):
+        raise ValueError("a range [first, end) of two integers, 0 <= first <= end")
+    return rows
 
 
 class Source(Model):
@@ -44,31 +76,32 @@ class HybridLayers(Model):
     """A hybrid target's layer pattern and Gated DeltaNet shapes (the Qwen3.5 family)."""
 
     layer_types: list[Literal["linear_attention", "full_attention"]]
-    rotary_dim: int = Field(description="RoPE on the first rotary_dim dims of each attention head")
+    rotary_dim: Size = Field(description="RoPE on the first rotary_dim dims of each attention head")
     attention_output_gate: bool
-    linear_num_key_heads: int
-    linear_num_value_heads: int = Field(description="value head j reads key head j // (value heads / key heads)")
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-    recurrent_state_scale: float = Field(description="recurrent_state holds the delta-rule state times this power of "
-                                         "two (the device-safe scaling; opaque to a runtime, which never reads it)")
+    linear_num_key_heads: Size
+    linear_num_value_heads: Size = Field(description="value head j reads key head j // (value heads / key heads)")
+    linear_key_head_dim: Size
+    linear_value_head_dim: Size
+    linear_conv_kernel_dim: Size
+    recurrent_state_scale: Positive = Field(
+        description="recurrent_state holds the delta-rule state times this power of two (the device-safe scaling; "
+                    "opaque to a runtime, which never reads it)")
 
 
 class Architecture(Model):
     family: Literal["qwen3", "qwen3_5"]
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
+    hidden_size: Size
+    num_layers: Size
+    num_heads: Size
+    num_kv_heads: Size
+    head_dim: Size
+    intermediate_size: Size
+    vocab_size: Size
     tie_word_embeddings: bool
     rope_type: str
-    rope_theta: float
-    rms_norm_eps: float
-    context: int = Field(description="KV cache capacity of the exported functions")
+    rope_theta: Positive
+    rms_norm_eps: Positive
+    context: Size = Field(description="KV cache capacity of the exported functions")
     hybrid: HybridLayers | None = None
 
 
@@ -88,7 +121,7 @@ class HostContract(Model):
 
 
 class Taps(Model):
-    layers: list[int]
+    layers: list[Count]
     convention: str = TAP_CONVENTION
 
 
@@ -96,7 +129,7 @@ class Tokenizer(Model):
     tokenizer_json_sha256: str = Field(description="sha256 of tokenizer.json re-serialised canonically")
     probe_ids_sha256: str = Field(description="sha256 of the int32 ids the fixed probe text encodes to")
     probe_text_sha256: str
-    vocab_size: int
+    vocab_size: Size
     bos_id: int | None
     eos_id: int | None
     pad_id: int | None
@@ -108,7 +141,7 @@ class Weights(Model):
     embedding_sha256: str = Field(description="sha256 of the embedding table exactly as shipped")
     lm_head_sha256: str = Field(description="sha256 of the lm_head exactly as shipped (the shared tensor if tied)")
     lm_head_tied: bool
-    parameter_count: int
+    parameter_count: Count
 
 
 class QuantizedLayer(Model):
@@ -153,7 +186,7 @@ class Gate(Model):
 
 class TensorDesc(Model):
     name: str
-    shape: list[int]
+    shape: list[Count]
     dtype: str
 
 
@@ -173,13 +206,18 @@ class CompileStep(Model):
 
 class Package(Model):
     format: Literal["coreai", "coreml"]
-    path: str
+    path: str = Field(description="relative to the bundle, '/'-separated")
     part: str | None = Field(None, description="the part this package holds (a parted target's; see parts)")
     files: list[FileEntry]
     stable_hash: str = Field(description="sha256 over what is reproducible in the package (see stable_hash_scope)")
     stable_hash_scope: str
     check: dict[str, float | int | str | bool] = Field(default_factory=dict, description="read-back / run results")
     compile: list[CompileStep] = []
+
+    @field_validator("path")
+    @classmethod
+    def _inside(cls, path: str) -> str:
+        return inside(path)
 
 
 class Part(Model):
@@ -192,10 +230,15 @@ class Part(Model):
     head_rows: list[int] | None = Field(description="[first, end) vocabulary rows of the lm_head it computes; a split "
                                         "head returns argmax_ids (vocabulary ids) and max_logit: the host keeps the "
                                         "first part's id on ties")
-    taps: list[int] = Field(description="tapped layers it returns, in the recipe's order")
+    taps: list[Count] = Field(description="tapped layers it returns, in the recipe's order")
     functions: list[Function] = Field(description="its functions: a part returns its rows as hidden_states_out, the "
                                       "next takes them as hidden_states")
     packages: list[str] = Field(description="paths of its packages, one per format")
+
+    @field_validator("embedding_rows", "layers", "head_rows")
+    @classmethod
+    def _ranges(cls, rows: list[int] | None) -> list[int] | None:
+        return _range(rows)
 
 
 class DrafterInterface(Model):
@@ -243,6 +286,19 @@ class Manifest(BundleManifest):
     extra_files: list[FileEntry] = Field(description="LICENSE / NOTICE / tokenizer / config copied into the bundle")
     drafter_interface: DrafterInterface | None = None
 
+    @model_validator(mode="after")
+    def _packages_of_parts(self) -> Manifest:
+        """A whole target's packages hold no part; a parted target's each hold one of its parts."""
+        names = [p.name for p in self.parts] if self.parts is not None else []
+        if len(set(names)) != len(names):
+            raise ValueError("two parts share a name")
+        for package in self.packages:
+            if (package.part is None) != (self.parts is None) or (package.part is not None and package.part
+                                                                   not in names):
+                raise ValueError(f"package {quote(package.path, 60)}: part {quote(package.part, 60)} is not one of "
+                                 f"the parts {quote(names, 100) if self.parts is not None else '(none: whole)'}")
+        return self
+
 
 class TargetBinding(Model):
     """The exact target build a drafter belongs to: the target manifest's records the drafter depends on, whole.
@@ -265,16 +321,16 @@ class DrafterArchitecture(Model):
     kind: Literal["dflash2", "dflash", "mtp"]
     architectures: list[str]
     layout: str = Field(description="checkpoint key layout the loader found")
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rope_theta: float
-    rms_norm_eps: float
-    parameter_count: int
+    hidden_size: Size
+    num_layers: Size
+    num_heads: Size
+    num_kv_heads: Size
+    head_dim: Size
+    intermediate_size: Size
+    vocab_size: Size
+    rope_theta: Positive
+    rms_norm_eps: Positive
+    parameter_count: Count
     runtime: dict[str, int | float | str | bool | None] = Field(
         description="block / draft width, context widths, ring rows, window, mask, conv and selector constants"
     )
@@ -305,6 +361,20 @@ class DrafterManifest(BundleManifest):
     functions: list[Function]
     packages: list[Package]
     extra_files: list[FileEntry]
+
+    @field_validator("acceptance")
+    @classmethod
+    def _acceptance_numbers(cls, acceptance: dict) -> dict:
+        """The fields a reader formats as numbers are numbers (a string tokens_per_round is refused, not printed)."""
+        for key in ("tokens_per_round", "rounds", "predicted_speedup"):
+            value = acceptance.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                      or not math.isfinite(value)):
+                raise ValueError(f"{key} is {type(value).__name__}; expected a number")
+        lossless = acceptance.get("lossless")
+        if lossless is not None and not isinstance(lossless, bool):
+            raise ValueError(f"lossless is {type(lossless).__name__}; expected true or false")
+        return acceptance
 
 
 def json_schema(model: type[Model] = Manifest) -> dict:
