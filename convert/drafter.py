@@ -21,6 +21,7 @@ from convert.backends.base import FunctionSpec
 from convert.compress import QuantizedLinear, apply_quantized
 from convert.economics import MeteredFunctions, cost_model
 from convert.errors import GateError, InputError
+from convert.fp16 import like_the_runtime
 from convert.host import ModuleFunctions, TargetDriver, module_driver
 from convert.models import dflash2, mtp
 from convert.quantize import round_to_nearest, summary
@@ -247,8 +248,10 @@ class Recording:
 
 def recorded_calls(kind: str, target_modules, drafter_modules, prompt: list[int], tokens: int,
                    embeddings: np.ndarray) -> list:
-    """The drafter calls of a short speculative run of the shipped fp16 modules, with their outputs."""
+    """The drafter calls of a short speculative run of the shipped fp16 modules, with their outputs, computed as this
+    CPU's Core AI runtime computes (``fp16.like_the_runtime``): what the drafter's package check replays."""
     target, drafter = drivers(kind, target_modules, drafter_modules, embeddings)
     drafter.functions = Recording(drafter.functions)
-    speculative.speculate(kind, target, drafter, prompt, tokens)
+    with like_the_runtime():
+        speculative.speculate(kind, target, drafter, prompt, tokens)
     return drafter.functions.calls

@@ -34,6 +34,7 @@ from torch import nn
 
 from convert.backends.base import FunctionSpec, TensorSpec, size_text
 from convert.errors import InputError
+from convert.fp16 import like_the_runtime
 
 MB = 10**6
 GB = 10**9
@@ -575,7 +576,8 @@ def module_chain(parts: list[Part], pieces: list, taps, wrap=None) -> Chain:
 
 def recorded_calls(parts: list[Part], pieces: list, taps, contract: dict, vocab: int, short: bool) -> list[list]:
     """Each part's calls in the check's session (``checks.check_calls``) run through the chained torch parts: what
-    each part's package check replays on its own."""
+    each part's package check replays on its own, computed as this CPU's runtime computes
+    (``fp16.like_the_runtime``)."""
     from convert.checks import check_calls
     from convert.host import TargetDriver
 
@@ -583,8 +585,9 @@ def recorded_calls(parts: list[Part], pieces: list, taps, contract: dict, vocab:
     widths = {name: spec.width for name, (_, spec) in pieces[0].functions.items()}
     driver = TargetDriver(chain, widths, contract)
     driver.reset()
-    check_calls(lambda f, tokens, p0: [int(t) for t in driver.run(f, tokens, p0)["argmax_ids"]], widths, contract,
-                vocab, short=short)
+    with like_the_runtime():
+        check_calls(lambda f, tokens, p0: [int(t) for t in driver.run(f, tokens, p0)["argmax_ids"]], widths,
+                    contract, vocab, short=short)
     return [recorder.calls for _, _, recorder in chain.links]
 
 
@@ -592,14 +595,15 @@ def part_calls(piece, schedule: list[tuple[str, dict]], rows: list) -> tuple[lis
     """One part's calls of a fixed ``schedule`` ((function, whole-target inputs): ``checks.short_schedule`` through
     the host contract) on its torch modules from a fresh session, each given the previous part's ``rows`` for that
     call: ``recorded_calls`` of that schedule, one part in memory at a time. Returns the recorded calls and the rows
-    for the next part."""
+    for the next part (computed as in ``recorded_calls``)."""
     from convert.host import ModuleFunctions
 
     recorder = Recorder(ModuleFunctions(piece))
     recorder.reset()
     returned = []
     for (function, inputs), given in zip(schedule, rows, strict=True):
-        out = recorder.call(function, link_inputs(piece.functions[function][1], inputs, given))
+        with like_the_runtime():
+            out = recorder.call(function, link_inputs(piece.functions[function][1], inputs, given))
         returned.append(out.get(HIDDEN_OUT, given))  # a head part passes on the rows it was given, as ``Chain`` does
     return recorder.calls, returned
 

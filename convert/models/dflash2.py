@@ -59,7 +59,7 @@ from convert import fields
 from convert.backends.base import FunctionSpec, TensorSpec
 from convert.errors import InputError, quote
 from convert.export import ExportModules, FunctionModule
-from convert.models.qwen3 import MLP, RMSNorm, layer_shapes, rotate
+from convert.models.qwen3 import MLP, RMSNorm, layer_shapes, rotate, scaled_scores
 from convert.sources import check_safetensors, read_json, weight_files
 
 ARCHITECTURES = ("DFlash2DraftModel", "DFlashDraftModel")
@@ -746,7 +746,7 @@ class DFlash2Core(DFlash2Weights):
         values = torch.cat([ring_values[layer_index].to(x.dtype), v.transpose(0, 1)], dim=1)
         group = attn.heads // attn.kv_heads
         q = q.reshape(attn.kv_heads, -1, attn.head_dim)  # GQA: a KV head serves `group` query heads
-        scores = q @ keys.transpose(1, 2) * attn.head_dim**-0.5 + mask_bias.repeat(group, 1)
+        scores = scaled_scores(q, keys, attn.head_dim) + mask_bias.repeat(group, 1)
         probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
         out = (probs @ values).view(attn.heads, -1, attn.head_dim).transpose(0, 1)
         return attn.o_proj(out.reshape(-1, attn.heads * attn.head_dim))

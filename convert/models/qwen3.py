@@ -236,7 +236,7 @@ class Attention(nn.Module):
         values = value_cache[self.layer_index].to(x.dtype)
         group = self.heads // self.kv_heads
         q = q.reshape(self.kv_heads, -1, self.head_dim)  # GQA: a KV head serves `group` query heads
-        scores = q @ keys.transpose(1, 2) * self.head_dim**-0.5 + mask_bias.repeat(group, 1)
+        scores = scaled_scores(q, keys, self.head_dim) + mask_bias.repeat(group, 1)
         probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
         out = (probs @ values).view(self.heads, -1, self.head_dim).transpose(0, 1)
         out = out.reshape(-1, self.heads * self.head_dim)
@@ -250,6 +250,13 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(-1, self.kv_heads, self.head_dim)).transpose(0, 1)
         v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim).transpose(0, 1)
         return rotate(q, cos, sin), rotate(k, cos, sin), v, None
+
+
+def scaled_scores(q: torch.Tensor, keys: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``q k^T / sqrt(head_dim)`` with the scale on the queries before the product: in fp16 the unscaled product of
+    normed queries and keys overflows (65504) once ``head_dim x gain_q x gain_k`` nears it, e.g. a head of 128 with
+    q_norm and k_norm gains of 23 on a token that attends to itself (``tests/test_fp16.py``)."""
+    return (q * head_dim**-0.5) @ keys.transpose(-1, -2)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

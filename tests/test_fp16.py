@@ -1,0 +1,211 @@
+"""True fp16 (``convert/fp16.py``): the emulation is the native-fp16 runtime's arithmetic, and every package kind's
+functions stay within the package check's own bounds when they compute in it, against fp32, on any CPU."""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import write_checkpoint
+from dflash2_checkpoints import tiny_config as drafter_config
+from dflash2_checkpoints import write_drafter
+from mtp_checkpoints import write_target_with_head
+from qwen3_5_checkpoints import write_checkpoint as write_hybrid
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from convert import checks, drafter, drafter_build
+from convert.backends.base import FunctionSpec, TensorSpec
+from convert.build import make_plan, shipped_modules
+from convert.export import FunctionModule, compute_copy
+from convert.fp16 import matmul, native_fp16_cpu, true_fp16
+from convert.host import ModuleFunctions
+from convert.models.qwen3 import Qwen3Args
+from convert.recipe import Graphs, Target
+from convert.sources import load_tensors, read_json
+from convert.target import build_modules
+
+
+def test_every_product_and_partial_sum_is_rounded_to_fp16():
+    # 2048 + 1 is 2049, which fp16 rounds to 2048 (its spacing there is 2): fp16 accumulation never leaves 2048,
+    # torch's fp32 accumulator reaches 2056, and fp16 holds that exactly
+    a = torch.tensor([[2048.0] + [1.0] * 8], dtype=torch.float16)
+    b = torch.ones(9, 1, dtype=torch.float16)
+    assert (a @ b).item() == 2056.0
+    with true_fp16():
+        assert (a @ b).item() == 2048.0
+        assert torch.nn.functional.linear(a, b.T).item() == 2048.0
+        assert torch.bmm(a[None], b[None]).item() == 2048.0
+    assert matmul(a, b).item() == 2048.0
+    # fp32 operands are left to torch
+    with true_fp16():
+        assert (a.float() @ b.float()).item() == 2056.0
+
+
+class Products(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(256, 64, bias=True)
+
+    def forward(self, x, q):
+        return {"linear": self.linear(x), "scores": q @ q.transpose(1, 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not native_fp16_cpu(), reason="the Core AI runtime accumulates in fp16 only on an AVX512-FP16 CPU")
+def test_true_fp16_is_the_native_runtime_bit_for_bit(tmp_path):
+    from convert.backends import coreai
+
+    torch.manual_seed(0)
+    core = Products().half().eval()
+    for p in core.parameters():
+        p.requires_grad_(False)
+    spec = FunctionSpec("f", (TensorSpec("x", (8, 256), "float16"), TensorSpec("q", (4, 8, 128), "float16")),
+                        (TensorSpec("linear", (8, 64), "float16"), TensorSpec("scores", (4, 8, 8), "float16")))
+    coreai.package({"f": (FunctionModule(core, spec, {}), spec)}, tmp_path / "p.aimodel")
+    x, q = (torch.randn(8, 256) * 3).half(), (torch.randn(4, 8, 128) * 2).half()
+    with coreai.open_session(tmp_path / "p.aimodel") as session:
+        got = session.call("f", {"x": x.numpy(), "q": q.numpy()})
+    with torch.no_grad():
+        plain = core(x, q)
+        with true_fp16():
+            emulated = core(x, q)
+    for name in ("linear", "scores"):
+        assert np.array_equal(got[name], emulated[name].numpy()), name
+        assert not np.array_equal(got[name], plain[name].numpy()), name  # torch's fp32 accumulator differs
+
+
+def _aligned_attention(directory: Path, gain: float) -> None:
+    """Every query head the same projection as its key head and large q/k norm gains: a token's score with itself
+    is head_dim x gain^2 before the 1/sqrt(head_dim) scale."""
+    tensors = load_file(str(directory / "model.safetensors"))
+    for key in list(tensors):
+        if key.endswith("q_norm.weight") or key.endswith("k_norm.weight"):
+            tensors[key] = torch.full_like(tensors[key], gain)
+        if key.endswith("k_proj.weight"):
+            q = tensors[key.replace("k_proj", "q_proj")]
+            kv_rows = tensors[key].shape[0]
+            tensors[key.replace("k_proj", "q_proj")] = tensors[key].repeat(q.shape[0] // kv_rows, 1)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_attention_scores_stay_finite_in_fp16(tmp_path):
+    # head_dim 64, gain 40: a token's unscaled score with itself is 64 x 40^2 = 102400, past fp16's 65504
+    write_checkpoint(tmp_path / "ckpt", num_key_value_heads=4, head_dim=64)
+    _aligned_attention(tmp_path / "ckpt", 40.0)
+    args = Qwen3Args.from_config(read_json(tmp_path / "ckpt" / "config.json"))
+    target = Target(source="path:x", graphs=Graphs(prefill=16, verify=8), context=64)
+    tensors = load_tensors(tmp_path / "ckpt")
+    fp32, fp16 = (build_modules(args, target, tensors, dtype) for dtype in (torch.float32, torch.float16))
+    tokens = torch.randint(4, args.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+    want = fp32.call("prefill", tokens, list(range(16)))["logits"]
+    with true_fp16():
+        got = fp16.call("prefill", tokens, list(range(16)))["logits"].float()
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max() / want.abs().max() < 0.02
+
+
+def _true_fp16(modules, returned: tuple[str, ...] | None = None):
+    """Functions over ``modules`` that compute in true fp16, standing in for the native-fp16 runtime in the check's
+    comparisons; ``returned``: the outputs a package returns (its functions' outputs and these), default every one."""
+    functions = ModuleFunctions(modules)
+
+    class TrueFp16Functions:
+        def reset(self):
+            functions.reset()
+
+        def states(self):
+            return functions.states()
+
+        def call(self, name, inputs):
+            with true_fp16():
+                out = functions.call(name, inputs)
+            if returned is None:
+                return out
+            kept = {o.name for o in modules.functions[name][1].outputs} | set(returned)
+            return {k: v for k, v in out.items() if k in kept}
+
+    return TrueFp16Functions()
+
+
+TARGET = """\
+name: t
+target:
+  source: path:{source}
+  graphs: {{prefill: 16, decode: 1, verify: 8}}
+  context: 128
+  gate: {{data: {{samples: 2, length: 48}}, greedy_tokens: 8}}
+{extra}
+backends: [coreai]
+"""
+
+
+def _plan(tmp: Path, source: Path, extra: str = ""):
+    recipe = tmp / "recipe.yaml"
+    recipe.write_text(TARGET.format(source=source, extra=extra))
+    return make_plan(recipe, str(tmp / "out"))
+
+
+HYBRID_GAP = pytest.mark.xfail(strict=True, reason=(
+    "measured: the tiny hybrid's final-norm hidden states in true fp16 are 7.5% (CausalLM) and 33% "
+    "(ConditionalGeneration) off fp32, relative to their largest magnitude, over the check's 2%: fp16 accumulation in "
+    "every linear adds 0.5-1% a layer to a residual stream of magnitude 1-2 (docs/fp16.md); open in #21"))
+
+
+@pytest.mark.parametrize("kind", ["dense", pytest.param("hybrid", marks=HYBRID_GAP),
+                                  pytest.param("hybrid-conditional", marks=HYBRID_GAP)])
+def test_targets_in_true_fp16_are_within_the_checks_bounds(tmp_path, kind):
+    """The package check's run (prefill, decodes, a rollback or partial accept) with the fp16 modules computing in
+    true fp16 in place of the runtime, against the fp32 modules: ids equal but for near ties, logits and states
+    within the check's fp16 bounds."""
+    if kind == "dense":
+        write_checkpoint(tmp_path / "ckpt", hidden_size=128, intermediate_size=384, num_hidden_layers=4)
+    else:
+        write_hybrid(tmp_path / "ckpt", conditional=kind == "hybrid-conditional")
+    modules, _ = shipped_modules(_plan(tmp_path, tmp_path / "ckpt", "  logits: true"))
+    fp32 = compute_copy(modules, torch.float32)
+    stats = checks.lockstep(_true_fp16(modules), ModuleFunctions(fp32), modules.widths,
+                            modules.contract, modules.core.args.vocab_size)
+    assert stats["argmax_compared"] >= 16
+    assert stats["max_output_delta"] <= checks.FP16_OUTPUT_BOUND
+    assert stats["max_state_delta"] <= checks.FP16_STATE_BOUND
+
+
+DRAFTER = """\
+  taps: {taps}
+  hidden: {hidden}
+drafter:
+  kind: {kind}
+  {source}
+  quantization: {{method: lut4}}
+  accept: {{samples: 1, length: 24, tokens: 12}}
+"""
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "mtp"])
+def test_drafters_in_true_fp16_are_within_the_checks_bounds(tmp_path, kind):
+    """A drafter's package-check replay with its fp16 modules computing in true fp16 in place of the runtime, against
+    the calls of the fp32 modules: ids equal but for near ties (the top-2 and top-k edge gaps), floats within the
+    check's bound."""
+    if kind == "dflash2":
+        write_checkpoint(tmp_path / "ckpt", hidden_size=64, num_hidden_layers=4)
+        draft = {"target_layer_ids": [0, 2, 3], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
+                 "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
+        write_drafter(tmp_path / "drafter", config=drafter_config(vocab_size=4096, dflash_config=draft))
+        extra = DRAFTER.format(taps=[0, 2, 3], hidden="false", kind=kind,
+                               source=f"source: path:{tmp_path / 'drafter'}\n  context_update: 16\n  ring: 64")
+    else:
+        write_target_with_head(tmp_path / "ckpt")
+        extra = DRAFTER.format(taps=[], hidden="true", kind=kind, source="")
+    plan = _plan(tmp_path, tmp_path / "ckpt", extra)
+    target, _ = shipped_modules(plan)
+    target32 = compute_copy(target, torch.float32)
+    modules, _, _ = drafter_build.shipped_drafter(plan, target, target32)
+    prompt = drafter_build.held_out_prompts(plan)[0][0][:drafter_build.CHECK_PROMPT_TOKENS]
+    calls = drafter.recorded_calls(kind, target32, compute_copy(modules, torch.float32), prompt,
+                                   drafter_build.CHECK_GENERATED, drafter.anchor_table(target32))
+    stats = checks.replay_coreai(_true_fp16(modules, returned=("logits",)), calls)
+    assert stats["ids_compared"] >= 20
+    assert stats["max_output_delta"] <= checks.FP16_OUTPUT_BOUND
+    shutil.rmtree(tmp_path)
