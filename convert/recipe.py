@@ -19,8 +19,8 @@ from pydantic_core import PydanticCustomError
 from convert.errors import InputError, field_name, quote
 
 # What a recipe's YAML may expand to: values counted at every use of an alias (a "billion laughs" recipe of 310 KB
-# expands to 9^9 strings), and how deep it may nest. The release recipes hold a few hundred values, 4 levels deep.
-YAML_VALUES_LIMIT = 100_000
+# expands to 9^9 strings), and how deep it may nest. The release recipes hold under 250 values, 4 levels deep.
+YAML_VALUES_LIMIT = 10_000
 YAML_DEPTH_LIMIT = 64
 ECHO_LIMIT = 120  # characters of a value an error quotes back (beside the file, the field and what to do)
 
