@@ -440,3 +440,17 @@ def test_check_pair_with_garbage_files(drafter_of, bundle_copy, damage, needle):
     assert result.exit_code == 1, result.output
     assert needle in result.stderr.splitlines()[-1]  # the mismatches, then the one error line
     assert all(line.startswith(("mismatch: ", "error: ")) for line in result.stderr.splitlines())
+
+
+@pytest.mark.slow
+def test_generate_refuses_a_manifest_without_its_functions(bundle_copy):
+    """A layer-less manifest the schema takes (no functions): generate names what it needs instead of indexing."""
+    manifest = json.loads((bundle_copy / "manifest.json").read_text())
+    manifest["functions"] = [f for f in manifest["functions"] if f["name"] != "decode"]
+    (bundle_copy / "manifest.json").write_text(json.dumps(manifest))
+    refused(run("generate", bundle_copy, "-p", "def f"), 2, "manifest.json functions: no decode function",
+            paths=(str(bundle_copy),))
+    manifest["functions"][0]["inputs"] = []
+    (bundle_copy / "manifest.json").write_text(json.dumps(manifest))
+    refused(run("generate", bundle_copy, "-p", "def f"), 2, "manifest.json functions[0] ('prefill'): no position_ids "
+            "input [1, S]", paths=(str(bundle_copy),))
