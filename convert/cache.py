@@ -16,9 +16,9 @@ entry removed, and the stage recomputed.
 
 from __future__ import annotations
 
+import ast
 import hashlib
-import importlib
-import inspect
+import importlib.util
 import json
 import os
 import shutil
@@ -31,6 +31,7 @@ from convert.sources import sha256_file
 
 ENTRY = "entry.json"
 ENV = "SPEC_CONVERT_CACHE"
+PROJECT_PACKAGES = ("convert", "quant", "manifests")
 
 
 def default_directory() -> Path:
@@ -47,12 +48,53 @@ def key(record: dict) -> str:
 
 
 def code_fingerprint(modules: Iterable[str]) -> str:
-    """sha256 over the source of the named Python modules: a key that includes it changes with the code."""
+    """sha256 over the source of the named Python modules and of every project module they import
+    (``project_imports``): a key that includes it changes with any code its stage runs, not only the named files."""
     digest = hashlib.sha256()
-    for name in modules:
+    for name in project_imports(modules):
         digest.update(name.encode())
-        digest.update(inspect.getsource(importlib.import_module(name)).encode())
+        digest.update(module_source(name).encode())
     return digest.hexdigest()
+
+
+def module_source(name: str) -> str:
+    """The source text of module ``name`` (its file, read without importing it)."""
+    return Path(importlib.util.find_spec(name).origin).read_text(encoding="utf-8")
+
+
+def project_imports(roots: Iterable[str]) -> list[str]:
+    """``roots`` and every module of this project (``PROJECT_PACKAGES``) they import, transitively, sorted: import
+    statements anywhere in a module (function bodies too), and the packages whose ``__init__`` an import runs."""
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # parent packages' __init__
+        spec = importlib.util.find_spec(name)
+        package = name if spec.submodule_search_locations is not None else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(module_source(name))):
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) \
+                    if node.level else node.module
+                found = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            todo += [m for m in found if m.split(".")[0] in PROJECT_PACKAGES and _is_module(m)]
+    return sorted(seen)
+
+
+def _is_module(name: str) -> bool:
+    """Whether ``name`` is a module (``from convert.x import f`` names ``convert.x.f``, which is not)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def versions(packages: Iterable[str]) -> dict[str, str]:
