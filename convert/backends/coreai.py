@@ -55,6 +55,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
@@ -267,6 +268,46 @@ def _native_stderr_shown_on_error() -> Iterator[None]:
             os.close(saved)
 
 
+class _RuntimeLoop(asyncio.SelectorEventLoop):
+    """A session's event loop, which knows when the runtime's threads have left it (issue #21).
+
+    The runtime hands every result back (of ``executable()``'s load and of each call) from a thread of its own, a
+    Swift Dispatch worker, through ``loop.call_soon_threadsafe``. Its wake-up write to the loop's self-pipe releases
+    the GIL, so the loop's thread resumes, and can finish the command and reach ``Py_FinalizeEx`` while the worker
+    has still to take the GIL back to return. A thread that asks for the GIL once finalization has begun is ended
+    by ``pthread_exit``, whose forced unwind through the worker's Swift frames the Swift runtime (built without
+    exceptions) reports as "C++ exception handling detected but the Swift runtime was compiled with exceptions
+    disabled" and aborts: exit 134 after the command's output (a core dump: the worker in ``take_gil`` ->
+    ``PyThread_exit_thread`` -> ``_Unwind_ForcedUnwind`` -> ``_swift_exceptionPersonality`` under
+    ``call_soon_threadsafe``/``_write_to_self``, the main thread in ``Py_FinalizeEx``'s last collection). Measured on
+    2 loaded cores: 15 runs in 100 of a process that opens a session, makes one call and exits; ``generate`` 3 in 14
+    as reported (0 in 50 here: its longer exit usually lets the worker through first); every run with the runtime's
+    threads held back (docs/benchmarks.md). ``settle`` waits until no such call is under way.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._inside = 0  # calls of call_soon_threadsafe under way
+
+    def call_soon_threadsafe(self, callback, *args, context=None):
+        self._inside += 1
+        try:
+            return super().call_soon_threadsafe(callback, *args, context=context)
+        finally:
+            # No call here: the decrement is the last bytecode before the return to the runtime, which holds the
+            # GIL from here until it lets go of the interpreter (PyGILState_Release); a call would be a point
+            # where the GIL can pass to a settle() that then reads 0 while this thread still needs it back.
+            self._inside -= 1
+
+    def settle(self, timeout: float = 60.0) -> None:
+        """Return once no thread is inside ``call_soon_threadsafe`` (sleeping, so that they can take the GIL)."""
+        deadline = time.monotonic() + timeout
+        while self._inside:
+            if time.monotonic() > deadline:
+                raise PackageError(f"a Core AI runtime thread is still handing a result back after {timeout:.0f} s")
+            time.sleep(0.001)
+
+
 def open_session(path: Path) -> CoreAISession:
     return CoreAISession(path)
 
@@ -285,8 +326,9 @@ class CoreAISession:
     def __init__(self, path: Path):
         if not AIModelAsset.is_valid(path):
             raise PackageError(f"{path} is not a Core AI asset; write it with package()")
-        self._loop = asyncio.new_event_loop()
+        self._loop = _RuntimeLoop()
         self._exit_stack = AsyncExitStack()
+        self._functions, self._states = {}, {}
         try:
             with _native_stderr_shown_on_error():
                 executable = AIModelAsset.load(path).executable()
@@ -305,10 +347,23 @@ class CoreAISession:
         self.close()
 
     def close(self) -> None:
+        """Let the runtime finish, then release the model and the loop; on return no runtime thread is left inside
+        the interpreter (see ``_RuntimeLoop``), so the process can exit."""
         if self._loop.is_closed():
             return
-        self._loop.run_until_complete(self._exit_stack.aclose())
-        self._loop.close()
+        try:
+            pending = asyncio.all_tasks(self._loop)
+            if pending:
+                # A call cut short (Ctrl-C): the runtime completes it anyway and then hands the result to this loop;
+                # closed, the loop refuses it and the runtime stops the process ("Failed to call_soon", measured).
+                sys.stderr.write("waiting for the Core AI runtime to finish its call (Ctrl-C again to leave now)\n")
+                self._loop.run_until_complete(asyncio.wait(pending))
+            self._functions, self._states = {}, {}
+            self._loop.run_until_complete(self._exit_stack.aclose())
+            self._loop.run_until_complete(self._loop.shutdown_default_executor())
+            self._loop.settle()
+        finally:
+            self._loop.close()
 
     def specs(self) -> dict[str, FunctionSpec]:
         return {name: _function_spec(function.desc) for name, function in self._functions.items()}
