@@ -16,12 +16,12 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from convert import checks
 from convert.backends import coreai
+from convert.inputs.recipe import Graphs, Target
+from convert.inputs.sources import load_tensors, read_json
 from convert.models.qwen3 import Qwen3Args
-from convert.recipe import Graphs, Target
-from convert.sources import load_tensors, read_json
-from convert.target import build_modules
+from convert.verify import checks
+from convert.weights.target import build_modules
 from fixtures import corpus
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "stdlib-qwen3"

@@ -3,8 +3,8 @@
 The fixture target (``--fixture stdlib-qwen3``, the dense one, by default; ``stdlib-qwen3_5`` the hybrid one; taps
 at layers 3 and 7, the default graph widths) with its fp16 weights as shipped, or
 quantized exactly as ``build`` ships it (``--method affine4 | lut4 | affine4-gptq | lut4-gptq``: the build's
-quantize stage, ``convert.quantize.quantize_checkpoint``, with the recipe defaults: every decoder linear, the lm_head
-and the embedding table at the format's default group size; GPTQ calibrated on the fixture corpus's train split
+quantize stage, ``convert.weights.quantize.quantize_checkpoint``, with the recipe defaults: every decoder linear, the
+lm_head and the embedding table at the format's default group size; GPTQ calibrated on the fixture corpus's train split
 with the recipe's default calibration, 32 x 256 tokens, unless ``--calibration-samples`` / ``--calibration-length``
 say otherwise), gated against the transformers model in fp32
 with ``default_thresholds(method)``. Run from the repo root: ``.venv/bin/python -m bench.gates [--method M]
@@ -22,13 +22,14 @@ import torch
 from rich.console import Console
 from tokenizers import Tokenizer
 
-from convert import gates
-from convert.compress import apply_quantized
-from convert.models import Layout, read_args
-from convert.quantize import quantize_checkpoint
-from convert.recipe import Calibration, Graphs, Quantization, Target
-from convert.sources import load_tensors, read_json
-from convert.target import build_modules
+from convert.export.quantized import apply_quantized
+from convert.inputs.recipe import Calibration, Graphs, Quantization, Target
+from convert.inputs.sources import load_tensors, read_json
+from convert.models import read_args
+from convert.models.layout import Layout
+from convert.verify import gates
+from convert.weights.quantize import quantize_checkpoint
+from convert.weights.target import build_modules
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 TAPS = [3, 7]

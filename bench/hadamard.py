@@ -1,7 +1,8 @@
-"""The three forms of ``convert/hadamard.py``'s ``SignedHadamard`` at the Ternary Bonsai 2 27B shapes, and their graphs.
+"""The three forms of ``convert/export/hadamard.py``'s ``SignedHadamard`` at the Ternary Bonsai 2 27B shapes, and their
+graphs.
 
 First table, torch on CPU: for each form, input width n (5120, 6144, 17408; block 1024) and rows S (1, 8, 64), the
-largest |error| against the fp64 formula (``convert/prism.py``'s ``hadamard``), over both directions (forward
+largest |error| against the fp64 formula (``convert/inputs/prism.py``'s ``hadamard``), over both directions (forward
 ``H(s * x)`` and inverse ``s * H(x)``), for seeded N(0, 1) inputs: computed in fp32, and in fp16 against the fp16
 input's exact transform, beside the fp16 floor (that exact value rounded to fp16 once, as MLX's fp32 transform and
 cast back would give at best). Then the multiply-adds per token and the fp16 bytes of the constants (the signs,
@@ -30,9 +31,9 @@ import torch
 from torch import nn
 
 from convert.backends import coreai, coreml
-from convert.backends.base import FunctionSpec, TensorSpec
-from convert.hadamard import FORMS, SignedHadamard, kronecker_factors
-from convert.prism import hadamard
+from convert.export.hadamard import FORMS, SignedHadamard, kronecker_factors
+from convert.export.spec import FunctionSpec, TensorSpec
+from quant.types import hadamard
 
 WIDTHS = (5120, 6144, 17408)
 BLOCK = 1024

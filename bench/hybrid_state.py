@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from convert.export import compute_copy
-from convert.gates import EvalData, load_reference
-from convert.host import module_driver
+from convert.export.functions import compute_copy
+from convert.inputs.recipe import Graphs, Target
+from convert.inputs.sources import load_tensors, read_json
 from convert.models import read_args
-from convert.recipe import Graphs, Target
-from convert.sources import load_tensors, read_json
-from convert.target import build_modules
+from convert.runtime.host import module_driver
+from convert.verify.gates import EvalData, load_reference
+from convert.weights.target import build_modules
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "stdlib-qwen3_5"
 

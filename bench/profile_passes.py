@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-import convert.quantize as stage
+import convert.weights.quantize as stage
 import quant.calibrate as calibrate
 from bench import scale
 

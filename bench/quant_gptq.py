@@ -27,15 +27,9 @@ from pathlib import Path
 import torch
 
 from convert.models.qwen3 import LINEAR_GROUPS, CausalRunner
+from convert.weights.quantize import quantize_sequential
 from quant.affine import quantize_affine
-from quant.calibrate import (
-    capture_hessians,
-    each_linear,
-    encode,
-    fixture_corpus_text,
-    quantize_sequential,
-    sample_calibration,
-)
+from quant.calibrate import capture_hessians, each_linear, encode, fixture_corpus_text, sample_calibration
 from quant.gptq import HessianAccumulator, gptq_quantize, inverse_factor, output_error
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "stdlib-qwen3"
@@ -77,8 +71,8 @@ def machine(device: torch.device) -> str:
 def load_fixture():
     from tokenizers import Tokenizer
 
+    from convert.inputs.sources import load_tensors
     from convert.models.qwen3 import Qwen3Args
-    from convert.sources import load_tensors
 
     args = Qwen3Args.from_config(json.loads((FIXTURE / "config.json").read_text()))
     return args, load_tensors(FIXTURE), Tokenizer.from_file(str(FIXTURE / "tokenizer.json"))

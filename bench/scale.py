@@ -4,8 +4,8 @@ A synthetic checkpoint in the published geometry (hidden 5120, intermediate 1740
 of 256 with gated queries, Gated DeltaNet 16 key / 48 value heads of 128, conv kernel 4; untied lm_head), seeded
 random bf16 weights written on the fly as sharded safetensors, with a subset of its 64 layers (by default one Gated
 DeltaNet and one attention layer: the stage's cost is per layer, and every layer of a kind has the same shapes). The
-build's own stage (``convert.quantize.quantize_checkpoint``, the cache off) runs on it per method with the release
-recipe's calibration (128 x 2048 tokens; the bench's tokenizer is a small byte-level BPE, which changes the ids,
+build's own stage (``convert.weights.quantize.quantize_checkpoint``, the cache off) runs on it per method with the
+release recipe's calibration (128 x 2048 tokens; the bench's tokenizer is a small byte-level BPE, which changes the ids,
 not the cost); per unit it records the seconds, the peak GPU memory allocated and the process's peak resident host
 memory. The whole model's time is 48 x the GDN layer + 16 x the attention layer + the lm_head + the embedding, plus
 the calibration's embedding lookup.
@@ -103,16 +103,17 @@ def reset_host_peak() -> None:
 def run(directory: Path, config: dict, method: str, samples: int, length: int, device: str,
         keep: tuple[str, ...] = ()) -> dict:
     from convert.cache import BuildCache
-    from convert.models import Layout, qwen3_5
-    from convert.quantize import quantize_checkpoint
-    from convert.recipe import Calibration, Graphs, Quantization, Target
+    from convert.inputs.recipe import Calibration, Graphs, Quantization, Target
+    from convert.models import qwen3_5
+    from convert.models.layout import Layout
+    from convert.weights.quantize import quantize_checkpoint
 
     args = qwen3_5.Args.from_config(config)
     target = Target(source="path:x", graphs=Graphs(), context=max(length, 512))
     quant = Quantization(method=method, keep_fp16=list(keep),
                          calibration=Calibration(corpus="path:corpus.txt", samples=samples, length=length))
     units, sweeps = {}, []
-    import convert.quantize as stage
+    import convert.weights.quantize as stage
 
     def timed(solve):  # a GPTQ solve (fit, sweep, refits) of one matrix or a stack, apart from the calibration passes
         def run(*a, **k):
@@ -170,7 +171,7 @@ def run(directory: Path, config: dict, method: str, samples: int, length: int, d
 
 def compare(directory: Path, tf32: dict, fp32: dict) -> dict:
     """Per GPTQ'd matrix: the fraction of codes the two runs share, and ||Q_tf32 - Q_fp32|| / ||W - Q_fp32||."""
-    from convert.sources import CheckpointReader
+    from convert.inputs.sources import CheckpointReader
 
     reader = CheckpointReader(directory)
     rows = {}
@@ -220,7 +221,7 @@ def main() -> None:
                                           options.device, tuple(k for k in options.keep_fp16.split(",") if k))
             report["runs"].append(record)
         if options.compare_tf32:
-            import convert.quantize as stage
+            import convert.weights.quantize as stage
 
             method = options.methods.split(",")[0]
             stage.CUDA_TF32_PASSES = True

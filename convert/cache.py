@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from convert.progress import console
-from convert.sources import sha256_file
+from manifests import identity
 
 ENTRY = "entry.json"
 ENV = "SPEC_CONVERT_CACHE"
@@ -185,7 +185,7 @@ class BuildCache:
 
 
 def _file_record(path: Path) -> dict:
-    return {"sha256": sha256_file(path), "size": path.stat().st_size}
+    return {"sha256": identity.file_sha256(path), "size": path.stat().st_size}
 
 
 def _verify(directory: Path, record: Path) -> str | None:

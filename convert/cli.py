@@ -21,7 +21,7 @@ def user_errors(func):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        from convert.backends.base import PackageError
+        from convert.errors import PackageError
 
         try:
             return func(*args, **kwargs)
@@ -82,20 +82,20 @@ def main() -> None:
 @user_errors
 def build(recipe: Path, output: str | None, dry_run: bool, cache_dir: Path | None, no_cache: bool) -> None:
     """Build the bundle a recipe describes. Expensive stages are cached: an interrupted build resumes."""
-    from convert.build import build as run_build
-    from convert.build import describe_plan, make_plan
     from convert.cache import BuildCache
     from convert.errors import SourceUnavailable
+    from convert.pipeline.build import build as run_build
+    from convert.pipeline.plan import describe_plan, make_plan
 
     try:
         plan = make_plan(recipe, output, cache_dir)
     except SourceUnavailable as unavailable:
         if not dry_run:
             raise
-        from convert import contract
-        from convert.recipe import load_recipe
+        from convert.inputs.recipe import load_recipe
+        from convert.pipeline.plan import describe_contract
 
-        click.echo("\n".join(contract.describe(load_recipe(recipe), recipe, unavailable)))
+        click.echo("\n".join(describe_contract(load_recipe(recipe), recipe, unavailable)))
         return
     click.echo("\n".join(describe_plan(plan)))
     if dry_run:
@@ -116,7 +116,7 @@ def gate(recipe: Path, bundle: Path | None, report: Path) -> None:
     The shipped weights are rebuilt from the recipe's pinned source (quantization is deterministic); with
     --bundle they must hash to the bundle's, and its .aimodel is run on the Core AI runtime against them.
     """
-    from convert.build import gate_bundle
+    from convert.commands.gate import gate_bundle
 
     gate_bundle(recipe, bundle, report)
     click.echo(f"gate passed; report: {report}")
@@ -141,7 +141,7 @@ def accept(recipe: Path, runtime: str, bundle: Path | None, tokens: int | None, 
     Also: the bytes each call reads (weights as shipped plus states) and the speedup the acceptance predicts
     under a bandwidth-bound cost model; prompt-lookup (n-gram) drafting on the same prompts and target as the
     zero-cost baseline; and for a quantized drafter the paired A/B against its fp16 self."""
-    from convert.accept import print_result, result_json, run_accept
+    from convert.commands.accept import print_result, result_json, run_accept
 
     result = run_accept(recipe, bundle, runtime, tokens, prompts)
     if as_json:
@@ -165,7 +165,7 @@ def generate(bundle: Path, prompt: str, tokens: int, runtime: str, recipe: Path 
     bundle. Stops after N tokens or at the end-of-sequence id."""
     import json
 
-    from convert.generate import generate as run_generate
+    from convert.commands.generate import generate as run_generate
 
     result = run_generate(bundle, prompt, tokens, runtime, recipe)
     click.echo(json.dumps(result.as_dict(), ensure_ascii=False) if as_json else result.text)
@@ -177,7 +177,7 @@ def generate(bundle: Path, prompt: str, tokens: int, runtime: str, recipe: Path 
 @user_errors
 def check_pair(drafter_bundle: Path, target_bundle: Path) -> None:
     """Refuse (exit 1) a drafter bundle that was not built for exactly this target bundle, naming the field."""
-    from convert.inspect import read_manifest
+    from convert.pipeline.bundle import read_manifest
     from manifests import identity
     from manifests.schema import DrafterManifest, Manifest
 
@@ -201,8 +201,8 @@ def check_pair(drafter_bundle: Path, target_bundle: Path) -> None:
 def inspect(bundle: Path) -> None:
     """Print a bundle's manifest readably (a pair's target and drafter both); exit 1 when a file it records is not
     there with its recorded size (files are not hashed here: the commands that read them do)."""
-    from convert.bundle import parts
-    from convert.inspect import check_files, print_manifest, read_manifest
+    from convert.commands.inspect import check_files, print_manifest
+    from convert.pipeline.bundle import parts, read_manifest
 
     for part in parts(bundle):
         manifest = read_manifest(part)
@@ -215,8 +215,8 @@ def inspect(bundle: Path) -> None:
 @user_errors
 def compile(bundle: Path) -> None:  # noqa: A001 - the command's name
     """Run the compile steps that were deferred (device AOT, coremlcompiler) and update the manifest."""
-    from convert.bundle import parts
-    from convert.compile import compile_bundle
+    from convert.commands.compile import compile_bundle
+    from convert.pipeline.bundle import parts
 
     for part in parts(bundle):
         for line in compile_bundle(part):
@@ -228,6 +228,6 @@ def compile(bundle: Path) -> None:  # noqa: A001 - the command's name
 @user_errors
 def demo(output: str) -> None:
     """Build the embedded default recipe and show greedy continuations side by side."""
-    from convert.demo import run_demo
+    from convert.commands.demo import run_demo
 
     run_demo(DEFAULT_RECIPE, output)

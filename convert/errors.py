@@ -95,3 +95,7 @@ def one_line(message: str, limit: int = MESSAGE_LIMIT) -> str:
     echoed value is already quoted)."""
     text = " ".join(str(message).splitlines())  # \r, \x85, \u2028 ... too
     return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+class PackageError(RuntimeError):
+    """A package could not be written or failed its read-back check; the message names what."""

@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 console = Console(stderr=True, highlight=False)
-live = True  # a spinner while a stage runs; off in worker processes (convert/packaging.py), which print lines only
+# a spinner while a stage runs; off in worker processes (convert/pipeline/packaging.py), which print lines only
+live = True
 
 
 @contextmanager

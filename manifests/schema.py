@@ -221,7 +221,7 @@ class Package(Model):
 
 
 class Part(Model):
-    """One package of a parted target (``convert/parts.py``): what it holds, in the chain's order."""
+    """One package of a parted target (``convert/pipeline/partition.py``): what it holds, in the chain's order."""
 
     name: str
     embedding_rows: list[int] | None = Field(description="[first, end) vocabulary rows of the embedding it looks up "

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from convert.models import family_of
 from quant.gptq import HessianAccumulator
 from quant.types import QuantizedWeight
 
@@ -325,18 +324,3 @@ def quantize_layer(layer: torch.nn.Module, index: int, groups: tuple[tuple[str, 
     return quantized, layer_outputs(layer, x, runner, caches)
 
 
-@torch.no_grad()
-def quantize_sequential(core: torch.nn.Module, tokens: torch.Tensor,
-                        quantize_linears: QuantizeLinears) -> SequentialResult:
-    """Quantize every decoder-layer linear of an export ``core`` in place, layer by layer, on calibration ``tokens``
-    [n, L]; the core's architecture family says how a layer runs over a sample and which linears it quantizes.
-    (The whole core in memory: the build streams the same loop from the checkpoint, ``convert/quantize.py``.)"""
-    family = family_of(core.args)
-    runner = family.calibration_runner(core, tokens.shape[1])
-    x = core.embed_tokens(tokens.to(core.embed_tokens.weight.device).long())
-    quantized = {}
-    for i, layer in enumerate(core.layers):
-        done, x = quantize_layer(layer, i, family.linear_groups(core, layer), x, runner, quantize_linears,
-                                 blocks=family.cached_blocks(core, layer), outputs=True)
-        quantized.update(done)
-    return SequentialResult(quantized=quantized, hidden=x)

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from quant.affine import check_group_size, fit_affine, round_affine
+from quant.lut import fit_lut, round_lut
 from quant.types import Method, QuantizedWeight
 
 BLOCK_SIZE = 128
@@ -212,8 +213,6 @@ class LutRounder:
     """
 
     def __init__(self, lut: torch.Tensor, group_size: int):
-        from quant.lut import round_lut
-
         ordered = lut.double().repeat_interleave(group_size, dim=0).sort(dim=1).values  # [out, 16]
         self.midpoints = ((ordered[:, 1:] + ordered[:, :-1]) / 2).contiguous()
         self.slot_codes = round_lut(ordered, lut, group_size)
@@ -232,7 +231,6 @@ def fit_params(method: Method, weight: torch.Tensor, group_size: int, importance
     if method == "affine4":
         scale, zero_point = fit_affine(weight, group_size)
         return {"scale": scale, "zero_point": zero_point}
-    from quant.lut import fit_lut
 
     return {"lut": fit_lut(weight, group_size, importance=importance)}
 
@@ -246,7 +244,6 @@ def make_rounder(method: Method, params: dict, group_size: int, block_size: int)
 def round_to_nearest(method: Method, weight: torch.Tensor, params: dict, group_size: int) -> torch.Tensor:
     if method == "affine4":
         return round_affine(weight, params["scale"], params["zero_point"], group_size, 0)
-    from quant.lut import round_lut
 
     return round_lut(weight, params["lut"], group_size)
 

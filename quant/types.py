@@ -15,7 +15,7 @@ the same arithmetic (bit for bit what ``dequantize`` returns here):
   128 input columns, so ``-s, 0, +s``; a code 3 is ``2 s``). Shipped as they are, never re-quantized. Core AI:
   ``WeightDequantizeModule`` with uint2 data (``constexpr_blockwise_shift_scale``); Core ML, whose
   ``constexpr_blockwise_shift_scale`` takes no 2-bit data: ``constexpr_lut_to_dense`` of the uint2 codes
-  through a 4-entry int8 table, into ``constexpr_blockwise_shift_scale`` (see ``convert/compress.py``).
+  through a 4-entry int8 table, into ``constexpr_blockwise_shift_scale`` (see ``convert/export/quantized.py``).
 
 A quantizer over a whole matrix is two steps, so GPTQ can put its column sweep between them:
 ``fit`` (the group parameters, from the whole matrix) and ``round`` (nearest codes for given columns
@@ -24,6 +24,7 @@ under those parameters). ``QuantizedWeight`` carries the result and its own dequ
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,7 +37,7 @@ GROUP_TENSORS = ("scale", "zero_point", "lut")  # a QuantizedWeight's tensors be
 
 @dataclass(frozen=True)
 class Rotation:
-    """The activation transform a pre-quantized weight was stored under (Prism packs, ``convert/prism.py``): the
+    """The activation transform a pre-quantized weight was stored under (Prism packs, ``convert/inputs/prism.py``): the
     weight computes on ``H(signs * x)``, ``H`` the normalised Walsh-Hadamard transform of each ``block`` consecutive
     input features; an embedding's looked-up rows become ``signs * H(row)``."""
 
@@ -106,3 +107,13 @@ class QuantizedWeight:
                 zero = self.zero_point[lo:hi].repeat_interleave(self.group_size, dim=1).to(torch.float16)
                 out[lo:hi] = (codes.to(torch.float16) - zero) * scale
         return out
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The normalised Sylvester Walsh-Hadamard matrix of order n (a power of two), fp64 and symmetric."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix has a power-of-two order, not {n}")
+    matrix = torch.ones(1, 1, dtype=torch.float64)
+    while matrix.shape[0] < n:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
+    return matrix / math.sqrt(n)

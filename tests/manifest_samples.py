@@ -43,7 +43,8 @@ def drafter_manifest(target: dict, mask_row_sha256: str | None = None) -> dict:
 
 
 def recorded_paths(manifest: dict) -> list[tuple[str, int]]:
-    """(path relative to the bundle, size) of every file a manifest records (``convert.inspect.recorded_files``)."""
+    """(path relative to the bundle, size) of every file a manifest records
+    (``convert.commands.inspect.recorded_files``)."""
     files = [(f["path"], f["size"]) for f in manifest.get("extra_files", [])]
     for package in manifest.get("packages", []):
         base = os.path.dirname(package["path"])

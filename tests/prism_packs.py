@@ -1,6 +1,6 @@
 """Seeded tiny Ternary Bonsai 2 packs in the published MLX 2-bit layout (``prism_hadamard_qwen35``, schema 2), written
-from the published description by this file's own code, never through convert/prism.py (its docstring says where each
-fact comes from: mlx-vlm's loader, MLX's affine 2-bit layout, the hadamard.json keys).
+from the published description by this file's own code, never through convert/inputs/prism.py (its docstring says where
+each fact comes from: mlx-vlm's loader, MLX's affine 2-bit layout, the hadamard.json keys).
 
 ``write_pack(directory, unfolded, seed)`` first saves a seeded random Qwen3.5 vision-language checkpoint with
 transformers' ``save_pretrained`` (``tests/qwen3_5_checkpoints.py``, fp32, tokenizer included) to ``unfolded``. Every

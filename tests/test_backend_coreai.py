@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from convert.backends import coreai
-from convert.backends.base import PackageError, TensorSpec
+from convert.errors import PackageError
+from convert.export.spec import TensorSpec
 from tests.toymodel import HIDDEN, toy_functions
 
 REPO = Path(__file__).resolve().parents[1]

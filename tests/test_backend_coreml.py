@@ -22,8 +22,8 @@ import torch
 from toymodel import HEAD_DIM, KV_HEADS, LAYERS, ToyCore, toy_functions
 
 from convert.backends import coreml
-from convert.backends.base import PackageError
-from convert.export import FunctionModule
+from convert.errors import PackageError
+from convert.export.functions import FunctionModule
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_FILE = Path("Data/com.apple.CoreML/model.mlmodel")

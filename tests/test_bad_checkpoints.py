@@ -21,9 +21,9 @@ from test_inputs import GOOD, assert_refused
 
 from convert.cli import main
 from convert.errors import InputError
+from convert.inputs.sources import MAX_HEADER_BYTES, check_safetensors, weight_files
 from convert.models.dflash2 import DFlash2Args
 from convert.models.mtp import MTPArgs
-from convert.sources import MAX_HEADER_BYTES, check_safetensors, weight_files
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

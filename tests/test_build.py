@@ -140,8 +140,8 @@ def test_failed_build_keeps_the_good_bundle(built, tiny_checkpoint, monkeypatch)
     assert code == 0, output
     before = (tmp / "d" / "manifest.json").read_bytes()
 
-    from convert import checks
-    from convert.backends.base import PackageError
+    from convert.errors import PackageError
+    from convert.verify import checks
 
     def broken(*args, **kwargs):
         raise PackageError("tiny.mlpackage: function decode: weight x is not stored bit for bit")

@@ -5,11 +5,12 @@ import pytest
 import torch
 from qwen3_5_checkpoints import write_checkpoint
 
-from convert import cache, packaging
+from convert import cache
+from convert.inputs.recipe import Graphs, Target
+from convert.inputs.sources import load_tensors, read_json
 from convert.models.qwen3_5 import Qwen35Args
-from convert.recipe import Graphs, Target
-from convert.sources import load_tensors, read_json
-from convert.target import build_modules
+from convert.pipeline import packaging
+from convert.weights.target import build_modules
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def changed(module: str, monkeypatch) -> None:
     monkeypatch.setattr(cache, "module_source", source)
 
 
-@pytest.mark.parametrize("module", ["convert.hadamard", "convert.models.qwen3", "convert.fp16", "quant.types"])
+@pytest.mark.parametrize("module", ["convert.export.hadamard", "convert.models.qwen3", "convert.fp16", "quant.types"])
 def test_a_change_in_an_imported_module_changes_the_package_key(hybrid, module, monkeypatch):
     assert module in cache.project_imports(packaging.CODE + ("convert.backends.coreai", "convert.models.qwen3_5"))
     before = packaging.package_key("coreai", hybrid, "t", "weights")
@@ -49,7 +50,7 @@ def test_a_module_the_stage_does_not_import_leaves_the_key(hybrid, monkeypatch):
 
 
 def test_imports_in_function_bodies_and_parent_packages_count():
-    found = cache.project_imports(["convert.compress"])
-    assert "convert.hadamard" in found  # imported inside a function of convert.compress
+    found = cache.project_imports(["convert.export.quantized"])
+    assert "convert.export.hadamard" in found  # imported inside a function of convert.export.quantized
     assert {"convert", "quant"} <= set(found)  # the packages whose __init__ an import runs
     assert found == sorted(found)

@@ -10,9 +10,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from convert.inputs.sources import load_tensors
 from convert.models.qwen3 import LINEAR_GROUPS, CausalRunner, Qwen3Args, Qwen3Core
-from convert.sources import load_tensors
-from quant.calibrate import each_linear, encode, fixture_corpus_text, quantize_sequential, sample_calibration
+from convert.weights.quantize import quantize_sequential
+from quant.calibrate import each_linear, encode, fixture_corpus_text, sample_calibration
 from quant.gptq import HessianAccumulator, gptq_quantize
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "stdlib-qwen3"

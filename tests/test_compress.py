@@ -1,4 +1,4 @@
-"""Quantized weights into both packages, compressed and bit-exact (convert/compress.py).
+"""Quantized weights into both packages, compressed and bit-exact (convert/export/quantized.py).
 
 ``LinearToyCore`` is the toy of tests/toymodel.py with ``nn.Linear`` projections, an MLP and the scatter KV
 write that both backends convert, sized so that its linears hold 315,392 of its 319,616 parameters. Its linears
@@ -26,15 +26,17 @@ import pytest
 import torch
 from torch import nn
 
-from convert import checks, compress
 from convert.backends import coreai, coreml
-from convert.backends.base import FunctionSpec, PackageError, TensorSpec
-from convert.compress import QuantizedLinear, apply_quantized
-from convert.export import FunctionModule
+from convert.errors import PackageError
+from convert.export import quantized as compress
+from convert.export.functions import FunctionModule
+from convert.export.quantized import QuantizedLinear, apply_quantized
+from convert.export.spec import FunctionSpec, TensorSpec
+from convert.inputs.recipe import Graphs, Target
+from convert.inputs.sources import load_tensors
 from convert.models.qwen3 import Qwen3Args
-from convert.recipe import Graphs, Target
-from convert.sources import load_tensors
-from convert.target import build_modules
+from convert.verify import checks
+from convert.weights.target import build_modules
 from quant.types import QuantizedWeight
 
 VOCAB, HIDDEN, INTER, LAYERS, KV_HEADS, HEAD_DIM, CONTEXT = 32, 128, 512, 2, 2, 32, 32

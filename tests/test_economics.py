@@ -1,4 +1,4 @@
-"""Bytes read per call (``convert.economics``): the meter against tensors whose reads are known, a real target's
+"""Bytes read per call (``convert.runtime.economics``): the meter against tensors whose reads are known, a real target's
 decode call against its shipped sizes, and the cost model's arithmetic."""
 
 import math
@@ -7,15 +7,22 @@ import pytest
 import torch
 from qwen3_5_checkpoints import write_small_target
 
-from convert.compress import apply_quantized, shipped_nbytes
-from convert.economics import MeteredFunctions, Priced, _ReadMeter, cost_model, ngram_speedup, round_drafter_bytes
-from convert.export import compute_copy
-from convert.host import TargetDriver
+from convert.export.functions import compute_copy
+from convert.export.quantized import apply_quantized, shipped_nbytes
+from convert.inputs.recipe import Graphs, Target
+from convert.inputs.sources import load_tensors, read_json
 from convert.models import read_args
-from convert.quantize import round_to_nearest
-from convert.recipe import Graphs, Target
-from convert.sources import load_tensors, read_json
-from convert.target import build_modules
+from convert.runtime.economics import (
+    MeteredFunctions,
+    Priced,
+    _ReadMeter,
+    cost_model,
+    ngram_speedup,
+    round_drafter_bytes,
+)
+from convert.runtime.host import TargetDriver
+from convert.weights.quantize import round_to_nearest
+from convert.weights.target import build_modules
 
 STATE_BYTES = {"float16": 2, "float32": 4}
 

@@ -1,4 +1,4 @@
-"""exact2 (quant/types.py, convert/compress.py): 2-bit codes and fp16 scales shipped as they are, bit for bit.
+"""exact2 (quant/types.py, convert/export/quantized.py): 2-bit codes and fp16 scales shipped as they are, bit for bit.
 
 ``Exact2Core`` holds three exact2 weights in groups of 128 columns, as Ternary Bonsai 2 packs store theirs: an
 embedding [64, 384], a linear [256, 384] with a bias and a head [64, 256]. Their codes are seeded ternary (0, 1, 2,
@@ -26,11 +26,13 @@ import torch
 from coremltools.converters.mil.mil import types as mil_types
 from torch import nn
 
-from convert import checks, compress
 from convert.backends import coreai, coreml
-from convert.backends.base import FunctionSpec, PackageError, TensorSpec
-from convert.compress import QuantizedEmbedding, QuantizedLinear, apply_quantized
-from convert.export import FunctionModule
+from convert.errors import PackageError
+from convert.export import quantized as compress
+from convert.export.functions import FunctionModule
+from convert.export.quantized import QuantizedEmbedding, QuantizedLinear, apply_quantized
+from convert.export.spec import FunctionSpec, TensorSpec
+from convert.verify import checks
 from quant.types import QuantizedWeight
 
 VOCAB, HIDDEN, INNER, GROUP = 64, 384, 256, 128

@@ -12,9 +12,9 @@ import torch
 from click.testing import CliRunner
 from prism_packs import edit_json, edit_tensors, write_pack
 
-from convert import gates
 from convert.backends import coreai, coreml
 from convert.cli import main
+from convert.verify import gates
 
 NEW_TOKENS = 8
 MIN_GAP = 0.1  # the prompt's greedy steps have no near tie: the two best logits at least this far apart
@@ -160,11 +160,12 @@ def test_a_contract_pins_the_packs_rotation(written, tmp_path):
 def test_a_gated_deltanet_part_on_the_core_ai_runtime_computes_what_its_torch_part_does(written, tmp_path):
     """The rotation inside a layer, in fp16 on the runtime: the tiny pack built as parts, its Gated DeltaNet layer
     part's rows replayed on the Core AI runtime stay within the package check's bound (they were 3.7% off with the
-    Kronecker form of the transform, convert/hadamard.py)."""
-    from convert.build import exact_result, make_plan
-    from convert.packaging import package_formats
-    from convert.parts import recorded_calls
-    from convert.shipped import PartLoader
+    Kronecker form of the transform, convert/export/hadamard.py)."""
+    from convert.pipeline.build import exact_result
+    from convert.pipeline.packaging import package_formats
+    from convert.pipeline.plan import make_plan
+    from convert.verify.checks import recorded_calls
+    from convert.weights.shipped import PartLoader
 
     recipe = RECIPE.replace("source: path:pack", f"source: path:{written / 'pack'}").replace(
         "  context: 128\n", "  context: 128\n  max_part_mb: 0.06\n")

@@ -15,16 +15,18 @@ from qwen3_5_checkpoints import write_checkpoint as write_hybrid
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from convert import checks, drafter, drafter_build
-from convert.backends.base import FunctionSpec, TensorSpec
-from convert.build import make_plan, shipped_modules
-from convert.export import FunctionModule, compute_copy
+from convert.export.functions import FunctionModule, compute_copy
+from convert.export.spec import FunctionSpec, TensorSpec
 from convert.fp16 import matmul, native_fp16_cpu, true_fp16
-from convert.host import ModuleFunctions
+from convert.inputs.recipe import Graphs, Target
+from convert.inputs.sources import load_tensors, read_json
 from convert.models.qwen3 import Qwen3Args
-from convert.recipe import Graphs, Target
-from convert.sources import load_tensors, read_json
-from convert.target import build_modules
+from convert.pipeline import drafter, drafter_build
+from convert.pipeline.build import shipped_modules
+from convert.pipeline.plan import make_plan
+from convert.runtime.host import ModuleFunctions
+from convert.verify import checks
+from convert.weights.target import build_modules
 
 
 def test_every_product_and_partial_sum_is_rounded_to_fp16():

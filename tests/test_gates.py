@@ -13,12 +13,12 @@ from tokenizers import Tokenizer
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from convert import checks, gates
 from convert.errors import GateError, InputError
+from convert.inputs.recipe import Graphs, Target
+from convert.inputs.sources import load_tensors, read_json
 from convert.models.qwen3 import Qwen3Args
-from convert.recipe import Graphs, Target
-from convert.sources import load_tensors, read_json
-from convert.target import build_modules
+from convert.verify import checks, gates
+from convert.weights.target import build_modules
 from quant.calibrate import fixture_corpus_text
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "stdlib-qwen3"

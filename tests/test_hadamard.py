@@ -1,6 +1,6 @@
-"""convert/hadamard.py: every form of ``SignedHadamard`` computes the fp64 formula of convert/prism.py in fp32, both
-directions, and undoes itself; malformed signs and blocks are refused; the default form packaged in fp16 (the tiny
-packs' width 256, block 64) runs on the Core AI runtime as torch computes it, and the Core ML package ships its
+"""convert/export/hadamard.py: every form of ``SignedHadamard`` computes the fp64 formula of convert/inputs/prism.py in
+fp32, both directions, and undoes itself; malformed signs and blocks are refused; the default form packaged in fp16 (the
+tiny packs' width 256, block 64) runs on the Core AI runtime as torch computes it, and the Core ML package ships its
 signs and Kronecker factors bit-exact."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from convert.backends import coreai, coreml
-from convert.backends.base import FunctionSpec, TensorSpec
-from convert.hadamard import FORMS, SignedHadamard, kronecker_factors
-from convert.prism import hadamard
+from convert.export.hadamard import FORMS, SignedHadamard, kronecker_factors
+from convert.export.spec import FunctionSpec, TensorSpec
+from quant.types import hadamard
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from convert.checks import FP16_STATE_BOUND
 from convert.cli import main
 from convert.models import qwen3_5
+from convert.verify.checks import FP16_STATE_BOUND
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,9 +13,9 @@ from mtp_checkpoints import head_tensors, qwen35_text_config, write_head_only, w
 
 from convert.backends import coreai, coreml
 from convert.errors import InputError
+from convert.inputs.sources import load_tensors, read_json, tensor_shapes
 from convert.models import mtp, qwen3
 from convert.models.mtp import MTPArgs
-from convert.sources import load_tensors, read_json, tensor_shapes
 
 S = mtp.DRAFT_STEPS + 1
 CONTEXT = 64

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 from test_hybrid_build import NEW_TOKENS, _held_out_prompt, _transformers_greedy
 
-from convert import gates
 from convert.cli import main
+from convert.verify import gates
 
 pytestmark = pytest.mark.heavy
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +71,8 @@ def test_generate_through_the_chained_parts_equals_transformers(bundle):
 def test_the_parted_build_records_what_the_whole_target_gives(bundle):
     """Built part by part (the gate streamed one layer at a time), the manifest's identity hashes and parameter count
     are the whole target's, and its gate values are the in-memory gate's."""
-    from convert.build import make_plan, shipped_modules
+    from convert.pipeline.build import shipped_modules
+    from convert.pipeline.plan import make_plan
     from manifests import identity
 
     m = json.loads((bundle / "manifest.json").read_text())

@@ -11,16 +11,19 @@ import torch
 from checkpoints import write_checkpoint as write_dense
 from qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
-from convert import parts as parts_module
-from convert.compress import apply_quantized
 from convert.errors import InputError
-from convert.export import compute_copy
-from convert.host import TargetDriver, module_driver
+from convert.export.functions import compute_copy
+from convert.export.quantized import apply_quantized
+from convert.inputs.recipe import Graphs, Quantization, Target
+from convert.inputs.sources import load_tensors, read_json
 from convert.models import read_args
-from convert.parts import Part, module_chain, part_bytes, part_modules, piece_sizes, plan_parts
-from convert.recipe import Graphs, Quantization, Target
-from convert.sources import load_tensors, read_json
-from convert.target import build_modules
+from convert.models.part import Part
+from convert.pipeline import partition as parts_module
+from convert.pipeline.partition import part_bytes, piece_sizes, plan_parts
+from convert.runtime.chain import module_chain
+from convert.runtime.host import TargetDriver, module_driver
+from convert.weights.shipped import part_modules
+from convert.weights.target import build_modules
 from quant.affine import quantize_affine
 from quant.lut import quantize_lut
 
@@ -124,7 +127,7 @@ def test_parts_respect_the_limit_and_hold_the_same_weights(tmp_path):
     sizes = piece_sizes(args, target)
     parts = plan_parts(args, target)
     built = part_modules(modules, target, parts)
-    from convert.compress import shipped_nbytes
+    from convert.export.quantized import shipped_nbytes
 
     for part, m in zip(parts, built, strict=True):
         assert part_bytes(part, sizes) <= limit, part.name

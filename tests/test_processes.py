@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from convert import build
 from convert.cli import main
 from convert.errors import InputError
+from convert.pipeline import build
 from convert.processes import in_fresh_process
 
 ROOT = Path(__file__).resolve().parent.parent

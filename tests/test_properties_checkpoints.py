@@ -27,10 +27,10 @@ from test_inputs import GOOD
 
 from convert.cli import main
 from convert.errors import InputError
+from convert.inputs.sources import check_safetensors, read_json, weight_files
 from convert.models import family_for
 from convert.models.dflash2 import DFlash2Args
 from convert.models.mtp import MTPArgs
-from convert.sources import check_safetensors, read_json, weight_files
 
 SETTINGS = settings(max_examples=80, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

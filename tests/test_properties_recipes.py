@@ -25,8 +25,8 @@ from test_inputs import GOOD
 
 from convert.cli import main
 from convert.errors import InputError
-from convert.inspect import read_manifest
-from convert.recipe import load_recipe
+from convert.inputs.recipe import load_recipe
+from convert.pipeline.bundle import read_manifest
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

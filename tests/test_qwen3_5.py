@@ -11,10 +11,11 @@ from qwen3_5_checkpoints import F as FULL
 from qwen3_5_checkpoints import L as LINEAR
 from qwen3_5_checkpoints import rewrite_config, write_checkpoint
 
-from convert.host import HostContractError, module_driver
-from convert.models import Layout, qwen3_5, read_args
-from convert.recipe import Graphs, Target
-from convert.sources import load_tensors, read_json
+from convert.inputs.recipe import Graphs, Target
+from convert.inputs.sources import load_tensors, read_json
+from convert.models import qwen3_5, read_args
+from convert.models.layout import Layout
+from convert.runtime.host import HostContractError, module_driver
 
 PREFILL, VERIFY, CONTEXT = 16, 8, 160
 TOLERANCE = 1e-4
@@ -63,7 +64,7 @@ def modules_for(directory, taps=(), **graphs):
     args = read_args(read_json(directory / "config.json"))
     graphs = {"prefill": PREFILL, "verify": VERIFY, **graphs}
     target = Target(source="path:x", graphs=Graphs(**graphs), context=CONTEXT, taps=list(taps) or None)
-    from convert.target import build_modules
+    from convert.weights.target import build_modules
 
     return args, build_modules(args, target, load_tensors(directory), torch.float32)
 
@@ -292,7 +293,8 @@ def test_causal_conv_is_the_windowed_sum():
 def test_calibration_runs_the_gdn_layers_and_keeps_the_small_linears(tmp_path):
     """GPTQ's layer-sequential capture over a hybrid core: the layers' outputs equal a prefill of each sample, the
     linears come in each layer kind's groups, and in_proj_a / in_proj_b are never handed to the quantizer."""
-    from quant.calibrate import each_linear, quantize_sequential
+    from convert.weights.quantize import quantize_sequential
+    from quant.calibrate import each_linear
 
     write_checkpoint(tmp_path / "ckpt")
     args, modules = modules_for(tmp_path / "ckpt", (3,), prefill=24)
@@ -313,9 +315,9 @@ def test_calibration_runs_the_gdn_layers_and_keeps_the_small_linears(tmp_path):
 
 
 def test_quantized_hybrid_keeps_the_gates_in_fp16(tmp_path):
-    from convert.compress import QuantizedLinear, apply_quantized
-    from convert.quantize import quantize_checkpoint
-    from convert.recipe import Quantization
+    from convert.export.quantized import QuantizedLinear, apply_quantized
+    from convert.inputs.recipe import Quantization
+    from convert.weights.quantize import quantize_checkpoint
 
     write_checkpoint(tmp_path / "ckpt", hidden_size=64, intermediate_size=128, linear_key_head_dim=16,
                      linear_value_head_dim=16, head_dim=16)

@@ -4,10 +4,10 @@ import pytest
 import torch
 from checkpoints import write_checkpoint
 
+from convert.inputs.recipe import Graphs, Target
+from convert.inputs.sources import load_tensors, read_json
 from convert.models.qwen3 import Qwen3Args
-from convert.recipe import Graphs, Target
-from convert.sources import load_tensors, read_json
-from convert.target import build_modules
+from convert.weights.target import build_modules
 
 PREFILL, VERIFY, CONTEXT = 16, 8, 128
 TAPS = (1, 0)  # recipe order, deliberately not sorted

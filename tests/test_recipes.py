@@ -35,9 +35,9 @@ def test_dflash2_27b_plans_from_its_contract():
     assert "parameters: 26,895,998,464" in out and "about 50.10 GiB of fp16 weights each" in out  # the target
     # the measured cost model: 48 x 16.1 s + 16 x 13.4 s + 5.2 s + 3.7 s at 128 x 2048 tokens = 16.6 min
     assert "estimated quantize time (lut4-gptq, 128 x 2048 calibration tokens): 17 min on one H200" in out
-    # parts under the default 2000 MB and packaged within the default 16 GB (convert/parts.py's measured cost per
-    # weight, beside the build process's base): a vocabulary table's rows in 4 parts, 2 decoder layers (2 x ~383 M
-    # weights) a part
+    # parts under the default 2000 MB and packaged within the default 16 GB (convert/pipeline/partition.py's measured
+    # cost per weight, beside the build process's base): a vocabulary table's rows in 4 parts, 2 decoder layers (2 x
+    # ~383 M weights) a part
     assert "parts: 40 (target.max_part_mb 2000, target.max_host_memory_gb 16), chained by the host" in out
     assert "embed-1of4: embedding rows 0..62079: 151.68 MiB (packaging about 12.9 GB)" in out
     assert "layers-4-5: layers 4..5, taps [5]: 368.38 MiB (packaging about 13.1 GB)" in out

@@ -25,13 +25,13 @@ from mtp_checkpoints import head_tensors, write_index
 from qwen3_5_checkpoints import write_checkpoint
 from safetensors.torch import load_file
 
-from convert import speculative
-from convert.build import make_plan
 from convert.cli import main
-from convert.drafter import build_modules as build_drafter_modules
-from convert.host import ModuleFunctions, module_driver
-from convert.sources import load_tensors
-from convert.target import build_modules
+from convert.inputs.sources import load_tensors
+from convert.pipeline.drafter import build_modules as build_drafter_modules
+from convert.pipeline.plan import make_plan
+from convert.runtime import speculative
+from convert.runtime.host import ModuleFunctions, module_driver
+from convert.weights.target import build_modules
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 VOCAB, MASK_ID = 4096, 4086  # the mask row near the end of the vocabulary, as 248070 of 248320

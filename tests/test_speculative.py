@@ -6,13 +6,13 @@ import torch
 from checkpoints import write_checkpoint
 from qwen3_5_checkpoints import write_small_target
 
-from convert import speculative
-from convert.host import ModuleFunctions, module_driver
+from convert.inputs.recipe import Graphs, Target
+from convert.inputs.sources import load_tensors, read_json
 from convert.models import read_args
 from convert.models.qwen3 import Qwen3Args
-from convert.recipe import Graphs, Target
-from convert.sources import load_tensors, read_json
-from convert.target import build_modules
+from convert.runtime import speculative
+from convert.runtime.host import ModuleFunctions, module_driver
+from convert.weights.target import build_modules
 
 WIDTH = 5
 
@@ -237,8 +237,8 @@ def test_target_taps_feed_the_dflash2_drafter_as_the_runtime_does(tmp_path):
 
 
 def test_a_quantized_drafter_that_loses_acceptance_is_refused():
-    from convert.drafter import ab_verdict, raise_if_lossy
     from convert.errors import GateError
+    from convert.pipeline.drafter import ab_verdict, raise_if_lossy
 
     base = [speculative.PromptRun([0], [], [speculative.Round(i, (1,), 1) for i in range(0, 20, 2)])]
     worse = [speculative.PromptRun([0], [], [speculative.Round(i, (2,), 0) for i in range(0, 20, 2)])]

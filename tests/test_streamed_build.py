@@ -10,15 +10,19 @@ import numpy as np
 import pytest
 import torch
 
-from convert import build, gates
-from convert.build import make_plan, shipped_modules
 from convert.cache import BuildCache
-from convert.checks import short_schedule
-from convert.export import compute_copy
-from convert.host import TargetDriver
-from convert.parts import part_calls, part_modules, recorded_calls, window_cache_bytes
-from convert.quantize import quantize_checkpoint, summary
-from convert.shipped import PartLoader
+from convert.errors import InputError
+from convert.export.functions import compute_copy
+from convert.pipeline import build, partition
+from convert.pipeline import plan as planning
+from convert.pipeline.build import shipped_modules
+from convert.pipeline.partition import window_cache_bytes
+from convert.pipeline.plan import make_plan
+from convert.runtime.host import TargetDriver
+from convert.verify import gates
+from convert.verify.checks import part_calls, recorded_calls, short_schedule
+from convert.weights.quantize import quantize_checkpoint, summary
+from convert.weights.shipped import PartLoader, part_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32_BOUND = 1e-5
@@ -155,7 +159,7 @@ def test_a_streamed_gate_over_the_host_memory_budget_is_refused_before_any_work(
     windows = int(16e9 / per_window) + 1
     recipe.write_text(recipe.read_text().replace("data: {samples: 16, length: 256}",
                                                  f"data: {{samples: {windows}, length: 256}}"))
-    with pytest.raises(build.InputError, match=rf"target.gate.data: the streamed gate over {windows} x 256 tokens "
+    with pytest.raises(InputError, match=rf"target.gate.data: the streamed gate over {windows} x 256 tokens "
                        r"needs about 1[6-9]\.\d GB of host memory \(every window's states.*over "
                        r"target.max_host_memory_gb 16; lower samples or length"):
         make_plan(recipe)
@@ -164,7 +168,7 @@ def test_a_streamed_gate_over_the_host_memory_budget_is_refused_before_any_work(
 def test_a_drafter_stage_over_the_host_memory_budget_is_refused_by_name(tmp_path, monkeypatch):
     # the drafter stage runs in the build process (one base), the parted target's stages beside it (two): weigh the
     # tiny drafter as a drafter 100 times its size would weigh, so that its stage is the larger
-    monkeypatch.setattr(build, "WHOLE_BYTES_PER_PARAMETER", 100 * build.WHOLE_BYTES_PER_PARAMETER)
+    monkeypatch.setattr(planning, "WHOLE_BYTES_PER_PARAMETER", 100 * partition.WHOLE_BYTES_PER_PARAMETER)
     text = (ROOT / "recipes" / "tiny_qwen3_5_dflash2.yaml").read_text()
     text = text.replace("path:../fixtures", f"path:{ROOT / 'fixtures'}").replace(
         "  context: 512\n", "  context: 512\n  max_part_mb: 3\n").replace(
@@ -172,12 +176,12 @@ def test_a_drafter_stage_over_the_host_memory_budget_is_refused_by_name(tmp_path
     recipe = tmp_path / "pair.yaml"
     recipe.write_text(text)
     plan = make_plan(recipe)
-    target_alone = build.build_memory_bytes(plan.args, plan.recipe.target, plan.parts, plan.specs)
+    target_alone = partition.build_memory_bytes(plan.args, plan.recipe.target, plan.parts, plan.specs)
     # the drafter stage runs the whole target, fp16 and fp32 (6 bytes a parameter), beside the drafter's build
-    assert plan.drafter_stage_bytes == build.BASE_BYTES + 6 * plan.parameter_count + \
-        build.WHOLE_BYTES_PER_PARAMETER * plan.drafter.args.parameter_count > target_alone
+    assert plan.drafter_stage_bytes == partition.BASE_BYTES + 6 * plan.parameter_count + \
+        planning.WHOLE_BYTES_PER_PARAMETER * plan.drafter.args.parameter_count > target_alone
     budget = (target_alone + plan.drafter_stage_bytes) / 2 / 1e9
     recipe.write_text(text.replace("  max_part_mb: 3\n", f"  max_part_mb: 3\n  max_host_memory_gb: {budget}\n"))
-    with pytest.raises(build.InputError, match=r"drafter: the drafter stage runs the whole target in memory .*over "
+    with pytest.raises(InputError, match=r"drafter: the drafter stage runs the whole target in memory .*over "
                        r"target.max_host_memory_gb .*; build the target alone here"):
         make_plan(recipe)

@@ -1,5 +1,5 @@
-"""The streamed, cached quantize stage (``convert/quantize.py``): the same bytes as the in-memory GPTQ loop over the
-whole core, units reused from the cache, corrupt entries recomputed, ``--no-cache`` honoured, a SIGKILLed run
+"""The streamed, cached quantize stage (``convert/weights/quantize.py``): the same bytes as the in-memory GPTQ loop over
+the whole core, units reused from the cache, corrupt entries recomputed, ``--no-cache`` honoured, a SIGKILLed run
 resumed with at most the unit in flight redone, and peak memory bounded by one unit."""
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ from checkpoints import write_checkpoint as write_dense
 from qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
 from convert.cache import BuildCache
-from convert.models import Layout, family_of, read_args
-from convert.quantize import _calibration_set, quantize_checkpoint
-from convert.recipe import Calibration, Graphs, Quantization, Target
-from convert.sources import load_tensors, read_json
-from convert.target import build_modules
+from convert.inputs.recipe import Calibration, Graphs, Quantization, Target
+from convert.inputs.sources import load_tensors, read_json
+from convert.models import family_of, read_args
+from convert.models.layout import Layout
+from convert.weights.quantize import _calibration_set, quantize_checkpoint, quantize_sequential
+from convert.weights.target import build_modules
 from quant import calibrate
-from quant.calibrate import each_linear, quantize_layer, quantize_sequential
+from quant.calibrate import each_linear, quantize_layer
 from quant.gptq import HessianAccumulator, gptq_quantize
 from quant.lut import quantize_lut
 
@@ -107,7 +108,7 @@ def test_streamed_gptq_gives_the_in_memory_loops_bytes(tmp_path, kind, method):
 def test_tables_in_row_chunks_give_the_whole_tables_bytes(tmp_path, monkeypatch, kind, method):
     """A table larger than CHUNK_ELEMENTS (a 27B's lm_head) is read, GPTQ'd or rounded in row chunks: the same codes
     and tables as the whole table's, and GPTQ's output errors add up over the chunks."""
-    import convert.quantize as stage
+    import convert.weights.quantize as stage
 
     directory = write(tmp_path / "ckpt", kind)
     args = read_args(read_json(directory / "config.json"))

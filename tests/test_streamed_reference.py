@@ -1,5 +1,5 @@
-"""The streamed fp32 reference (convert/reference.py) against the gate's whole transformers model: the same logits,
-tapped layer outputs and greedy ids on a dense, a tied dense, a hybrid and a vision-language checkpoint, with at
+"""The streamed fp32 reference (convert/verify/reference.py) against the gate's whole transformers model: the same
+logits, tapped layer outputs and greedy ids on a dense, a tied dense, a hybrid and a vision-language checkpoint, with at
 most one decoder layer's weights in memory at any time."""
 
 from pathlib import Path
@@ -10,9 +10,9 @@ import torch
 from checkpoints import write_checkpoint as write_dense
 from qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
-from convert import gates, reference
+from convert.inputs.sources import read_json
 from convert.models import read_args
-from convert.sources import read_json
+from convert.verify import gates, reference
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 GREEDY = 4

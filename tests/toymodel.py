@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from convert.backends.base import FunctionSpec, TensorSpec
-from convert.export import FunctionModule
+from convert.export.functions import FunctionModule
+from convert.export.spec import FunctionSpec, TensorSpec
 
 VOCAB, HIDDEN, LAYERS, KV_HEADS, HEAD_DIM, CONTEXT = 64, 32, 2, 2, 16, 32
 

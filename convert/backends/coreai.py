@@ -32,7 +32,7 @@ torch modules carrying their own KV buffers. Argmax ids were identical in every 
   functions cost ~25 KB of program and the weights once. With a 4096-row embedding, 582,627 bytes for
   557,184 bytes of weights (1.05x).
 
-Quantized linears (``convert/compress.py``) export as coreai-torch's ``PalettizeModule`` /
+Quantized linears (``convert/export/quantized.py``) export as coreai-torch's ``PalettizeModule`` /
 ``WeightDequantizeModule``: the asset stores their codes and zero points as packed ui4 resources (exact2: ui2,
 a uniform zero point as an inline splat) and their tables as fp16, each once for all functions (content-addressed
 blobs), and ``_check_weights_stored_once`` counts them packed. ``compressed_weights`` reads those ops and constants
@@ -69,10 +69,11 @@ from coreai.runtime import NDArray
 from coreai_torch._compression import custom_layers
 from torch import nn
 
-from convert import compress
-from convert.backends.base import CompileRecord, FunctionSpec, PackageError, TensorSpec
+from convert.backends.base import CompileRecord
+from convert.errors import PackageError
+from convert.export import quantized as compress
+from convert.export.spec import TORCH_DTYPES, FunctionSpec, TensorSpec
 
-TORCH_DTYPES = {"int32": torch.int32, "float16": torch.float16, "float32": torch.float32}
 STABLE_HASH_SCOPE = "every file of the .aimodel, byte for byte (weight blob names and creationDate made stable)"
 WEIGHT_SHARING_BOUND = 1.2  # stored blob bytes / one function's weight bytes
 DEVICE_PLATFORMS = ("iOS", "macOS")

@@ -11,7 +11,7 @@ Why these choices:
   dtype fp16 whereas data has dtype fp32"); fp16 -> fp32 -> fp16 is exact, so the shipped fp16
   constants equal the module's fp16 weights bit for bit. The copy shares fp32 tensors instead of
   duplicating them, and its zeroed states keep the trace's own KV writes out of the live cache.
-- Quantized linears (``convert/compress.py``) ship through coremltools' pre-compressed path: the tracing
+- Quantized linears (``convert/export/quantized.py``) ship through coremltools' pre-compressed path: the tracing
   copy gets ``_COREML_/weight/...`` buffers (fp16 tables, uint4 zero points) and ``ct.convert`` emits
   ``constexpr_lut_to_dense`` / ``constexpr_blockwise_shift_scale`` over our codes and tables (why the codes
   it derives are ours: compress.py). An exact2 weight arrives as a 2-bit palettization with a table per group;
@@ -52,8 +52,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from convert import compress
-from convert.backends.base import DTYPES, CompileRecord, FunctionSpec, PackageError, TensorSpec
+from convert.backends.base import CompileRecord
+from convert.errors import PackageError
+from convert.export import quantized as compress
+from convert.export.spec import DTYPES, FunctionSpec, TensorSpec
 from quant.types import QuantizedWeight
 
 
@@ -88,8 +90,9 @@ from coremltools.converters.mil.mil.passes.helper import block_context_manager  
 from coremltools.converters.mil.mil.passes.pass_registry import register_pass  # noqa: E402
 from coremltools.proto import Model_pb2  # noqa: E402
 
+from convert.export.spec import TORCH_DTYPES  # noqa: E402
+
 _NUMPY_DTYPES = {"int32": np.int32, "float16": np.float16, "float32": np.float32}
-_TORCH_DTYPES = {"int32": torch.int32, "float16": torch.float16, "float32": torch.float32}
 _FROM_MIL_DTYPES = {"int32": "int32", "fp16": "float16", "fp32": "float32"}
 _COMPILER_KIND = "coremlcompiler"
 _EXACT2_PASS = "spec_convert::exact2_codes_then_scales"
@@ -119,7 +122,7 @@ def package(functions: dict[str, tuple[nn.Module, FunctionSpec]], path: Path) ->
 def convert_function(name: str, module: nn.Module, spec: FunctionSpec) -> ct.models.MLModel:
     """Convert one function module at the static shapes of its spec into an fp16 iOS18 mlprogram."""
     _check_spec(name, module, spec)
-    example = tuple(torch.zeros(t.shape, dtype=_TORCH_DTYPES[t.dtype]) for t in spec.inputs)
+    example = tuple(torch.zeros(t.shape, dtype=TORCH_DTYPES[t.dtype]) for t in spec.inputs)
     tracing_copy = _tracing_copy(module, spec)
     try:
         # check_trace would rerun forward and compare; the state writes make that comparison meaningless.

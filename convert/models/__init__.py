@@ -7,7 +7,8 @@ nothing outside ``convert/models`` names a family:
 - ``Args.from_config(config, where)``: the family's args dataclass (``args.family`` names the family back).
 - ``sanitize(shapes, args, where) -> Layout``: refuse a checkpoint whose keys or shapes are not the config's.
 - ``build_core(args, target, part=None)``: the export core (``load_weights(tensors, layout)``, ``forward`` per
-  function), of the whole target or of one part of it (``convert/parts.py``: its embedding rows, layers, head rows).
+  function), of the whole target or of one part of it (``convert/pipeline/partition.py``: its embedding rows, layers,
+head rows).
 - ``function_specs(args, target, dtype, part=None)``, ``FunctionModule``: the functions' shape contract (the whole
   target's or a part's) and the module class that calls the core for one function.
 - ``host_contract(args, target)``: what a runtime sets between calls (``manifests.schema.HostContract``).
@@ -26,42 +27,18 @@ nothing outside ``convert/models`` names a family:
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from types import ModuleType
-
-import torch
 
 from convert import fields
 from convert.errors import InputError, quote
 
 FAMILIES = ("qwen3_5", "qwen3")  # first match wins
-DTYPE_NAMES = {torch.float16: "float16", torch.float32: "float32"}
 # Families we know by name and do not convert: (model_type, architecture) -> what to say
 REFUSED = {
     "qwen3_next": "Qwen3-Next (fused in_proj_qkvz / in_proj_ba and mixture-of-experts MLPs) is not supported",
     "qwen3_5_moe": "Qwen3.5 MoE (mixture-of-experts MLPs) is not supported; dense Qwen3.5 / 3.6 / 3.8 models are",
     "qwen3_moe": "Qwen3 MoE (mixture-of-experts MLPs) is not supported; Qwen3 dense models are",
 }
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a checkpoint stores the target: its text model's key prefix, and the tensor groups that are not the
-    target's (a vision tower, an MTP head), counted."""
-
-    prefix: str = "model."  # "model." (a causal LM) or "model.language_model." (a vision-language checkpoint)
-    ignored: tuple[tuple[str, int], ...] = ()  # (what, tensor count)
-
-    def canonical(self, key: str) -> str:
-        """The key under the causal LM's naming (``model.*``, ``lm_head.weight``)."""
-        return "model." + key.removeprefix(self.prefix) if key.startswith(self.prefix) else key
-
-    def stored(self, canonical: str) -> str:
-        """The checkpoint key of a canonical one."""
-        return self.prefix + canonical.removeprefix("model.") if canonical.startswith("model.") else canonical
-
-    def notes(self) -> list[str]:
-        return [f"{what}: {count} tensors, not shipped with the target" for what, count in self.ignored]
 
 
 def family(name: str) -> ModuleType:
@@ -99,5 +76,3 @@ def read_args(config: dict, where: str = "config.json"):
     return family_for(config, where).Args.from_config(config, where)
 
 
-def function_widths(target) -> tuple[tuple[str, int], ...]:
-    return (("prefill", target.graphs.prefill), ("decode", 1), ("verify", target.graphs.verify))

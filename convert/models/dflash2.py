@@ -56,11 +56,11 @@ from safetensors import safe_open
 from torch import nn
 
 from convert import fields
-from convert.backends.base import FunctionSpec, TensorSpec
 from convert.errors import InputError, quote
-from convert.export import ExportModules, FunctionModule
+from convert.export.functions import ExportModules, FunctionModule
+from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
+from convert.inputs.sources import check_safetensors, read_json, weight_files
 from convert.models.qwen3 import MLP, RMSNorm, layer_shapes, rotate, scaled_scores
-from convert.sources import check_safetensors, read_json, weight_files
 
 ARCHITECTURES = ("DFlash2DraftModel", "DFlashDraftModel")
 TAP_CONVENTION = "output-of-layer-0-based"
@@ -68,7 +68,6 @@ SELECTOR_FILE = "selector.safetensors"
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 ALIASES = (("midlayer.", "layers.0."), ("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm."))
 STATE_NAMES = ("ring_keys", "ring_values", "ring_laps")
-DTYPE_NAMES = {torch.float16: "float16", torch.float32: "float32"}
 MASK_BIAS = -1e4  # additive bias of a hidden key; exp(-1e4) is 0 in fp16 and fp32, and -1e4 is finite in fp16
 
 

@@ -69,12 +69,12 @@ from safetensors import safe_open
 from torch import nn
 
 from convert import fields
-from convert.backends.base import FunctionSpec, TensorSpec
 from convert.errors import InputError, quote
-from convert.export import ExportModules, FunctionModule
+from convert.export.functions import ExportModules, FunctionModule
+from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
+from convert.inputs.sources import tensor_shapes, weight_files
 from convert.models.qwen3 import DecoderLayer, Qwen3Args, RMSNorm, layer_shapes, register_positions
 from convert.models.qwen3_5 import GatedAttention, ZeroCentredRMSNorm, zero_centre_norms
-from convert.sources import tensor_shapes, weight_files
 
 QWEN35, DEEPSEEK = "qwen3.5", "deepseek"
 ZERO_CENTRED_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
@@ -85,7 +85,6 @@ FAMILY_PARTIAL_ROTARY, FAMILY_HEAD_DIM = 0.25, 256
 DRAFT_STEPS = 3  # drafts per cycle: accept gives the first, draft_step the others; accept has S = DRAFT_STEPS + 1
 STATE_NAMES = ("key_cache", "value_cache")
 HEAD_COUNT_FIELDS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
-DTYPE_NAMES = {torch.float16: "float16", torch.float32: "float32"}
 DEEPSEEK_ALIASES = {  # DeepSeek key (under model.layers.N.) -> canonical key
     "eh_proj.weight": "fc.weight",
     "enorm.weight": "pre_fc_norm_embedding.weight",

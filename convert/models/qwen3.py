@@ -17,11 +17,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from convert import export, fields
-from convert.backends.base import FunctionSpec, TensorSpec
+from convert import fields
 from convert.errors import InputError, quote
-from convert.models import DTYPE_NAMES, Layout, function_widths
-from convert.parts import Part, build_embedding, build_head, part_input, part_outputs, part_tensors
+from convert.export import functions as export
+from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
+from convert.models.layout import Layout
+from convert.models.part import (
+    Part,
+    build_embedding,
+    build_head,
+    function_widths,
+    part_input,
+    part_outputs,
+    part_tensors,
+)
 
 FAMILY = "qwen3"
 ARCHITECTURES = ("Qwen3ForCausalLM",)
@@ -295,7 +304,7 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3Core(nn.Module):
-    """The shared computation behind every target function, or behind one part's (``convert/parts.py``).
+    """The shared computation behind every target function, or behind one part's (``convert/pipeline/partition.py``).
 
     ``forward`` returns every output a function may expose: ``argmax_ids`` [1,S] int32, ``logits``
     [1,S,V], ``hidden`` [1,S,H] (the final-norm output: an MTP head's input) and, when taps are set,
@@ -423,7 +432,7 @@ def build_core(args: Qwen3Args, target, part: Part | None = None) -> Qwen3Core:
 def function_specs(args: Qwen3Args, target, dtype: torch.dtype = torch.float16,
                    part: Part | None = None) -> list[FunctionSpec]:
     """prefill / decode / verify: same inputs (``input_ids``, ``position_ids``), states and outputs, each at its
-    own static width S; a part's take and return what it needs (``convert/parts.py``)."""
+    own static width S; a part's take and return what it needs (``convert/pipeline/partition.py``)."""
     part = part or Part.whole(args)
     fdtype = DTYPE_NAMES[dtype]
     cache = (len(part.layer_indices), args.num_key_value_heads, target.context, args.head_dim)

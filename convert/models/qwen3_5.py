@@ -41,10 +41,20 @@ import torch
 from torch import nn
 
 from convert import fields
-from convert.backends.base import FunctionSpec, TensorSpec
 from convert.errors import InputError, quote
-from convert.export import NamedFunction
-from convert.models import DTYPE_NAMES, Layout, function_widths, qwen3
+from convert.export.functions import NamedFunction
+from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
+from convert.models import qwen3
+from convert.models.layout import Layout
+from convert.models.part import (
+    Part,
+    build_embedding,
+    build_head,
+    function_widths,
+    part_input,
+    part_outputs,
+    part_tensors,
+)
 from convert.models.qwen3 import (
     MLP,
     Attention,
@@ -56,7 +66,6 @@ from convert.models.qwen3 import (
     register_positions,
     rotate,
 )
-from convert.parts import Part, build_embedding, build_head, part_input, part_outputs, part_tensors
 
 FAMILY = "qwen3_5"
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
@@ -730,7 +739,7 @@ def build_core(args: Qwen35Args, target, part: Part | None = None) -> Qwen35Core
 def function_specs(args: Qwen35Args, target, dtype: torch.dtype = torch.float16,
                    part: Part | None = None) -> list[FunctionSpec]:
     """prefill / decode / verify over the same states; every function with layers takes ``accept``, prefill also
-    ``valid``; a part's take and return what it needs (``convert/parts.py``)."""
+    ``valid``; a part's take and return what it needs (``convert/pipeline/partition.py``)."""
     part = part or Part.whole(args)
     fdtype = DTYPE_NAMES[dtype]
     states = state_specs(args, target.context, pending_rows(target), fdtype, part.layer_indices)

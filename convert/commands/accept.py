@@ -1,0 +1,110 @@
+"""``spec-convert accept``: greedy speculative decoding with the shipped target and drafter, measured.
+
+By default the export modules run with the shipped weights (rebuilt from the recipe's pinned sources, as
+``spec-convert gate`` does), computing in fp32. ``--runtime coreai`` runs the built bundle's ``.aimodel``
+packages themselves on the Core AI runtime (on Linux its CPU reference: slow, so one short prompt), after the
+pair check; divergences from plain greedy are classified by the torch modules' logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from convert import backends
+from convert.commands.inspect import open_drafter, open_target
+from convert.errors import GateError, InputError
+from convert.export.functions import compute_copy
+from convert.pipeline.build import shipped_modules
+from convert.pipeline.drafter_build import (
+    format_ab,
+    format_stats,
+    held_out_prompts,
+    measure,
+    measure_held_out,
+    shipped_drafter,
+)
+from convert.pipeline.plan import make_plan
+from convert.progress import console, stage
+from convert.runtime.chain import coreai_target
+from convert.runtime.host import TargetDriver, module_driver
+from manifests import identity
+
+CORE_AI_TOKENS = 16  # the Core AI runtime's CPU reference emulates fp16: one short prompt, a few rounds
+
+
+def run_accept(recipe_path: Path, bundle: Path | None, runtime: str, tokens: int | None, prompts: int | None) -> dict:
+    if runtime == "coreai" and bundle is None:
+        raise InputError("--runtime coreai runs a built bundle's packages: give --bundle DIR")
+    pair = _open_pair(bundle) if runtime == "coreai" else None  # before any weight is built
+    plan = make_plan(recipe_path)
+    if plan.drafter is None:
+        raise InputError(f"{recipe_path}: no drafter section; accept measures a target with its drafter")
+    if prompts or tokens:
+        spec = plan.drafter.config.accept
+        updated = spec.model_copy(update={"samples": prompts or spec.samples, "tokens": tokens or spec.tokens})
+        config = plan.drafter.config.model_copy(update={"accept": updated})
+        plan.drafter.config = config
+        plan.recipe = plan.recipe.model_copy(update={"drafter": config})
+    target, _ = shipped_modules(plan)
+    target32 = compute_copy(target, torch.float32)
+    modules, fp16_modules, _ = shipped_drafter(plan, target, target32)
+    if runtime == "torch":
+        acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules, held_out_prompts(plan))
+        return {"runtime": "torch", "acceptance": acceptance, "ab": ab}
+    return _run_coreai(plan, bundle, pair, target, target32, modules, fp16_modules)
+
+
+def _open_pair(bundle: Path):
+    """A pair bundle's target and drafter manifests, their kinds and files checked (the .aimodel packages hashed)."""
+    target_dir, drafter_dir = bundle / "target", bundle / "drafter"
+    if not (target_dir / "manifest.json").is_file():
+        raise InputError(f"{bundle}: not a pair bundle (no target/manifest.json); --bundle takes the directory that "
+                         "holds target/ and drafter/")
+    return open_target(target_dir, "accept --bundle", ("coreai",)), open_drafter(drafter_dir, "accept --bundle",
+                                                                                   ("coreai",))
+
+
+def _package(folder: Path) -> Path:
+    found = sorted(folder.glob("*.aimodel"))
+    if not found:
+        raise InputError(f"{folder}: no .aimodel package (build with the coreai backend)")
+    return found[0]
+
+
+def _run_coreai(plan, bundle: Path, pair, target, target32, modules, fp16_modules) -> dict:
+    target_dir, drafter_dir = bundle / "target", bundle / "drafter"
+    target_manifest, drafter_manifest = pair
+    problems = identity.pair_mismatches(drafter_manifest, target_manifest, target_dir)
+    if problems:
+        raise GateError(f"check-pair: {problems[0]}")
+    if target_manifest.weights.lm_head_sha256 != identity.tensor_sha256(target.core.lm_head.weight):
+        raise InputError(f"{bundle}: the bundle was not built from {plan.recipe_path} (lm_head differs)")
+    if target_manifest.host_contract.model_dump() != target.contract:
+        raise InputError(f"{target_dir}: the bundle's host contract differs from this version's; rebuild it")
+    prompt = held_out_prompts(plan)[0][0][: plan.recipe.target.graphs.prefill]
+    count = min(plan.drafter.config.accept.tokens, CORE_AI_TOKENS)
+    coreai = backends.load("coreai")
+    with coreai_target(target_dir, target_manifest) as t_session, \
+            coreai.open_session(_package(drafter_dir)) as d_session:
+        with stage(f"plain greedy decoding on the Core AI runtime: {len(prompt)}-token prompt, {count} tokens"):
+            greedy_ids, _ = TargetDriver(t_session, target.widths, target.contract).greedy(prompt, count)
+        _, torch_logits = module_driver(target32).greedy(prompt, count)  # classifies any divergence
+        acceptance, ab = measure(plan, target, target32, modules, fp16_modules, [prompt], count,
+                                 [(greedy_ids, torch_logits)], (t_session, d_session))
+    return {"runtime": "coreai", "acceptance": {**acceptance, "prompt_tokens": len(prompt), "tokens": count},
+            "ab": ab}
+
+
+def result_json(result: dict) -> str:
+    return json.dumps(result, indent=2, default=lambda v: v.item() if isinstance(v, np.generic) else str(v))
+
+
+def print_result(result: dict) -> None:
+    console.print(f"runtime: {result['runtime']}")
+    console.print(format_stats(result["acceptance"]))
+    if result.get("ab"):
+        console.print(format_ab(result["ab"]))

@@ -1,0 +1,95 @@
+"""Static-shape entrypoints over one shared core module.
+
+Every function of a package (prefill, decode, verify ...) is a ``FunctionModule``: the same core
+(same parameter tensors, so a package stores the weights once) called at one static width. The KV
+buffers are registered on the function module itself, under the state names of its
+``FunctionSpec``, and the same tensor objects are shared by all functions of a part, so in torch a
+prefill call followed by decode calls carries the cache exactly as a runtime carries package states.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from convert.export.spec import FunctionSpec, TensorSpec
+
+
+class FunctionModule(nn.Module):
+    def __init__(self, core: nn.Module, spec: FunctionSpec, states: dict[str, torch.Tensor]):
+        super().__init__()
+        self.core = core
+        self.spec = spec
+        for state in spec.states:
+            self.register_buffer(state.name, states[state.name], persistent=False)
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        produced = self.produce(*inputs)
+        return tuple(produced[o.name] for o in self.spec.outputs)
+
+    def produce(self, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every output of the core for ``inputs`` in spec order, on this function's states (the gates and checks
+        read logits even where the function does not return them)."""
+        return self.core(*inputs, *(getattr(self, s.name) for s in self.spec.states))
+
+
+class NamedFunction(FunctionModule):
+    """A target function: its inputs and states passed to the core by name (each part takes a different set), with
+    its static width as a Python int (no tensor shape is read in the graph)."""
+
+    def produce(self, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        named = {t.name: value for t, value in zip(self.spec.inputs, inputs, strict=True)}
+        states = {s.name: getattr(self, s.name) for s in self.spec.states}
+        return self.core(**named, **states, width=self.spec.width)
+
+
+@dataclass
+class ExportModules:
+    """One part's export modules: a shared ``core`` and its ``functions`` (FunctionModule, spec) by name, every
+    function holding the same state tensors."""
+
+    core: nn.Module
+    functions: dict[str, tuple[FunctionModule, FunctionSpec]]
+
+    @property
+    def widths(self) -> dict[str, int]:
+        return {name: spec.width for name, (_, spec) in self.functions.items()}
+
+    def states(self) -> dict[str, torch.Tensor]:
+        module, spec = next(iter(self.functions.values()))
+        return {s.name: getattr(module, s.name) for s in spec.states}
+
+    def reset(self) -> None:
+        """Zero the states (a fresh runtime session)."""
+        for state in self.states().values():
+            state.zero_()
+
+
+def compute_copy(modules, dtype: torch.dtype, in_place: bool = False):
+    """A copy of target or drafter modules (a ``core`` and ``functions`` of (FunctionModule, spec)) computing in
+    ``dtype``: the weights as shipped, upcast exactly, fresh shared states, float specs retyped (so inputs are cast
+    to ``dtype`` too). The gates and the acceptance runs compute in fp32 this way: fp16 torch on CPU is 3-7x slower.
+    ``in_place``: ``modules`` themselves become that copy (a streamed stage's piece: no second copy in memory)."""
+    new = modules if in_place else copy.deepcopy(modules)
+    new.core.to(dtype)
+    name = {torch.float32: "float32", torch.float16: "float16"}[dtype]
+    specs = {}
+    for function, (module, spec) in new.functions.items():
+        retyped = FunctionSpec(spec.name, tuple(_retype(t, name) for t in spec.inputs),
+                               tuple(_retype(t, name) for t in spec.outputs),
+                               tuple(_retype(t, name) for t in spec.states))
+        specs[function] = (module, retyped)
+    states = {s.name: torch.zeros(s.shape, dtype=dtype) for s in next(iter(specs.values()))[1].states}
+    for module, spec in specs.values():
+        module.spec = spec
+        for state in spec.states:
+            module._buffers[state.name] = states[state.name]
+    new.functions = specs
+    return new
+
+
+def _retype(tensor: TensorSpec, dtype_name: str) -> TensorSpec:
+    return tensor if tensor.dtype == "int32" else TensorSpec(tensor.name, tensor.shape, dtype_name)

@@ -1,0 +1,489 @@
+"""Quantized linears in the export modules, and their weights as the packages store them.
+
+``apply_quantized`` swaps named ``nn.Linear`` modules of an export core for ``QuantizedLinear``s, each
+carrying one ``QuantizedWeight`` (4-bit or 2-bit codes and per-group tables, see ``quant/types.py``). One module
+serves every consumer, so every function of every package is built from the same tensors:
+
+- torch (eager, and ``torch.jit.trace`` for Core ML): ``F.linear`` with the fp16 weight
+  ``QuantizedWeight.dequantize()`` returns, held as the ``weight`` parameter.
+- ``torch.export`` (only the Core AI backend exports): the weight is computed from codes and tables by
+  coreai-torch's ``PalettizeModule`` (``coreai::lut_to_dense``, lut [O/G, 1, 16, 1]) or
+  ``WeightDequantizeModule`` (``coreai::constexpr_blockwise_shift_scale``, scale and uint4 zero point
+  [O, I/G]), held as the ``packed`` child. coreai-torch stores the codes (and zero points) as packed ui4
+  and the tables as they are; the dense ``weight`` is unused there and left out of the asset.
+- Core ML: ``add_coreml_compression`` registers coremltools' pre-compression buffers
+  (``_COREML_/weight/...``) on the backend's tracing copy. ``ct.convert`` then derives the codes from the
+  dense weight and emits ``constexpr_lut_to_dense`` / ``constexpr_blockwise_shift_scale`` with our tables.
+  The derived codes are ours: for lut4 it picks the first table entry nearest to each weight, and every
+  weight is exactly ``lut[code]`` (``_check_codes_are_first_entries`` refuses tables where an equal,
+  earlier entry would win); for affine4 it takes ``round(w / scale) + zero_point``, and ``w / scale``
+  is within 15 * 2**-11 of the integer ``code - zero_point`` (one fp16 rounding, or exact when subnormal),
+  so it rounds back to it whenever the scale is finite and non-zero (checked on construction).
+
+exact2 (2-bit codes, an fp16 scale and a zero point per group of columns) takes the cheapest exact form of each:
+
+- Core AI: ``WeightDequantizeModule`` with ``input_dtype=torch.uint2``: coreai-torch stores the codes and zero
+  points as packed ui2 (``_compression/utils.py``, ``_inject_subbyte_in_quant``: ``QUANTIZATION_SUPPORT_NBITS``
+  is (2, 4, 8)), a uniform zero point as one inline splat: measured 2.13 bits a weight at groups of 128
+  (a per-group table through ``PalettizeModule``, lut [O, I/G, 4, 1], would take 2.50).
+- Core ML (coremltools 9, iOS18): ``constexpr_blockwise_shift_scale`` takes no 2-bit data (its ``SrcT`` is
+  int4, uint4, int8, uint8, fp16, fp32: ``mil/ops/defs/iOS18/compression.py``), and a 2-bit quantization buffer
+  is stored as uint4 (``frontend/_utils.py``, ``_construct_constexpr_dequant_op``). The pre-compression buffers
+  can carry it as palettization with one 4-entry fp16 table per group (``exact2_tables``, lut [O, I/G, 4, 1]:
+  each entry is bit for bit the weight of its code, and the entries differ, so the derived indices are the
+  codes), 2.5 bits a weight; a palettization scale cannot help, being divided into the weight per channel only
+  (``frontend/torch/converter.py``, ``_construct_palettization_op``). The backend's conversion pass
+  (``convert/backends/coreml.py``) then turns each such table back into its scale and zero point
+  (``exact2_parameters``, checked bit for bit) and ships ``constexpr_lut_to_dense`` of the uint2 codes through
+  one int8 table ``[0, 1, 2, 3] - z`` into ``constexpr_blockwise_shift_scale`` with the fp16 scales (and int8
+  zero points as its offset where they are not all ``z``): coremltools' own joint palettization + quantization
+  form (``_construct_quantization_op``), measured 2.13 bits a weight at groups of 128.
+
+The packages are read back into ``ShippedWeight``s (``from_lut_to_dense``, ``from_blockwise_shift_scale``,
+``from_codes_then_scales``) and ``difference`` says how one differs from the ``QuantizedWeight`` that was meant to ship.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from convert.errors import PackageError
+from convert.export.hadamard import SignedHadamard
+from quant.types import QuantizedWeight
+
+BITS = 4
+ENTRIES = 2**BITS
+COREML_PREFIX = "_COREML_"
+_COREML_PALETTIZATION, _COREML_QUANTIZATION = 2, 3  # coremltools' CompressionType values
+EXACT2_ENTRIES = 4  # an exact2 group's codes 0..3
+_TABLES = {"lut4": ("lut",), "affine4": ("scale", "zero_point"), "exact2": ("scale", "zero_point")}
+_CODE_BITS = {"lut4": BITS, "affine4": BITS, "exact2": 2}  # codes and zero points, as both formats store them
+_ROW_BLOCK = 1024
+
+
+class QuantizedLinear(nn.Module):
+    """An ``nn.Linear`` whose weight ships as a ``QuantizedWeight`` (see the module docstring for its forms).
+
+    ``weight`` (fp16 parameter, no grad) is the dequantized weight; ``packed`` holds the codes and tables;
+    ``bias`` is the replaced linear's own. The input is computed on in its own dtype (the fp16 weight is
+    cast to it, exactly).
+    """
+
+    def __init__(self, name: str, quantized: QuantizedWeight, bias: nn.Parameter | None = None):
+        super().__init__()
+        _validate(name, quantized)
+        self.name = name
+        self.method, self.group_size = quantized.method, quantized.group_size
+        self.weight = nn.Parameter(quantized.dequantize(), requires_grad=False)
+        self.bias = bias
+        self.packed = _packed_module(quantized)
+        self.rotation = _rotation_module(quantized, inverse=isinstance(self, QuantizedEmbedding))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torch.export is the Core AI path (Core ML traces with torch.jit.trace): there the packed form ships
+        weight = self.packed() if torch.compiler.is_exporting() else self.weight
+        if self.rotation is not None:
+            x = self.rotation(x)
+        return nn.functional.linear(x, weight.to(x.dtype), self.bias)
+
+    def quantized_weight(self) -> QuantizedWeight:
+        """The ``QuantizedWeight`` this layer ships (its codes and tables, not copies)."""
+        p = self.packed
+        if self.method == "lut4":
+            return QuantizedWeight("lut4", p.indices, self.group_size, lut=p.lut.reshape(-1, ENTRIES))
+        return QuantizedWeight(self.method, p.quantized_data, self.group_size, scale=p.scale, zero_point=p.zero_point,
+                               rotation=self.rotation.rotation() if self.rotation is not None else None)
+
+    def shipped_nbytes(self) -> int:
+        """Bytes this layer takes in a package: codes and zero points at 4 bits (exact2: 2), tables, a rotation's
+        constants and bias as they are."""
+        bits = _CODE_BITS[self.method]
+        rotation = [] if self.rotation is None else list(self.rotation.buffers())
+        tensors = [*self.packed.buffers(), *rotation, *([] if self.bias is None else [self.bias])]
+        return sum(t.nbytes if t.is_floating_point() else math.ceil(t.numel() * bits / 8) for t in tensors)
+
+    def coreml_compression(self) -> dict[str, torch.Tensor]:
+        """coremltools' ``_COREML_/weight/<key>`` buffers for this layer, by key.
+
+        Tables are cast to fp16: on the backend's fp32 tracing copy they are fp32 copies of fp16 values, so the
+        cast gives back the exact fp16 tables (and keeps the constexpr ops fp16).
+        """
+        quantized = self.quantized_weight()
+        if self.method == "exact2":
+            lut = exact2_tables(quantized.scale.to(torch.float16), quantized.zero_point)[..., None]
+            return {"compression_type": torch.tensor([_COREML_PALETTIZATION]), "lut": lut}
+        if self.method == "lut4":
+            _check_codes_are_first_entries(self.name, quantized)
+            lut = quantized.lut.to(torch.float16).reshape(-1, 1, ENTRIES, 1)
+            return {"compression_type": torch.tensor([_COREML_PALETTIZATION]), "lut": lut}
+        return {
+            "compression_type": torch.tensor([_COREML_QUANTIZATION]),
+            "quantization_n_bits": torch.tensor(BITS),
+            "quantization_scale": quantized.scale.to(torch.float16),
+            "zero_point": quantized.zero_point,
+        }
+
+
+class QuantizedEmbedding(QuantizedLinear):
+    """An ``nn.Embedding`` whose table ships as a ``QuantizedWeight``: the same storage as ``QuantizedLinear``
+    (the table is a [vocab, hidden] weight), read with a gather instead of a matmul."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.packed() if torch.compiler.is_exporting() else self.weight
+        rows = nn.functional.embedding(ids, table)
+        return rows if self.rotation is None else self.rotation(rows)
+
+
+def apply_quantized(core: nn.Module, weights: dict[str, QuantizedWeight]) -> None:
+    """Swap each named ``nn.Linear`` (or ``nn.Embedding``) of ``core`` (names as in ``core.named_modules()``) for a
+    ``QuantizedLinear`` (or ``QuantizedEmbedding``).
+
+    A linear module reachable under several names is swapped under all of them by one ``QuantizedLinear``;
+    naming two of its aliases with different ``QuantizedWeight`` objects is refused. A linear whose weight is
+    tied to a parameter elsewhere (a tied ``lm_head`` sharing the embedding table) is refused: quantizing it
+    would untie the two and ship the table twice.
+    """
+    aliases: dict[int, list[str]] = {}
+    for path, module in core.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), []).append(path)
+    chosen: dict[int, tuple[str, nn.Linear, QuantizedWeight]] = {}
+    for name, quantized in weights.items():
+        linear = _linear(core, name)
+        first = chosen.setdefault(id(linear), (name, linear, quantized))
+        if first[2] is not quantized:
+            raise PackageError(
+                f"{name!r} and {first[0]!r} are one shared linear given two different quantized weights; give it one"
+            )
+    for name, linear, quantized in chosen.values():
+        paths = aliases[id(linear)]
+        _refuse_tied(core, name, linear, {f"{p}.weight" for p in paths})
+        if tuple(linear.weight.shape) != quantized.shape:
+            raise PackageError(
+                f"quantized weight {name!r} is {list(quantized.shape)} but the linear's weight is "
+                f"{list(linear.weight.shape)}; quantize the checkpoint tensor this module loads"
+            )
+        if isinstance(linear, nn.Embedding):
+            layer = QuantizedEmbedding(name, quantized)
+        else:
+            layer = QuantizedLinear(name, quantized, linear.bias)
+        for path in paths:
+            core.set_submodule(path, layer)
+
+
+def quantized_weights(module: nn.Module) -> dict[str, QuantizedWeight]:
+    """Every ``QuantizedLinear`` of ``module`` by its (first) name, with the ``QuantizedWeight`` it ships."""
+    return {name: m.quantized_weight() for name, m in module.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def shipped_nbytes(module: nn.Module, skip: set[str]) -> int:
+    """Bytes of the weights of ``module`` in a package: parameters and buffers once each (but the names in
+    ``skip``), every ``QuantizedLinear`` counted packed (``QuantizedLinear.shipped_nbytes``)."""
+    quantized = {name: m for name, m in module.named_modules() if isinstance(m, QuantizedLinear)}
+    total = sum(m.shipped_nbytes() for m in quantized.values())
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if name not in skip and not any(name.startswith(f"{q}.") for q in quantized):
+            total += tensor.nbytes
+    return total
+
+
+def add_coreml_compression(module: nn.Module) -> None:
+    """Register coremltools' pre-compression buffers on every ``QuantizedLinear`` of ``module`` (the Core ML
+    backend's tracing copy, never the live modules: the buffers would travel into the Core AI export too)."""
+    layers = [m for m in module.modules() if isinstance(m, QuantizedLinear)]
+    for layer in layers:
+        for key, value in layer.coreml_compression().items():
+            layer.register_buffer(f"{COREML_PREFIX}/weight/{key}", value)
+    if layers:
+        module.register_buffer(f"{COREML_PREFIX}/metadata_version", torch.tensor(1))
+
+
+@dataclass(frozen=True)
+class ShippedWeight:
+    """A compressed weight read back from a package: where it is, its codes and tables as stored, the dense weight
+    the format's own decompression makes of them, and ``fingerprint(weight)`` (the checks match weights by it)."""
+
+    where: str
+    weight: QuantizedWeight
+    dense: np.ndarray
+    fingerprint: str
+
+
+def from_lut_to_dense(where: str, indices: np.ndarray, lut: np.ndarray) -> QuantizedWeight:
+    """A lut_to_dense op's operands as a ``QuantizedWeight``; refuses any layout but lut4's."""
+    if indices.ndim != 2 or lut.ndim != 4 or lut.shape[1:] != (1, ENTRIES, 1) or indices.shape[0] % lut.shape[0]:
+        raise PackageError(
+            f"{where}: lut_to_dense of indices {list(indices.shape)} by a {list(lut.shape)} table is not lut4 "
+            f"(one {ENTRIES}-entry table per group of rows, [O/G, 1, {ENTRIES}, 1])"
+        )
+    codes = torch.from_numpy(np.ascontiguousarray(indices, dtype=np.uint8))
+    table = torch.from_numpy(np.ascontiguousarray(lut.reshape(-1, ENTRIES)))
+    return QuantizedWeight("lut4", codes, indices.shape[0] // lut.shape[0], lut=table)
+
+
+def from_blockwise_shift_scale(where: str, data: np.ndarray, scale: np.ndarray, offset: np.ndarray,
+                               method: str = "affine4") -> QuantizedWeight:
+    """A blockwise_shift_scale op's operands (``scale * (data - offset)``) as a ``QuantizedWeight`` of ``method``
+    (affine4, or exact2 where the data is 2-bit); refuses any layout but theirs."""
+    if (
+        data.ndim != 2
+        or scale.ndim != 2
+        or offset.shape != scale.shape
+        or scale.shape[0] != data.shape[0]
+        or data.shape[1] % scale.shape[1]
+    ):
+        raise PackageError(
+            f"{where}: blockwise_shift_scale of data {list(data.shape)}, scale {list(scale.shape)} and offset "
+            f"{list(offset.shape)} is not {method} (a scale and zero point per group of columns of each row)"
+        )
+    return QuantizedWeight(
+        method,
+        torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8)),
+        data.shape[1] // scale.shape[1],
+        scale=torch.from_numpy(np.ascontiguousarray(scale)),
+        zero_point=torch.from_numpy(np.ascontiguousarray(offset, dtype=np.uint8)),
+    )
+
+
+def from_codes_then_scales(where: str, indices: np.ndarray, lut: np.ndarray, scale: np.ndarray,
+                           offset: np.ndarray | None) -> QuantizedWeight:
+    """Core ML's exact2 form as a ``QuantizedWeight``: lut_to_dense of 2-bit ``indices`` through one integer table
+    ``[0, 1, 2, 3] - z``, then blockwise_shift_scale by ``scale`` and ``offset`` (None: 0), so a code's weight is
+    ``scale * (code - (z + offset))``; refuses any other layout."""
+    layout = (
+        lut.shape == (1, 1, EXACT2_ENTRIES, 1)
+        and lut.dtype.kind in "iu"
+        and indices.ndim == 2
+        and scale.ndim == 2
+        and scale.shape[0] == indices.shape[0]
+        and indices.shape[1] % scale.shape[1] == 0
+        and (offset is None or offset.shape == scale.shape)
+    )
+    shift = -int(lut.reshape(-1)[0]) if layout else 0
+    zero_point = shift + (np.zeros(scale.shape, np.int64) if offset is None else offset.astype(np.int64))
+    if (
+        not layout
+        or not np.array_equal(lut.reshape(-1), np.arange(EXACT2_ENTRIES) - shift)
+        or zero_point.min() < 0
+        or zero_point.max() >= EXACT2_ENTRIES
+    ):
+        raise PackageError(
+            f"{where}: lut_to_dense of indices {list(indices.shape)} by a {list(lut.shape)} table into "
+            f"blockwise_shift_scale by a {list(scale.shape)} scale is not exact2 (one table [0, 1, 2, 3] - z, a scale "
+            "per group of columns of each row, zero points z + offset in 0..3)"
+        )
+    return QuantizedWeight(
+        "exact2",
+        torch.from_numpy(np.ascontiguousarray(indices, dtype=np.uint8)),
+        indices.shape[1] // scale.shape[1],
+        scale=torch.from_numpy(np.ascontiguousarray(scale)),
+        zero_point=torch.from_numpy(zero_point.astype(np.uint8)),
+    )
+
+
+def exact2_tables(scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """Each group's weights for codes 0..3, [out, groups, 4] fp16, by ``QuantizedWeight.dequantize``'s own fp16
+    arithmetic: entry k is bit for bit the weight of a code k."""
+    codes = torch.arange(EXACT2_ENTRIES, dtype=torch.float16)
+    return (codes - zero_point[..., None].to(torch.float16)) * scale[..., None]
+
+
+def exact2_parameters(tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fp16 scale and uint8 zero point [out, groups] whose ``exact2_tables`` are ``tables`` bit for bit, or None.
+
+    A group's one zero entry is its zero point; the entry after it is ``1 * scale``, exactly (for zero point 3,
+    the entry before it is ``-1 * scale``).
+    """
+    if tables.dtype != torch.float16 or tables.dim() != 3 or tables.shape[-1] != EXACT2_ENTRIES:
+        return None
+    zeros = tables == 0
+    if not bool((zeros.sum(-1) == 1).all()):
+        return None
+    zero_point = zeros.to(torch.uint8).argmax(-1).to(torch.uint8)
+    z = zero_point.long()[..., None]
+    after = tables.gather(-1, (z + 1).clamp(max=EXACT2_ENTRIES - 1))[..., 0]
+    before = tables.gather(-1, (z - 1).clamp(min=0))[..., 0]
+    scale = torch.where(zero_point < EXACT2_ENTRIES - 1, after, -before)
+    rebuilt = exact2_tables(scale, zero_point)
+    return (scale, zero_point) if torch.equal(rebuilt.view(torch.int16), tables.view(torch.int16)) else None
+
+
+def in_row_blocks(decompress: Callable[[int, int], np.ndarray], rows: int, multiple: int) -> np.ndarray:
+    """``decompress(start, stop)`` over blocks of about 1024 rows (a multiple of ``multiple``), concatenated.
+
+    The formats' reference decompressions (coremltools', coreai-torch's) gather from a table repeated to
+    [rows, columns, 16]: 32 bytes per weight, which whole matrices of a large model would not fit.
+    """
+    step = multiple * max(1, _ROW_BLOCK // multiple)
+    return np.concatenate([decompress(start, min(start + step, rows)) for start in range(0, rows, step)])
+
+
+def difference(expected: QuantizedWeight, shipped: ShippedWeight) -> str | None:
+    """How ``shipped`` differs from ``expected`` bit for bit (format, codes, tables, then the dense weight the
+    format decompresses against ``expected.dequantize()``), or None."""
+    found = shipped.weight
+    if (found.method, found.group_size, found.shape) != (expected.method, expected.group_size, expected.shape):
+        return (
+            f"{shipped.where} is {found.method} with groups of {found.group_size} over {list(found.shape)}, "
+            f"expected {expected.method} with groups of {expected.group_size} over {list(expected.shape)}"
+        )
+    for field in ("codes", *_TABLES[expected.method]):
+        problem = _bitwise(getattr(expected, field), getattr(found, field), field)
+        if problem:
+            return f"{shipped.where}: {problem}"
+    problem = _bitwise(expected.dequantize(), torch.from_numpy(np.ascontiguousarray(shipped.dense)), "dense weight")
+    return f"{shipped.where}: {problem} (decompressed by the format's own op)" if problem else None
+
+
+def fingerprint(weight: QuantizedWeight) -> str:
+    """A digest of the method, group size, shape and the bytes of codes and tables: equal exactly when the stored
+    forms are (a digest, not the bytes: a check holds one per weight of a part)."""
+    hashed = hashlib.sha256(f"{weight.method}:{weight.group_size}:{tuple(weight.shape)}".encode())
+    for field in ("codes", *_TABLES[weight.method]):
+        tensor = getattr(weight, field).contiguous()
+        hashed.update(f":{tensor.dtype}:{tuple(tensor.shape)}:".encode())
+        hashed.update(tensor.view(torch.uint8).numpy() if tensor.dtype != torch.uint8 else tensor.numpy())
+    return hashed.hexdigest()
+
+
+def digest(array: np.ndarray) -> str:
+    """sha256 of an array's dtype, shape and bytes: how the checks match a weight to the stored one."""
+    a = np.ascontiguousarray(array)
+    hashed = hashlib.sha256(f"{a.dtype}:{a.shape}:".encode())
+    hashed.update(a.view(np.uint8))
+    return hashed.hexdigest()
+
+
+def _bitwise(expected: torch.Tensor, found: torch.Tensor, what: str) -> str | None:
+    if found.dtype != expected.dtype or found.shape != expected.shape:
+        return f"{what} is {found.dtype} {list(found.shape)}, expected {expected.dtype} {list(expected.shape)}"
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[expected.element_size()]
+    differing = int((found.contiguous().view(as_int) != expected.contiguous().view(as_int)).sum())
+    return f"{what}: {differing} of {expected.numel()} entries differ" if differing else None
+
+
+def _validate(name: str, q: QuantizedWeight) -> None:
+    """Refuse what the packages cannot store exactly, naming the tensor."""
+
+    def refuse(problem: str) -> None:
+        raise PackageError(f"quantized weight {name!r}: {problem}")
+
+    if q.method not in _TABLES:
+        refuse(f"method {q.method!r} is not one of {sorted(_TABLES)}")
+    if q.codes.dtype != torch.uint8 or q.codes.dim() != 2:
+        refuse(f"codes must be a 2-D uint8 tensor, got {q.codes.dtype} {list(q.codes.shape)}")
+    bits = _CODE_BITS[q.method]
+    if q.rotation is not None:
+        signs, block = q.rotation.signs, q.rotation.block
+        if q.method != "exact2":
+            refuse(f"a {q.method} weight has a rotation; only a pre-quantized (exact2) weight ships with one")
+        if signs.shape != (q.shape[1],) or not bool(((signs == 1) | (signs == -1)).all()):
+            refuse(f"the rotation's signs {list(signs.shape)} are not +-1 over the {q.shape[1]} input columns")
+        if block < 1 or block & (block - 1) or q.shape[1] % block:
+            refuse(f"the rotation's block {block} is not a power of two dividing the {q.shape[1]} input columns")
+    if int(q.codes.max()) >= 2**bits:
+        refuse(f"codes go up to {int(q.codes.max())}, above the {bits}-bit maximum {2**bits - 1}")
+    rows, columns = q.shape
+    if q.method == "lut4":
+        if q.group_size <= 0 or rows % q.group_size:
+            refuse(f"{rows} rows do not split into groups of {q.group_size}")
+        _check_table(refuse, "lut", q.lut, torch.float16, (rows // q.group_size, ENTRIES))
+        if not bool(q.lut.isfinite().all()):
+            refuse("the lut holds inf or NaN; coremltools matches weights to entries by distance")
+        return
+    if q.group_size <= 0 or columns % q.group_size:
+        refuse(f"{columns} columns do not split into groups of {q.group_size}")
+    groups = (rows, columns // q.group_size)
+    _check_table(refuse, "scale", q.scale, torch.float16, groups)
+    _check_table(refuse, "zero_point", q.zero_point, torch.uint8, groups)
+    if not bool((q.scale.isfinite() & (q.scale != 0)).all()):
+        derivation = {
+            "affine4": "round(w / scale) + zero_point",
+            "exact2": "the entry equal to w of its group's table scale * (k - zero_point), k = 0..3",
+        }[q.method]
+        refuse(f"a scale is zero, inf or NaN; Core ML derives each code as {derivation}")
+    if int(q.zero_point.max()) >= 2**bits:
+        refuse(f"a zero point is {int(q.zero_point.max())}; Core AI stores {q.method} zero points as uint{bits}")
+    if q.method == "exact2" and not bool(exact2_tables(q.scale, q.zero_point).isfinite().all()):
+        refuse(f"scale * (code - zero_point) overflows fp16 for a code 0..3 of some group (scales up to "
+               f"{float(q.scale.abs().max())})")
+
+
+def _check_table(refuse: Callable[[str], None], field: str, tensor, dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+        got = "nothing" if not isinstance(tensor, torch.Tensor) else f"{tensor.dtype} {list(tensor.shape)}"
+        refuse(f"{field} must be {dtype} {list(shape)}, got {got}")
+
+
+def _check_codes_are_first_entries(name: str, q: QuantizedWeight) -> None:
+    """Core ML re-derives each lut4 code as the first table entry equal to the weight; refuse codes pointing at
+    a later duplicate (they would ship changed, though the weight would not)."""
+    equal = q.lut[:, :, None] == q.lut[:, None, :]  # [groups, entry, other entry]
+    first = equal.to(torch.uint8).argmax(-1)  # the first entry equal to each entry
+    rows = torch.arange(q.shape[0]) // q.group_size
+    codes = q.codes.long()
+    moved = first[rows[:, None], codes] != codes
+    if bool(moved.any()):
+        row, column = (int(i) for i in moved.nonzero()[0])
+        code, group = int(codes[row, column]), row // q.group_size
+        raise PackageError(
+            f"quantized weight {name!r}: the table of rows {group * q.group_size}-{(group + 1) * q.group_size - 1} "
+            f"has entry {code} equal to its earlier entry {int(first[group, code])}, and code [{row}, {column}] is "
+            f"{code}; Core ML stores the first equal entry's index, so the codes would not ship as quantized: make "
+            "each group's table entries distinct"
+        )
+
+
+def _rotation_module(q: QuantizedWeight, inverse: bool) -> nn.Module | None:
+    """The weight's activation transform as a graph module (``convert/export/hadamard.py``): before a linear, after an
+    embedding's lookup (``inverse``); None when the weight has none."""
+    if q.rotation is None:
+        return None
+
+    return SignedHadamard(q.rotation.signs, q.rotation.block, inverse=inverse)
+
+
+def _packed_module(q: QuantizedWeight) -> nn.Module:
+    from coreai_torch._compression.custom_layers import PalettizeModule, WeightDequantizeModule
+
+    codes = q.codes.contiguous()
+    if q.method == "lut4":
+        return PalettizeModule(codes, q.lut.reshape(-1, 1, ENTRIES, 1).contiguous())
+    return WeightDequantizeModule(
+        codes,
+        q.scale.contiguous(),
+        zero_point=q.zero_point.contiguous(),
+        input_dtype=torch.uint2 if q.method == "exact2" else torch.uint4,
+        output_dtype=torch.float16,
+    )
+
+
+def _linear(core: nn.Module, name: str) -> nn.Linear | nn.Embedding:
+    try:
+        module = core.get_submodule(name)
+    except AttributeError:
+        linears = [n for n, m in core.named_modules() if isinstance(m, nn.Linear)]
+        raise PackageError(
+            f"{name!r} is not a module of the export core; quantized weights are named as in "
+            f"core.named_modules(), e.g. {linears[:2]}"
+        ) from None
+    if not isinstance(module, (nn.Linear, nn.Embedding)):
+        raise PackageError(
+            f"{name!r} is a {type(module).__name__}; only nn.Linear and nn.Embedding weights are quantized"
+        )
+    return module
+
+
+def _refuse_tied(core: nn.Module, name: str, linear: nn.Linear, own: set[str]) -> None:
+    tied = [n for n, p in core.named_parameters(remove_duplicate=False) if p is linear.weight and n not in own]
+    if tied:
+        raise PackageError(
+            f"{name}.weight is tied to {tied[0]} (e.g. tie_word_embeddings): quantizing it alone would untie them "
+            f"and store the table twice; keep {name!r} unquantized"
+        )

@@ -1,0 +1,60 @@
+"""The gate's bars: each quantization method's default thresholds (measured on the fixture), the names a recipe may
+override, and the near-tie margin that the package checks and the block-vs-chain probe share."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from convert.errors import InputError
+
+METHODS = ("none", "affine4", "lut4", "affine4-gptq", "lut4-gptq", "exact")
+
+
+class GateThresholds(BaseModel):
+    """Bars a candidate must meet; ``*_max`` are upper bounds, ``*_min`` lower bounds (inclusive)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mean_kl_max: float = Field(ge=0, description="mean next-token KL(reference || candidate), nats")
+    p99_kl_max: float = Field(ge=0, description="99th percentile of the per-position KL")
+    max_kl_max: float = Field(ge=0, description="largest per-position KL")
+    top1_min: float = Field(ge=0, le=1, description="fraction of positions whose argmax ids agree")
+    cosine_min: float = Field(ge=-1, le=1, description="mean cosine of the logit vectors")
+    greedy_match_min: float = Field(ge=0, le=1, description="mean fraction of G greedy tokens matched before "
+                                    "the first divergence")
+    tap_cosine_min: float = Field(ge=-1, le=1, description="mean cosine of each tapped layer's features")
+    near_tie_margin: float = Field(ge=0, description="block-vs-chain: a flip between ids whose logits differ by "
+                                   "less than this is a near tie")
+    block_chain_real_flips_max: int = Field(0, ge=0, description="block-vs-chain flips that are not near ties")
+
+
+# Measured on the fixture (python -m bench.gates, 32 x 256 held-out tokens; docs/benchmarks.md "Gates").
+_DEFAULTS = {
+    "none": dict(mean_kl_max=1e-4, p99_kl_max=1e-3, max_kl_max=1e-2, top1_min=0.99, cosine_min=0.9999,
+                 greedy_match_min=0.9, tap_cosine_min=0.9999),
+    "affine4": dict(mean_kl_max=0.1, p99_kl_max=0.5, max_kl_max=3.0, top1_min=0.85, cosine_min=0.99,
+                    greedy_match_min=0.4, tap_cosine_min=0.98),
+    "lut4": dict(mean_kl_max=0.1, p99_kl_max=0.5, max_kl_max=3.0, top1_min=0.85, cosine_min=0.99,
+                 greedy_match_min=0.4, tap_cosine_min=0.98),
+    # a pack's own codes against its unfolded weights: only fp32 rounding (and the fp16 of its dense tensors) differs
+    "exact": dict(mean_kl_max=1e-5, p99_kl_max=1e-4, max_kl_max=1e-3, top1_min=0.999, cosine_min=0.99999,
+                  greedy_match_min=0.9, tap_cosine_min=0.9999),
+}
+
+
+def default_thresholds(method: str) -> GateThresholds:
+    """The default bars for a quantization method (``Quantization.method`` of the recipe).
+
+    GPTQ variants get their round-to-nearest format's bars: GPTQ must do at least as well as RTN, and
+    their own measurements may tighten them.
+    """
+    if method not in METHODS:
+        raise InputError(f"quantization method {method!r} has no gate thresholds; one of {', '.join(METHODS)}")
+    bars = _DEFAULTS[method.removesuffix("-gptq")]
+    return GateThresholds(**bars, near_tie_margin=NEAR_TIE_LOGITS, block_chain_real_flips_max=0)
+
+
+# Measured on the fixture (bench/coreai_runtime.py, docs/benchmarks.md): the fp16 .aimodel's logits differ from
+# the fp16 torch modules' by at most 0.10 (6.9e-3 of the largest |logit|). A flip between two ids whose torch
+# logits are closer than 2.5x that error is a near tie; anything wider is a real difference.
+NEAR_TIE_LOGITS = 0.25

@@ -1,0 +1,161 @@
+"""A part of a target (its embedding rows, decoder layers, head rows) and the ends of a family's core that a part
+changes: where its rows come from, what it returns, and its tensors' specs. The families build their cores with
+these; how a target is cut into parts is ``convert/pipeline/partition.py``'s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from convert.export.spec import TensorSpec
+
+HIDDEN_OUT = "hidden_states_out"  # a part's rows for the next part (Core ML refuses one name for an input and output)
+
+
+ROW_ALIGN = 64  # vocabulary splits fall on multiples of this many rows (and of a lut4 table's rows)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One package of a target: the vocabulary rows of the embedding it looks up, the decoder layers ``first ..
+    end-1`` it runs, the vocabulary rows of the head it computes (None / an empty range: not this part's)."""
+
+    name: str
+    vocab: int
+    embedding: tuple[int, int] | None = None
+    layers: tuple[int, int] = (0, 0)
+    head: tuple[int, int] | None = None
+
+    @classmethod
+    def whole(cls, args) -> Part:
+        v = args.vocab_size
+        return cls("model", v, (0, v), (0, args.num_hidden_layers), (0, v))
+
+    @property
+    def layer_indices(self) -> range:
+        return range(*self.layers)
+
+    @property
+    def takes_hidden(self) -> bool:
+        """Whether the part reads the rows the previous part returns (every part but the first)."""
+        return self.embedding is None or self.embedding[0] > 0
+
+    @property
+    def splits_head(self) -> bool:
+        return self.head is not None and self.head != (0, self.vocab)
+
+    @property
+    def is_whole(self) -> bool:
+        return self.embedding == (0, self.vocab) and self.head == (0, self.vocab) and not self.takes_hidden
+
+    def own_taps(self, taps) -> tuple[int, ...]:
+        """The tapped layers this part runs, in the recipe's order."""
+        return tuple(t for t in taps or () if t in self.layer_indices)
+
+    @classmethod
+    def from_record(cls, record, vocab: int) -> Part:
+        """The part a manifest's ``parts`` entry describes."""
+        def rows(value):
+            return tuple(value) if value is not None else None
+
+        return cls(record.name, vocab, rows(record.embedding_rows), tuple(record.layers), rows(record.head_rows))
+
+    def record(self, taps) -> dict:
+        """The manifest's description of the part (besides its functions and packages)."""
+        return {"name": self.name, "embedding_rows": list(self.embedding) if self.embedding else None,
+                "layers": list(self.layers), "head_rows": list(self.head) if self.head else None,
+                "taps": list(self.own_taps(taps))}
+
+
+def build_embedding(core: nn.Module, args) -> None:
+    """The part's embedding rows as ``core.embed_tokens`` (none without an embedding)."""
+    part = core.part
+    if part.embedding is not None:
+        core.embed_tokens = nn.Embedding(part.embedding[1] - part.embedding[0], args.hidden_size)
+
+
+def build_head(core: nn.Module, args, norm: type[nn.Module]) -> None:
+    """The part's final ``norm`` and lm_head rows (tied to the embedding when the config ties them and the part
+    holds both whole)."""
+    part = core.part
+    if part.head is None:
+        return
+    core.norm = norm(args.hidden_size, args.rms_norm_eps)
+    core.lm_head = nn.Linear(args.hidden_size, part.head[1] - part.head[0], bias=False)
+    if args.tie_word_embeddings and part.embedding == part.head == (0, part.vocab):
+        core.lm_head.weight = core.embed_tokens.weight
+
+
+def part_input(core: nn.Module, input_ids, hidden_states) -> torch.Tensor:
+    """The rows [S, H] a part's layers start from: its embedding rows of ``input_ids`` (zero for ids outside them)
+    added to the previous part's ``hidden_states``, or those rows alone."""
+    part = core.part
+    if hidden_states is not None:  # in the core's dtype: a tracing copy computes in fp32 on the fp16 rows given
+        hidden_states = hidden_states.to(next(core.parameters()).dtype)
+    if part.embedding is None:
+        return hidden_states[0]
+    ids = input_ids[0].long()
+    lo, hi = part.embedding
+    if (lo, hi) == (0, part.vocab):
+        x = core.embed_tokens(ids)
+    else:
+        rows = core.embed_tokens((ids - lo).clamp(0, hi - lo - 1))
+        x = torch.where(((ids >= lo) & (ids < hi))[:, None], rows, torch.zeros_like(rows))
+    return x if hidden_states is None else hidden_states[0] + x
+
+
+def part_outputs(core: nn.Module, x: torch.Tensor, tapped: list) -> dict[str, torch.Tensor]:
+    """Every output a part's function may expose, from its last layer's rows ``x`` [S, H] and the ``tapped``
+    (index among the part's taps, layer output) pairs: with the head, argmax ids (and the best logit when the head is
+    split), logits and the final-norm hidden states; without it the rows for the next part; and the taps."""
+    out = {}
+    if tapped:
+        out["taps"] = torch.cat([t for _, t in sorted(tapped, key=lambda p: p[0])], dim=-1)[None]
+    part = core.part
+    if part.head is None:
+        out[HIDDEN_OUT] = x[None]
+        return out
+    hidden = core.norm(x)[None]
+    logits = core.lm_head(hidden)
+    ids = logits.argmax(-1)
+    if part.splits_head:
+        out["max_logit"] = logits.amax(-1)
+        ids = ids + part.head[0]
+    out.update(argmax_ids=ids.to(torch.int32), logits=logits, hidden=hidden)
+    return out
+
+
+def part_tensors(args, target, part: Part, width: int, dtype: str) -> tuple[tuple[TensorSpec, ...], tuple]:
+    """The inputs and outputs every family's function of ``part`` has at ``width`` (the family adds its own inputs,
+    e.g. a hybrid's ``accept`` / ``valid``). The whole target's: ``input_ids``, ``position_ids`` in; ``argmax_ids``
+    [1,S] int32 (the host reads the row of its last real token, so a prompt's final chunk may be right-padded), then
+    ``taps``, ``hidden`` and ``logits`` when the recipe asks for them."""
+    h = args.hidden_size
+    inputs = []
+    if part.embedding is not None:
+        inputs.append(TensorSpec("input_ids", (1, width), "int32"))
+    if part.takes_hidden:
+        inputs.append(TensorSpec("hidden_states", (1, width, h), dtype))
+    if part.layer_indices:
+        inputs.append(TensorSpec("position_ids", (1, width), "int32"))
+    outputs = []
+    if part.head is not None:
+        outputs.append(TensorSpec("argmax_ids", (1, width), "int32"))
+        if part.splits_head:
+            outputs.append(TensorSpec("max_logit", (1, width), dtype))
+    else:
+        outputs.append(TensorSpec(HIDDEN_OUT, (1, width, h), dtype))
+    taps = part.own_taps(target.taps)
+    if taps:
+        outputs.append(TensorSpec("taps", (1, width, len(taps) * h), dtype))
+    if part.head is not None and target.hidden and part.head[0] == 0:
+        outputs.append(TensorSpec("hidden", (1, width, h), dtype))
+    if part.head is not None and target.logits:
+        outputs.append(TensorSpec("logits", (1, width, part.head[1] - part.head[0]), dtype))
+    return tuple(inputs), tuple(outputs)
+
+
+def function_widths(target) -> tuple[tuple[str, int], ...]:
+    return (("prefill", target.graphs.prefill), ("decode", 1), ("verify", target.graphs.verify))

@@ -1,0 +1,294 @@
+"""The build pipeline: recipe -> plan -> modules -> packages -> checks -> compile -> manifest -> publish.
+
+Each stage is a plain function; ``spec-convert build`` calls ``make_plan`` then ``build``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+from convert.cache import BuildCache
+from convert.errors import GateError
+from convert.export.quantized import apply_quantized
+from convert.export.spec import SHIP_DTYPE
+from convert.inputs.prism import exact_weights, read_pack
+from convert.inputs.sources import (
+    file_records,
+    load_tensors,
+)
+from convert.models.part import Part
+from convert.pipeline.bundle import MANIFEST, staging
+from convert.pipeline.drafter_build import build_drafter
+from convert.pipeline.packaging import package_formats
+from convert.pipeline.partition import (
+    MB,
+)
+from convert.pipeline.plan import Plan
+from convert.pipeline.record import (
+    _function_record,
+    _manifest,
+    _quantization_record,
+    _write_drafter_interface,
+    copy_extras,
+    package_entry,
+)
+from convert.processes import in_fresh_process, in_this_process
+from convert.progress import console, stage
+from convert.runtime.host import TargetDriver
+from convert.verify import gates
+from convert.verify.checks import part_calls, recorded_calls, short_schedule
+from convert.verify.gates import GateReport
+from convert.weights.quantize import QuantizeResult, quantize_checkpoint
+from convert.weights.shipped import PartLoader
+from convert.weights.target import TargetModules, build_modules
+from manifests import identity
+from manifests.schema import Manifest
+
+# Above this many parameters a parted target's artifact check replays a few rows on each part on its own: the Linux
+# Core AI runtime emulates fp16 (about 24 s for one 64-token call at 11.8M parameters, docs/benchmarks.md), so the
+# chained run of every part would take hours at 27B.
+CHAINED_RUN_PARAMETERS = 50_000_000
+
+
+def shipped_modules(plan: Plan, cache: BuildCache | None = None,
+                    file_hashes: dict[str, str] | None = None) -> tuple[TargetModules, dict | None]:
+    """The export modules with the weights exactly as they ship (fp16, quantized where the recipe says), and the
+    manifest's quantization record. Quantization streams from the checkpoint and is cached per unit
+    (``convert/weights/quantize.py``) before the modules are loaded; ``file_hashes``: sha256 by source file name, when
+    known."""
+    quant = plan.recipe.target.quantization
+    result = quantize_stage(plan, cache or BuildCache(), file_hashes, in_memory=True)
+    with stage("load weights (safetensors, memory-mapped)"):
+        tensors = load_tensors(plan.snapshot.directory)
+        modules = build_modules(plan.args, plan.recipe.target, tensors, SHIP_DTYPE, plan.layout)
+        del tensors
+    if result is None:
+        return modules, None
+    apply_quantized(modules.core, result.weights)
+    return modules, _quantization_record(quant, result, modules)
+
+
+def exact_result(plan: Plan) -> QuantizeResult:
+    """``target.quantization.method: exact``: the pack's own codes, scales and rotations, nothing re-quantized."""
+    with stage(f"read the codes and scales of {plan.snapshot.packed.name} (exact: nothing is re-quantized)"):
+        return QuantizeResult(exact_weights(read_pack(plan.snapshot.packed)), None, None)
+
+
+def gate(plan: Plan, modules: TargetModules, report_path: Path | None) -> GateReport:
+    """The numeric gate of the modules against the transformers reference; prints its table; fails closed
+    (``GateError``) after writing the report to ``report_path`` when given."""
+    report = gates.gate_target(plan, modules)
+    _print_gate(report, report_path)
+    return report
+
+
+def _print_gate(report: GateReport, report_path: Path | None) -> None:
+    """Print the gate's table; fail closed (``GateError``) after writing the report to ``report_path`` if given."""
+    console.print(report.table())
+    if report_path is not None and not report.passed:
+        report.write_json(report_path)
+    report.raise_if_failed()
+
+
+def parts_loader(plan: Plan, cache: BuildCache, stack: ExitStack, file_hashes: dict[str, str] | None = None):
+    """A ``convert.weights.shipped.PartLoader`` of the plan's target: quantized (when the recipe says so) into
+    ``cache``, or into a scratch cache beside the output (removed when ``stack`` closes) when it is disabled
+    (``--no-cache``)."""
+    return PartLoader(plan, quantize_stage(plan, parts_cache(plan, cache, stack), file_hashes))
+
+
+def parts_cache(plan: Plan, cache: BuildCache, stack: ExitStack) -> BuildCache:
+    """Where a parted target's quantized weights go: ``cache``, or when it is disabled (``--no-cache``) a scratch
+    cache beside the output, removed when ``stack`` closes (the parts read their weights back from its entries)."""
+    if cache.enabled or not plan.recipe.target.quantization.format:
+        return cache
+    plan.output.resolve().parent.mkdir(parents=True, exist_ok=True)
+    return BuildCache(Path(stack.enter_context(tempfile.TemporaryDirectory(
+        prefix=".quantize-", dir=plan.output.resolve().parent))))
+
+
+def quantize_stage(plan: Plan, cache: BuildCache, file_hashes: dict[str, str] | None,
+                   in_memory: bool = False) -> QuantizeResult | None:
+    """The quantize stage (None: the recipe does not quantize): a pre-quantized pack's own weights (``exact``), or
+    ``quantize_checkpoint`` into ``cache``, its weights held or (``in_memory`` False: a parted target) in the cache's
+    entries only."""
+    quant = plan.recipe.target.quantization
+    if not quant.format:
+        return None
+    if quant.format == "exact2":
+        return exact_result(plan)
+    return quantize_checkpoint(plan.snapshot.directory, plan.args, plan.recipe.target, plan.layout, quant,
+                               plan.recipe_path.resolve().parent, cache=cache, in_memory=in_memory,
+                               file_hashes=file_hashes)
+
+
+def build(plan: Plan, cache: BuildCache | None = None) -> Manifest:
+    """Build, gate, check and publish the bundle; returns the target's manifest. Raises InputError / GateError.
+
+    With a drafter the bundle holds ``target/`` and ``drafter/``, and the pair check runs before publishing.
+    """
+    failed_report = plan.output.resolve().parent / f"{plan.output.name}.{gates.REPORT_FILE}"
+    cache = cache or BuildCache()
+    with staging(plan.output) as tmp:
+        target_dir = tmp / plan.target_dir.relative_to(plan.output)
+        target_dir.mkdir(exist_ok=True)
+        manifest, modules = _build_target(plan, target_dir, failed_report, cache)
+        if plan.drafter:
+            drafter_manifest = build_drafter(plan, modules, manifest, target_dir, tmp / "drafter", cache)
+            with stage("check-pair: the drafter's binding against the target bundle"):
+                problems = identity.pair_mismatches(drafter_manifest, manifest, target_dir)
+            if problems:
+                raise GateError(f"check-pair: {problems[0]}")
+    return manifest
+
+
+def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache) -> tuple[Manifest, TargetModules]:
+    """One package per format from the whole modules in memory; a parted target part by part (``_build_parts``)."""
+    with stage("hash source files"):
+        source_files = file_records(plan.snapshot.source)
+    if len(plan.parts) > 1:
+        return _build_parts(plan, out, failed_report, cache, source_files)
+    modules, quantization = shipped_modules(plan, cache, {r.path: r.sha256 for r in source_files})
+    report = gate(plan, modules, failed_report)
+    packages = []
+    for done in package_formats(plan.recipe.backends, modules, out, plan.recipe.name, cache=cache):
+        if done.format == "coreai":
+            report.artifact = gates.artifact_from_check(done.path.name, done.check, done.check_seconds)
+        packages.append(package_entry(done.format, done.path, out, done.check, done.compiled))
+    return _finish_target(plan, out, source_files, modules, packages, None, quantization, report), modules
+
+
+def _finish_target(plan: Plan, out: Path, source_files, modules: TargetModules, packages, parts, quantization,
+                   report: GateReport) -> Manifest:
+    """The gate report, the extras, the drafter interface and the manifest (``modules``: at least the whole
+    embedding and lm_head, as shipped)."""
+    report.write_json(out / gates.REPORT_FILE)
+    extra_files = copy_extras(plan.snapshot.directory, out)
+    target = plan.recipe.target
+    feeds_drafter = plan.drafter is not None or bool(target.taps) or target.hidden
+    interface = _write_drafter_interface(plan, modules, out) if feeds_drafter else None
+    manifest = _manifest(plan, source_files, modules, packages, parts, extra_files, quantization, report, interface)
+    (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
+    return manifest
+
+
+def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
+                 source_files) -> tuple[Manifest, TargetModules | None]:
+    """A parted target, which may be larger than host memory, with at most a part (or one decoder layer) of it
+    loaded at a time: quantized into the cache (a scratch one beside the output under ``--no-cache``), gated
+    layer by layer (``gates.gate_streamed``), packaged part by part (``convert.weights.shipped.PartLoader``). Above
+    ``CHAINED_RUN_PARAMETERS`` the quantize stage, the gate and each part run in a fresh process
+    (``convert.processes``): this one holds none of their memory. Returns the manifest, and the whole modules when a
+    drafter needs them."""
+    run = in_fresh_process if plan.parameter_count > CHAINED_RUN_PARAMETERS else in_this_process
+    with ExitStack() as stack:
+        result = run(quantize_stage, plan, parts_cache(plan, cache, stack), {r.path: r.sha256 for r in source_files})
+        report = run(_gate_parts, plan, result)
+        _print_gate(report, failed_report)
+        loader = PartLoader(plan, result)
+        packages, parts = _package_parts(plan, loader, out, cache, report)
+        # the record reads every unit back (the tables' codes too) and needs only the core's names and shapes: from
+        # the outline, before the tables load (measured at the 27B width: the finish peaked at 13.9 GiB the other
+        # way round, 9.2 GiB this way)
+        quantization = _quantization_record(plan.recipe.target.quantization, result, loader.outline) \
+            if result is not None else None
+        with stage("load the embedding and the lm_head (identity hashes, drafter interface)"):
+            tables = loader.load([tables_part(plan.args)])[0]
+        manifest = _finish_target(plan, out, source_files, tables, packages, parts, quantization, report)
+        del tables
+        whole = None
+        if plan.drafter:
+            with stage("load the whole target for the drafter"):
+                whole = loader.load([Part.whole(plan.args)])[0]
+    return manifest, whole
+
+
+def _gate_parts(plan: Plan, result: QuantizeResult | None) -> GateReport:
+    return gates.gate_streamed(plan, PartLoader(plan, result))
+
+
+def tables_part(args) -> Part:
+    """The embedding and the head without the layers: what the identity hashes and the drafter interface read."""
+    return Part("tables", args.vocab_size, embedding=(0, args.vocab_size), head=(0, args.vocab_size))
+
+
+def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache,
+                   report: GateReport) -> tuple[list[dict], list[dict]]:
+    """Package, check and compile each part (``convert/pipeline/partition.py``), no package over
+    ``target.max_part_mb``, each part's check replaying the calls it made in the chained torch parts. The Core AI
+    checks are the artifact gate: the parts chained on the runtime in lockstep with the torch parts, or, above
+    ``CHAINED_RUN_PARAMETERS``, each part replayed on its own (``checks.short_schedule``), each part loaded, recorded
+    and packaged alone in a fresh process (``_package_part``). Returns the package entries and the manifest's parts."""
+    target, parts = plan.recipe.target, plan.parts
+    short = plan.parameter_count > CHAINED_RUN_PARAMETERS
+    pieces = None
+    packages, records, checked = [], [], []
+    if short:
+        outline = loader.outline
+        driver = TargetDriver(None, outline.widths, outline.contract)
+        schedule = [(f, driver.inputs(f, tokens, p0)) for f, tokens, p0 in short_schedule(outline.widths,
+                                                                                           plan.args.vocab_size)]
+        rows = [None] * len(schedule)
+        for i in range(len(parts)):
+            entries, record, coreai, rows = in_fresh_process(_package_part, plan, loader.result, i, out, cache,
+                                                             schedule, rows)
+            packages += entries
+            records.append(record)
+            checked += coreai
+    else:
+        with stage(f"record the calls each part's check replays ({len(parts)} parts chained in torch)"):
+            pieces = loader.load(parts)
+            calls = recorded_calls(parts, pieces, target.taps, loader.outline.contract, plan.args.vocab_size, short)
+        for part, piece, part_calls_ in zip(parts, pieces, calls, strict=True):
+            entries, record, coreai = _package_piece(plan, part, piece, part_calls_, out, cache)
+            packages += entries
+            records.append(record)
+            checked += coreai
+    if checked:
+        what = f"{len(checked)} parts chained on the Core AI runtime" if not short else \
+            f"{len(checked)} parts, each replayed on its own (the chained run is above {CHAINED_RUN_PARAMETERS:,} " \
+            "parameters)"
+        with stage(f"artifact gate: {what}"):
+            report.artifact = gates.artifact_of_parts(checked, parts, pieces, target.taps, loader.outline, not short)
+    return packages, records
+
+
+def _package_part(plan: Plan, result: QuantizeResult | None, index: int, out: Path, cache: BuildCache,
+                  schedule: list, rows: list) -> tuple[list[dict], dict, list, list]:
+    """Part ``index`` of a target above ``CHAINED_RUN_PARAMETERS`` alone: loaded, its calls of the short
+    ``schedule`` recorded from the previous part's ``rows``, packaged one format after the other (their packaging
+    memory in turn). What ``_package_piece`` returns, and the rows for the next part."""
+    part = plan.parts[index]
+    with stage(f"load part {part.name} ({index + 1} of {len(plan.parts)})"):
+        piece = PartLoader(plan, result).load([part])[0]
+        calls, rows = part_calls(piece, schedule, rows)
+    return *_package_piece(plan, part, piece, calls, out, cache, side_by_side=False), rows
+
+
+def _package_piece(plan: Plan, part: Part, piece: TargetModules, calls: list, out: Path, cache: BuildCache,
+                   side_by_side: bool = True) -> tuple[list[dict], dict, list]:
+    """One part's packages in every format (each checked against its size limit), its manifest record, and its
+    Core AI ``Packaged`` (the artifact gate's)."""
+    recipe, target = plan.recipe, plan.recipe.target
+    entries, coreai = [], []
+    for done in package_formats(recipe.backends, piece, out, f"{recipe.name}.{part.name}", calls, cache,
+                                every_function=True, side_by_side=side_by_side):
+        entries.append(package_entry(done.format, done.path, out, done.check, done.compiled, part.name))
+        _check_part_size(entries[-1], target.max_part_mb)
+        if done.format == "coreai":
+            coreai.append(done)
+    record = {**part.record(target.taps), "functions": [_function_record(spec) for _, spec in piece.functions.values()],
+              "packages": [e["path"] for e in entries]}
+    return entries, record, coreai
+
+
+def _check_part_size(entry: dict, max_part_mb: float) -> None:
+    """No package of a part over the limit (its files, as written)."""
+    size = sum(f["size"] for f in entry["files"])
+    if size > max_part_mb * MB:
+        raise GateError(f"{entry['path']}: {size / MB:.1f} MB, over target.max_part_mb {max_part_mb:g}; the plan "
+                        "under-estimated it (lower max_part_mb)")
+
+

@@ -1,0 +1,258 @@
+"""The drafter part of a build: plan, modules with the target's shipped tables, quantize, accept, manifest.
+
+A drafter is only useful with the exact target build it was made for, so every stage takes the target's
+shipped modules: the drafter's borrowed ``lm_head`` (and an MTP head's embedding table) are the target's
+tensors exactly as the target package computes with them, quantized the same way when the target's are
+(the same codes and tables, so both packages store the same bytes), and the mask row of a DFlash2 drafter is
+the target's shipped embedding row. The drafter's manifest binds it to that target by hash
+(``manifests.schema.TargetBinding``); ``manifests.identity.pair_mismatches`` checks the binding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from convert.errors import GateError, InputError
+from convert.export.quantized import QuantizedLinear, apply_quantized
+from convert.export.spec import FunctionSpec
+from convert.fp16 import like_the_runtime
+from convert.inputs import contract
+from convert.inputs.recipe import Drafter, DrafterQuantization, Recipe
+from convert.inputs.sources import Snapshot, check_safetensors, resolve, tensor_shapes
+from convert.inputs.thresholds import NEAR_TIE_LOGITS
+from convert.models import dflash2, mtp
+from convert.runtime import speculative
+from convert.runtime.economics import MeteredFunctions, cost_model
+from convert.runtime.host import ModuleFunctions, TargetDriver, module_driver
+from convert.weights.quantize import round_to_nearest, summary
+from convert.weights.target import TargetModules
+from quant.gptq import HessianAccumulator, gptq_quantize
+
+MTP_HIDDEN_CONVENTION = "target final-norm output at position t (what its lm_head reads), vLLM's convention"
+BORROWED = ("lm_head", "embed_tokens")  # the target's tables inside a drafter core: never quantized on their own
+
+
+@dataclass
+class DrafterPlan:
+    config: Drafter
+    snapshot: Snapshot
+    args: dflash2.DFlash2Args | mtp.MTPArgs
+    layout: str
+    specs: list[FunctionSpec]
+
+    @property
+    def kind(self) -> str:
+        return self.config.kind
+
+    @property
+    def widths(self) -> dict[str, int]:
+        return {s.name: s.width for s in self.specs}
+
+
+def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, target,
+                 dtype: torch.dtype) -> DrafterPlan:
+    """Validate the drafter's config and tensor headers against the target (its architecture family's args);
+    reads no weights."""
+    config = recipe.drafter
+    where = recipe_path
+    if config.source is None and config.kind != "mtp":
+        raise InputError(f"{where}: drafter.source: required for a {config.kind} drafter")
+    snapshot = resolve(config.source, recipe_path.resolve().parent, "drafter.source") if config.source \
+        else target_snapshot
+    config_path = snapshot.directory / "config.json"
+    contract.check(snapshot.config(), config.contract, str(config_path), "drafter.contract")
+    verify = recipe.target.graphs.verify
+    if config.kind == "dflash2":
+        args = dflash2.DFlash2Args.from_config(snapshot.config(), str(config_path))
+        files = dflash2.checkpoint_files(snapshot.directory)
+        dflash2.sanitize({f.name: check_safetensors(f) for f in files}, args)
+        layout = args.architecture
+        taps = list(recipe.target.taps or [])
+        if taps != list(args.target_layer_ids):
+            raise InputError(
+                f"{where}: target.taps {taps or None} must equal the drafter's dflash_config.target_layer_ids "
+                f"{list(args.target_layer_ids)} ({config_path}), in that order"
+            )
+        if verify > args.block_size:
+            raise InputError(f"{where}: target.graphs.verify {verify} exceeds the drafter's block_size "
+                             f"{args.block_size} ({config_path})")
+        specs = dflash2.function_specs(args, config.context_update, config.context_append, config.ring, dtype,
+                                       draft_width=verify)
+    else:
+        args = mtp.MTPArgs.from_config(snapshot.config(), str(config_path))
+        layout = mtp.sanitize(tensor_shapes(snapshot.directory), args, f"checkpoint {snapshot.directory}")
+        if not recipe.target.hidden:
+            raise InputError(f"{where}: target.hidden: an MTP drafter reads the target's final-norm hidden states; "
+                             "set target.hidden: true")
+        specs = mtp.function_specs(args, verify - 1, recipe.target.context, dtype)
+    for field, mine, theirs in (("hidden_size", args.hidden_size, target.hidden_size),
+                                ("vocab_size", args.vocab_size, target.vocab_size)):
+        if mine != theirs:
+            raise InputError(f"{config_path}: {field} {mine} differs from the target's {theirs}: not its drafter")
+    return DrafterPlan(config=config, snapshot=snapshot, args=args, layout=layout, specs=specs)
+
+
+def build_modules(plan: DrafterPlan, recipe: Recipe, target: TargetModules, dtype: torch.dtype):
+    """Drafter export modules in ``dtype`` holding the target's shipped tables (quantized as the target's)."""
+    core = target.core
+    lm_head, embed = core.lm_head.weight.detach(), core.embed_tokens.weight.detach()
+    config, verify = plan.config, recipe.target.graphs.verify
+    if plan.kind == "dflash2":
+        _, tensors = dflash2.load_checkpoint(plan.snapshot.directory)
+        modules = dflash2.build_modules(
+            plan.args, tensors, lm_head, embed[plan.args.mask_token_id], dtype, max_positions=recipe.target.context,
+            ring_rows=config.ring, update_width=config.context_update, append_width=config.context_append,
+            mask_scale=config.mask_scale, draft_width=verify)
+    else:
+        head = mtp.load_head(plan.snapshot.directory, plan.args)
+        tables = {"model.embed_tokens.weight": embed, "lm_head.weight": lm_head}
+        modules = mtp.build_modules(plan.args, head, tables, recipe.target.context, verify - 1, dtype)
+    borrowed = {name: getattr(core, name).quantized_weight() for name in BORROWED
+                if isinstance(getattr(core, name), QuantizedLinear) and hasattr(modules.core, name)}
+    if borrowed:
+        apply_quantized(modules.core, borrowed)
+    return modules
+
+
+def calibration_hessians(kind: str, target_modules, drafter_modules, prompts: list[list[int]], tokens: int,
+                         embeddings: np.ndarray) -> dict[str, torch.Tensor]:
+    """Input Hessians of the drafter's own linears over speculative decoding of ``prompts``: the drafter sees
+    exactly what it sees deployed (context rows from the target's taps or hidden states, draft blocks, accepted
+    rows). A chunk's padding rows repeat its last row and count again."""
+    accumulators, hooks = {}, []
+    for name, module in drafter_modules.core.named_modules():
+        if name in BORROWED or type(module) is not torch.nn.Linear:
+            continue
+        accumulators[name] = HessianAccumulator(module.in_features)
+        hooks.append(module.register_forward_hook(lambda _m, inputs, _out, acc=accumulators[name]: acc.add(inputs[0])))
+    try:
+        target, drafter = drivers(kind, target_modules, drafter_modules, embeddings)
+        for prompt in prompts:
+            speculative.speculate(kind, target, drafter, prompt, tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {name: acc.hessian() for name, acc in accumulators.items() if acc.count}
+
+
+def quantize(modules, quant: DrafterQuantization, hessians: dict[str, torch.Tensor] | None = None) -> dict:
+    """4-bit of the drafter's own linears (round to nearest, or GPTQ under ``hessians``); the borrowed tables
+    stay as the target ships them. Returns the manifest's quantization record."""
+    method, group = quant.format, quant.resolved_group_size
+    weights = {}
+    for name, module in modules.core.named_modules():
+        if name in BORROWED or type(module) is not torch.nn.Linear:
+            continue
+        weight = module.weight.detach().float()
+        if hessians is not None:
+            if name not in hessians:
+                raise InputError(f"drafter.quantization.calibration: linear {name} saw no calibration input")
+            weights[name] = gptq_quantize(weight, hessians[name], method, group, name=name)
+        else:
+            weights[name] = round_to_nearest(method, weight, group)
+    apply_quantized(modules.core, weights)
+    own = [p for n, p in modules.core.named_parameters() if not n.startswith(BORROWED)]
+    bits_per_weight, layers = summary(weights, own)
+    return {"method": quant.method, "group_size": group, "bits_per_weight": bits_per_weight, "layers": layers}
+
+
+def anchor_table(target_modules) -> np.ndarray:
+    """The target's embedding table exactly as shipped (fp16), which the host reads anchor rows from: a view of the
+    module's tensor, not a copy (at 27B it is 2.5 GB)."""
+    return target_modules.core.embed_tokens.weight.detach().numpy()
+
+
+def drivers(kind: str, target_modules, drafter_modules, embeddings: np.ndarray, functions=None):
+    """The target's driver and the drafter's (``kind`` dflash2, mtp or ngram: prompt lookup, no modules), on
+    ``functions`` (target's, drafter's) when given, else on the modules themselves."""
+    target_functions, drafter_functions = functions or (
+        ModuleFunctions(target_modules), None if drafter_modules is None else ModuleFunctions(drafter_modules))
+    target = TargetDriver(target_functions, target_modules.widths, target_modules.contract)
+    if kind == "dflash2":
+        return target, speculative.DFlash2Driver(drafter_functions, drafter_modules.widths, embeddings)
+    if kind == "mtp":
+        return target, speculative.MTPDriver(drafter_functions, drafter_modules.widths)
+    return target, speculative.NGramDrafter()
+
+
+def greedy_references(target_modules, prompts: list[list[int]], tokens: int) -> list[tuple[list[int], list]]:
+    """Plain greedy decoding of each prompt (ids and the logits each was chosen from): the lossless reference."""
+    target = module_driver(target_modules)
+    return [target.greedy(prompt, tokens) for prompt in prompts]
+
+
+def accept(kind: str, target_modules, drafter_modules, prompts: list[list[int]], tokens: int,
+           embeddings: np.ndarray, references: list,
+           functions: tuple | None = None) -> tuple[dict, list[speculative.PromptRun]]:
+    """Speculative decoding over ``prompts`` and the lossless check against ``references`` (plain greedy of
+    the same target: ``greedy_references`` of these prompts); on ``functions`` (see ``drivers``) when given."""
+    target, drafter = drivers(kind, target_modules, drafter_modules, embeddings, functions)
+    runs = []
+    for prompt, (greedy_ids, greedy_logits) in zip(prompts, references, strict=True):
+        run, spec_logits = speculative.speculate(kind, target, drafter, prompt, tokens)
+        speculative.check_lossless(run, greedy_ids, spec_logits, greedy_logits, NEAR_TIE_LOGITS)
+        runs.append(run)
+    width = target.widths["verify"]
+    stats = speculative.ngram_stats(runs, width) if kind == "ngram" else speculative.acceptance_stats(runs, width)
+    return stats, runs
+
+
+def economics(kind: str, target_modules, target32, drafter_modules, drafter32, prompt: list[int], tokens: int,
+              embeddings: np.ndarray, tokens_per_round: float) -> dict:
+    """Bytes read per call and the cost model (``convert.runtime.economics``) over one metered speculative run of
+    ``prompt`` (the fp32 compute copies run, elements priced as the shipped modules store them) and a decode
+    call of the target."""
+    log: list = []
+    functions = (MeteredFunctions(target32, target_modules, "target", log),
+                 MeteredFunctions(drafter32, drafter_modules, "drafter", log))
+    target, drafter = drivers(kind, target32, drafter32, embeddings, functions)
+    speculative.speculate(kind, target, drafter, prompt, tokens)
+    target.greedy(prompt, 2)  # prefill, then one decode call: the unit of cost
+    return cost_model(log, tokens_per_round)
+
+
+def raise_if_lossy(stats: dict, runs: list[speculative.PromptRun]) -> None:
+    if not stats["lossless"]:
+        flip = next(r.divergence for r in runs if r.divergence and r.divergence["kind"] == "real_flip")
+        raise GateError(
+            f"speculative decoding is not lossless: at output offset {flip['offset']} it produced "
+            f"{flip['speculative']} where plain greedy decoding produced {flip['greedy']} (logit gap "
+            f"{flip['logit_gap']:.3f} >= near-tie margin {NEAR_TIE_LOGITS})"
+        )
+
+
+def ab_verdict(ab: dict, max_p: float) -> dict:
+    """A quantized drafter that accepts significantly fewer drafts than the fp16 one is refused."""
+    worse = ab["accepted_other"] < ab["accepted_base"] and ab["sign_test_p"] < max_p
+    return {**ab, "max_p_value": max_p, "significant_loss": worse}
+
+
+class Recording:
+    """A ``speculative.Functions`` that records every call with its outputs (the package check replays them)."""
+
+    def __init__(self, functions: ModuleFunctions):
+        self.functions, self.calls = functions, []
+
+    def reset(self) -> None:
+        self.functions.reset()
+        self.calls.append(("reset", {}, {}))
+
+    def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = self.functions.call(function, inputs)
+        self.calls.append((function, {k: np.array(v) for k, v in inputs.items()}, out))
+        return out
+
+
+def recorded_calls(kind: str, target_modules, drafter_modules, prompt: list[int], tokens: int,
+                   embeddings: np.ndarray) -> list:
+    """The drafter calls of a short speculative run of the shipped fp16 modules, with their outputs, computed as this
+    CPU's Core AI runtime computes (``fp16.like_the_runtime``): what the drafter's package check replays."""
+    target, drafter = drivers(kind, target_modules, drafter_modules, embeddings)
+    drafter.functions = Recording(drafter.functions)
+    with like_the_runtime():
+        speculative.speculate(kind, target, drafter, prompt, tokens)
+    return drafter.functions.calls

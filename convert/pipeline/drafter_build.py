@@ -1,0 +1,280 @@
+"""Build the drafter bundle of a recipe with both roles, after its target (``convert.pipeline.build.build``).
+
+Stages: modules with the target's shipped tables -> (quantize) -> acceptance on held-out prompts with the
+lossless check (and for a quantized drafter the paired A/B against the fp16 one) -> package per backend ->
+check (read back; the ``.aimodel`` replays a recorded speculative run on the Core AI runtime) -> compile ->
+manifest bound to the target build. A lossy run or a significant A/B loss fails closed (exit 1).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from convert.errors import GateError
+from convert.export.functions import compute_copy
+from convert.inputs.sources import file_records, license_files
+from convert.pipeline import drafter
+from convert.pipeline.bundle import MANIFEST
+from convert.pipeline.packaging import package_formats
+from convert.pipeline.record import _desc, built_at, package_entry, toolchain_versions
+from convert.progress import console, stage
+from convert.runtime.economics import format_economics, ngram_speedup
+from convert.runtime.host import ModuleFunctions
+from convert.runtime.speculative import paired_ab
+from convert.verify import gates
+from convert.weights.quantize import calibration_text
+from convert.weights.target import TargetModules
+from manifests import identity
+from manifests.schema import TAP_CONVENTION, DrafterManifest, Manifest
+
+CHECK_PROMPT_TOKENS = 24  # the replayed run on the Core AI runtime: a short prompt ...
+CHECK_GENERATED = 12  # ... and a few rounds
+
+
+def text_prompts(plan, spec, field: str) -> tuple[list[list[int]], dict]:
+    """``spec.samples`` windows of ``spec.length`` tokens of the spec's corpus through the target tokenizer, and
+    their identity (corpus sha256, n, length, seed, tokens generated after each)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(plan.snapshot.directory / "tokenizer.json"))
+    text = calibration_text(spec.corpus, plan.recipe_path.resolve().parent, field)
+    data = gates.EvalData.from_text(text, tokenizer, spec.samples, spec.length, spec.seed, corpus=spec.corpus)
+    return data.tokens.tolist(), {**data.identity.model_dump(), "tokens": spec.tokens}
+
+
+def held_out_prompts(plan) -> tuple[list[list[int]], dict]:
+    """The recipe's acceptance prompts (``drafter.accept``, by default the held-out split)."""
+    return text_prompts(plan, plan.drafter.config.accept, "drafter.accept.corpus")
+
+
+def shipped_drafter(plan, target: TargetModules, target32: TargetModules):
+    """(shipped modules, fp16 reference modules or None, quantization record or None). ``target32`` is the
+    shipped target computing in fp32, which GPTQ calibration drives."""
+    dplan, quant = plan.drafter, plan.drafter.config.quantization
+    with stage(f"load drafter {dplan.kind} ({dplan.snapshot.reference})"):
+        modules = drafter.build_modules(dplan, plan.recipe, target, torch.float16)
+    if quant.method == "none":
+        return modules, None, None
+    fp16 = compute_copy(modules, torch.float16)
+    hessians, calibration = None, None
+    if quant.uses_gptq:
+        spec = quant.calibration
+        prompts, calibration = text_prompts(plan, spec, "drafter.quantization.calibration.corpus")
+        with stage(f"calibrate drafter: speculative decoding of {len(prompts)} x {spec.length} tokens + "
+                   f"{spec.tokens} generated ({spec.corpus})"):
+            hessians = drafter.calibration_hessians(dplan.kind, target32, compute_copy(modules, torch.float32),
+                                                    prompts, spec.tokens, drafter.anchor_table(target))
+    with stage(f"quantize drafter {quant.method} (groups of {quant.resolved_group_size})"):
+        record = drafter.quantize(modules, quant, hessians)
+    return modules, fp16, {**record, "calibration": calibration}
+
+
+def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_modules, prompts: list[list[int]],
+            tokens: int, references: list, functions: tuple | None = None) -> tuple[dict, dict | None]:
+    """Acceptance of the shipped pair against ``references`` (plain greedy of each prompt: lossless or fail), the
+    bytes each call reads and the predicted speedup, the n-gram baseline on the same target, and for a quantized
+    drafter the A/B verdict against the fp16 one. The torch modules compute in fp32 (``target32``: the shipped
+    target upcast) unless ``functions`` (the target's and the drafter's, e.g. Core AI sessions of the packages)
+    are given; the fp16 drafter of the A/B then runs as torch modules against that target (no fp16 package is
+    shipped). Bytes are a property of the graphs and are metered on the torch modules."""
+    dplan, spec = plan.drafter, plan.drafter.config.accept
+    embeddings = drafter.anchor_table(target)
+    drafter32 = compute_copy(modules, torch.float32)
+
+    def with_drafter(drafter_functions):
+        return None if functions is None else (functions[0], drafter_functions)
+
+    with stage(f"accept: {len(prompts)} prompts x {tokens} tokens, speculative vs greedy"):
+        stats, runs = drafter.accept(dplan.kind, target32, drafter32, prompts, tokens, embeddings, references,
+                                     functions)
+    drafter.raise_if_lossy(stats, runs)
+    with stage("economics: bytes read per call (one metered run)"):
+        economics = drafter.economics(dplan.kind, target, target32, modules, drafter32, prompts[0], tokens,
+                                      embeddings, stats["tokens_per_round"])
+    with stage("n-gram baseline: prompt lookup on the same prompts and target (no package)"):
+        ngram, ngram_runs = drafter.accept("ngram", target32, None, prompts, tokens, embeddings, references,
+                                           with_drafter(None))
+    drafter.raise_if_lossy(ngram, ngram_runs)
+    ngram["predicted_speedup"] = ngram_speedup(ngram, economics["verify_cost"])
+    acceptance = {**stats, "economics": economics, "ngram": ngram}
+    if fp16_modules is None:
+        return acceptance, None
+    base32 = compute_copy(fp16_modules, torch.float32)
+    with stage("A/B: the fp16 drafter on the same prompts"):
+        base_stats, base_runs = drafter.accept(dplan.kind, target32, base32, prompts, tokens, embeddings,
+                                               references, with_drafter(ModuleFunctions(base32)))
+    ab = drafter.ab_verdict(paired_ab(base_runs, runs), spec.max_p_value)
+    ab["fp16_tokens_per_round"] = base_stats["tokens_per_round"]
+    if ab["significant_loss"]:
+        raise GateError(
+            f"drafter quantization {dplan.config.quantization.method} loses acceptance: {ab['accepted_other']} vs "
+            f"{ab['accepted_base']} accepted drafts over {ab['matched_rounds']} paired rounds, sign test p = "
+            f"{ab['sign_test_p']:.3g} < {spec.max_p_value}; ship it with drafter.quantization.method: none"
+        )
+    return acceptance, ab
+
+
+def measure_held_out(plan, target: TargetModules, target32: TargetModules, modules, fp16_modules, held_out):
+    """``measure`` on the recipe's held-out prompts (``held_out_prompts``) in torch, against plain greedy of the
+    same modules."""
+    (prompts, data), tokens = held_out, plan.drafter.config.accept.tokens
+    with stage(f"plain greedy decoding: {len(prompts)} held-out prompts x {tokens} tokens"):
+        references = drafter.greedy_references(target32, prompts, tokens)
+    acceptance, ab = measure(plan, target, target32, modules, fp16_modules, prompts, tokens, references)
+    return {"data": data, **acceptance}, ab
+
+
+def _by_position(stats: dict) -> str:
+    return ", ".join("-" if a is None else f"{a:.2f}" for a in stats["acceptance_by_position"])
+
+
+def format_stats(stats: dict) -> str:
+    lines = [f"tokens per round {stats['tokens_per_round']:.3f} over {stats['rounds']} rounds; acceptance by draft "
+             f"position [{_by_position(stats)}]; lossless {stats['lossless']} ({stats['near_ties']} near ties)"]
+    if "economics" in stats:
+        lines.append(format_economics(stats["economics"]))
+    if "ngram" in stats:
+        ngram = stats["ngram"]
+        per_verify = "-" if ngram["tokens_per_verify"] is None else f"{ngram['tokens_per_verify']:.3f}"
+        lines.append(
+            f"n-gram baseline (prompt lookup, orders 3..1, no package): {ngram['tokens']} tokens in "
+            f"{ngram['verify_calls']} verify + {ngram['decode_calls']} decode calls (a proposal in "
+            f"{ngram['hit_rate']:.2f} of rounds, {per_verify} tokens per verify); acceptance by draft position "
+            f"[{_by_position(ngram)}]; lossless {ngram['lossless']} -> predicted speedup "
+            f"{ngram['predicted_speedup']:.2f}x")
+    return "\n".join(lines)
+
+
+def format_ab(ab: dict) -> str:
+    return (f"A/B quantized vs fp16 (fp16: {ab['fp16_tokens_per_round']:.3f} tokens per round): "
+            f"{ab['matched_rounds']} paired rounds, identical proposals "
+            f"{ab['identical_proposals']:.3f}, more accepted: fp16 {ab['base_more']} / quantized {ab['other_more']}, "
+            f"sign test p {ab['sign_test_p']:.3g}, accepted drafts fp16 {ab['accepted_base']} / quantized "
+            f"{ab['accepted_other']}")
+
+
+def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target_dir: Path, out: Path, cache=None):
+    """The drafter's bundle in ``out``: its modules quantized as the recipe says, acceptance measured, packages (from
+    the build ``cache`` when given: their keys hold the calls their check replays) and manifest."""
+    dplan = plan.drafter
+    out.mkdir()
+    with stage("hash drafter source files"):
+        source_files = file_records(dplan.snapshot.directory)
+    target32 = compute_copy(target, torch.float32)
+    modules, fp16_modules, quantization = shipped_drafter(plan, target, target32)
+    held_out = held_out_prompts(plan)
+    acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules, held_out)
+    del target32  # packaging needs only the fp16 modules; the fp32 copy of the target is freed
+    console.print(format_stats(acceptance))
+    if ab:
+        console.print(format_ab(ab))
+    prompt = held_out[0][0][:CHECK_PROMPT_TOKENS]
+    calls = drafter.recorded_calls(dplan.kind, target, modules, prompt, CHECK_GENERATED, drafter.anchor_table(target))
+    packages = []
+    method = dplan.config.quantization.method
+    stem = f"{dplan.kind}_{'fp16' if method == 'none' else method}"  # as forge names it: dflash2_lut4.aimodel
+
+    for done in package_formats(plan.recipe.backends, modules, out, stem, calls, cache):
+        packages.append(package_entry(done.format, done.path, out, done.check, done.compiled))
+    extra_files = _write_extras(dplan, modules, out)
+    manifest = _manifest(plan, source_files, modules, target_manifest, target_dir, packages, extra_files,
+                         quantization, acceptance, ab)
+    (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
+    return manifest
+
+
+def _write_extras(dplan, modules, out: Path) -> list[dict]:
+    """config.json, LICENSE / NOTICE, SOURCE.json and (DFlash2) selector.safetensors as shipped."""
+    from safetensors.torch import save_file
+
+    source = dplan.snapshot.directory
+    written = []
+    for path in [*license_files(source), source / "config.json"]:
+        shutil.copy2(path, out / path.name)
+        written.append(out / path.name)
+    record = {"reference": dplan.snapshot.reference, "repo": dplan.snapshot.repo, "revision": dplan.snapshot.revision,
+              "kind": dplan.kind, "layout": dplan.layout}
+    (out / "SOURCE.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    written.append(out / "SOURCE.json")
+    codebooks = {n: p.detach().contiguous() for n, p in modules.core.named_parameters() if "codebook" in n}
+    if codebooks:  # upstream's keys: candidate_selector.{predecessor,successor}_codebook, no .weight
+        save_file(codebooks, str(out / "selector.safetensors"))
+        written.append(out / "selector.safetensors")
+    return [{"path": p.name, "sha256": identity.file_sha256(p), "size": p.stat().st_size} for p in sorted(written)]
+
+
+def _binding(dplan, target_manifest: Manifest, target_dir: Path) -> dict:
+    """The target manifest's records the drafter depends on, whole (``manifests.schema.TargetBinding``)."""
+    mask = getattr(dplan.args, "mask_token_id", None) if dplan.kind == "dflash2" else None
+    records = target_manifest.model_dump(mode="json")
+    return {
+        "export_id": target_manifest.export_id,
+        **{name: records[name] for name in identity.BOUND_RECORDS},
+        "mask_token_id": mask,
+        "mask_row_sha256": identity.embedding_row_sha256(target_dir / identity.EMBEDDINGS_FILE, mask)
+        if mask is not None else None,
+        "hidden_convention": drafter.MTP_HIDDEN_CONVENTION if dplan.kind == "mtp" else None,
+    }
+
+
+def _architecture(dplan, modules) -> dict:
+    args, config = dplan.args, dplan.config
+    if dplan.kind == "dflash2":
+        kind = "dflash2" if args.has_selector else "dflash"
+        runtime = {"draft_width": dplan.widths["draft"], "block_size": args.block_size,
+                   "context_update": config.context_update, "context_append": config.context_append,
+                   "ring_rows": config.ring, "sliding_window": max((w or 0) for w in args.layer_windows) or None,
+                   "mask_token_id": args.mask_token_id, "mask_scale": config.mask_scale,
+                   "conv_kernel_size": args.conv_kernel_size, "conv_group_size": args.conv_group_size,
+                   "selector_rank": args.selector_rank, "selector_top_k": args.selector_top_k,
+                   "tap_convention": TAP_CONVENTION}
+        architectures, layers, inter = [args.architecture], args.num_hidden_layers, args.intermediate_size
+    else:
+        kind = "mtp"
+        runtime = {"draft_steps": dplan.widths["accept"] - 1, "accept_width": dplan.widths["accept"],
+                   "context": dplan.specs[0].states[0].shape[2], "zero_centred_norm": args.zero_centred_norm,
+                   "attn_output_gate": args.attn_output_gate, "rotary_dim": args.rotary_dim,
+                   "hidden_convention": drafter.MTP_HIDDEN_CONVENTION}
+        architectures, layers, inter = [f"{args.model_type or 'qwen3'}-mtp"], args.mtp_layers, args.intermediate_size
+    return {
+        "kind": kind, "architectures": architectures, "layout": dplan.layout, "hidden_size": args.hidden_size,
+        "num_layers": layers, "num_heads": args.num_attention_heads, "num_kv_heads": args.num_key_value_heads,
+        "head_dim": args.head_dim, "intermediate_size": inter, "vocab_size": args.vocab_size,
+        "rope_theta": args.rope_theta, "rms_norm_eps": args.rms_norm_eps,
+        "parameter_count": args.parameter_count, "runtime": runtime,
+    }
+
+
+def _manifest(plan, source_files, modules, target_manifest, target_dir, packages, extra_files, quantization,
+              acceptance, ab) -> DrafterManifest:
+    dplan = plan.drafter
+    data = {
+        "name": f"{plan.recipe.name}-{dplan.kind}",
+        "export_id": "",
+        "built_at": built_at(),
+        "toolchain": toolchain_versions(),
+        "source": {"reference": dplan.snapshot.reference, "repo": dplan.snapshot.repo,
+                   "revision": dplan.snapshot.revision, "files": [vars(r) for r in source_files]},
+        "architecture": _architecture(dplan, modules),
+        "target": _binding(dplan, target_manifest, target_dir),
+        "quantization": quantization,
+        "acceptance": _jsonable(acceptance),
+        "ab": _jsonable(ab) if ab else None,
+        "functions": [{"name": s.name, "inputs": [_desc(t) for t in s.inputs],
+                       "outputs": [_desc(t) for t in s.outputs], "states": [_desc(t) for t in s.states]}
+                      for s in dplan.specs],
+        "packages": packages,
+        "extra_files": extra_files,
+    }
+    manifest = DrafterManifest.model_validate(data)
+    manifest.export_id = identity.export_id(manifest.identity())
+    return manifest
+
+
+def _jsonable(value):
+    return json.loads(json.dumps(value, default=lambda v: v.item() if isinstance(v, np.generic) else str(v)))

@@ -1,0 +1,277 @@
+"""Parts: a target split into packages a device can load, chained by the host.
+
+A 27B target is 54 GB in fp16 and about 14 GB at 4 bits; a device loads packages of about 1-2 GB
+(``../shared/reference/hybrid-27b.md``: forge keeps parts under 2 GB). When the whole target is over the recipe's
+``target.max_part_mb``, it ships as parts, in this order:
+
+- the embedding lookup (``embed``), split along the vocabulary when the table is over the limit: each part looks up
+  the ids in its rows (zero rows for the others) and adds them to the rows the previous part passed on, so exactly
+  one part contributes to each row and the sum is the table's row, exactly;
+- chunks of consecutive decoder layers (``layers-A-B``), as many as fit: each takes the rows ``hidden_states`` and
+  returns its last layer's as ``hidden_states_out``; it holds the states of its own layers (their rows of each state
+  kind, counted from its first layer) and returns the taps of the tapped layers it owns (recipe order among them);
+- the head (``head``): the final norm and the lm_head, split along the vocabulary when over the limit; each split
+  part returns its rows' best id (``argmax_ids``, a vocabulary id) and logit (``max_logit``), and the host keeps the
+  first part's id on ties, which is the whole head's argmax (the lowest id among equal maxima).
+
+Every part has the same functions (prefill / decode / verify, at the same widths) over one weight copy. A target
+that fits the limit ships as one part, the whole core, exactly as before. ``Chain`` calls the parts' functions in
+order as one target (``convert.runtime.host.Functions``), for the torch part modules and the Core AI runtime alike; the
+identity hashes (lm_head, embeddings) are the whole tables'.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from convert.errors import InputError
+from convert.export.spec import FunctionSpec, size_text
+from convert.models import family_of
+from convert.models.part import ROW_ALIGN, Part
+from convert.weights.quantize import kept_modules
+from convert.weights.stream import parameters_on_meta
+
+MB = 10**6
+GB = 10**9
+# Host memory of a build, measured (docs/benchmarks.md, "A build larger than memory"; sampled VmRSS): a process
+# holds about BASE_BYTES before it loads a part (torch, coremltools and transformers); above that, converting a part
+# to Core ML and checking it take up to PACKAGING_BYTES_PER_LAYER_WEIGHT bytes per weight of its decoder layers
+# (13.3 measured at the 27B width) and PACKAGING_BYTES_PER_TABLE_WEIGHT per weight of its embedding or head rows
+# (a 424M-weight embedding part at the 27B width peaked at 14.0 GiB in a process of its own: 32.6 above the base;
+# the fp16 and fp32 tracing copies, the MIL program's constants, the converter's passes). A parted target's stages
+# run in a process of their own (convert/processes.py) beside the build process, which holds its own base:
+# PARTED_BASE_BYTES. A whole target built in memory holds about WHOLE_BYTES_PER_PARAMETER per parameter (the
+# checkpoint, the fp16 modules, an fp32 copy, conversion).
+BASE_BYTES = 1_200_000_000
+PARTED_BASE_BYTES = 2 * BASE_BYTES
+PACKAGING_BYTES_PER_LAYER_WEIGHT = 14
+PACKAGING_BYTES_PER_TABLE_WEIGHT = 33
+# the build's finish (the embedding and the lm_head loaded together for the identity hashes and the drafter interface,
+# in the build process alone): 9.2 GiB measured for the two 248320 x 5120 tables, about 3.7 bytes a table weight
+FINISH_BYTES_PER_TABLE_WEIGHT = 4
+WHOLE_BYTES_PER_PARAMETER = 12
+
+
+# ------------------------------------------------------------------------------------------------ the core's ends
+
+
+# ------------------------------------------------------------------------------------------------ planning
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Shipped bytes of the pieces of a target (weights as the recipe quantizes them, constants as stored)."""
+
+    embedding_row: float
+    layers: tuple[int, ...]
+    layer_constants: int  # RoPE tables and masks a part with layers holds
+    norm: int
+    head_row: float
+    row_align: int
+    row_weights: int  # weights of one vocabulary row of the embedding or the head (the hidden size)
+    layer_weights: tuple[int, ...]
+
+    def total(self, vocab: int, tied: bool) -> int:
+        head = self.norm + (0 if tied else self.head_row * vocab)
+        return int(self.embedding_row * vocab + sum(self.layers) + self.layer_constants + head)
+
+
+def piece_sizes(args, target) -> Sizes:
+    """Bytes of each piece from a parameterless core and the recipe's quantization (nothing is read)."""
+    with parameters_on_meta():
+        core = family_of(args).build_core(args, target)
+    quant = target.quantization
+    keep = kept_modules(core, quant) if quant.format else set()
+
+    def weight_bytes(prefix: str) -> int:
+        total = 0
+        for name, module in core.get_submodule(prefix).named_modules(prefix=prefix):
+            for p in module.parameters(recurse=False):
+                quantized = p.dim() == 2 and quant.format and name not in keep
+                total += matrix_bytes(quant.format, quant.resolved_group_size, tuple(p.shape)) if quantized \
+                    else 2 * p.numel()
+        return total
+
+    vocab = args.vocab_size
+    constants = sum(b.numel() * (2 if b.is_floating_point() else b.element_size()) for b in core.buffers())
+    align = math.lcm(ROW_ALIGN, quant.resolved_group_size if quant.format == "lut4" else 1)
+    layers = tuple(weight_bytes(f"layers.{i}") for i in range(len(core.layers)))
+    layer_weights = tuple(sum(p.numel() for p in layer.parameters()) for layer in core.layers)
+    return Sizes(weight_bytes("embed_tokens") / vocab, layers, constants, weight_bytes("norm"),
+                 weight_bytes("lm_head") / vocab, align, args.hidden_size, layer_weights)
+
+
+def matrix_bytes(method: str | None, group: int, shape: tuple[int, int]) -> int:
+    """A 2-D weight's bytes in a package: 4-bit (exact2: 2-bit) codes and zero points, fp16 tables and scales; fp16
+    unquantized."""
+    rows, columns = shape
+    if method == "lut4":
+        return math.ceil(rows * columns / 2) + math.ceil(rows / group) * 16 * 2
+    if method == "affine4":
+        groups = rows * (columns // group)
+        return math.ceil(rows * columns / 2) + 2 * groups + math.ceil(groups / 2)
+    if method == "exact2":  # 2-bit codes and an fp16 scale a group; the zero point 1 is one inline constant
+        return math.ceil(rows * columns / 4) + 2 * rows * (columns // group)
+    return 2 * rows * columns
+
+
+def parted_build_bytes(args, target, parts: list[Part], window_cache_bytes: int) -> int:
+    """Host memory of building a parted target, streamed: the largest of packaging its largest part, the streamed
+    reference (its fp32 lm_head, one window's fp32 logits (every window's go to disk as they are computed), every
+    window's caches, ``window_cache_bytes`` each, a decoder layer) and the streamed candidate (a window's logits, the
+    reference's and its own, its largest piece in fp16 and fp32, one window's log-probabilities in fp64; the states
+    between passes are on disk), each beside the build process, and the build's finish alone (the tables)."""
+    sizes = piece_sizes(args, target)
+    data = target.gate.data
+    table, logits = args.vocab_size * sizes.row_weights, 4 * data.length * args.vocab_size
+    largest_layer = max(sizes.layer_weights)
+    # a decoder layer's fp32 weights and what its forward holds: 4.4 bytes a weight measured at the 27B width
+    reference = 4 * table + logits + data.samples * window_cache_bytes + 5 * largest_layer
+    candidate = 2 * logits + 6 * max(table, largest_layer) + 16 * data.length * args.vocab_size
+    finish = BASE_BYTES + FINISH_BYTES_PER_TABLE_WEIGHT * table * (1 if args.tie_word_embeddings else 2)
+    return max(PARTED_BASE_BYTES + max(max(packaging_bytes(p, sizes) for p in parts), reference, candidate), finish)
+
+
+def build_memory_bytes(args, target, parts: list[Part], specs: list[FunctionSpec]) -> int:
+    """Estimate of a build's peak host memory: in memory for a whole target, streamed for a parted one."""
+    states = specs[0].states
+    if parts[0].is_whole:
+        return whole_build_bytes(args.parameter_count) + 2 * sum(s.nbytes for s in states)
+    return parted_build_bytes(args, target, parts, window_cache_bytes(target, states))
+
+
+def window_cache_bytes(target, states) -> int:
+    """One gate window's reference cache: every state in fp32, the KV caches only as long as the window."""
+    grown = min(1.0, (target.gate.data.length + target.gate.greedy_tokens) / target.context)
+    return int(sum(2 * s.nbytes * (grown if s.name in ("key_cache", "value_cache") else 1) for s in states))
+
+
+def memory_line(target, peak: int) -> str:
+    return (f"  estimated peak host memory: {peak / GB:.1f} GB (target.max_host_memory_gb "
+            f"{target.max_host_memory_gb:g})")
+
+
+def packaging_room(target) -> int:
+    """The bytes packaging a part may take above the bases (the build process's and the part's) for the build to stay
+    within ``target.max_host_memory_gb``."""
+    return int(target.max_host_memory_gb * GB - PARTED_BASE_BYTES)
+
+
+def whole_build_bytes(parameters: int) -> int:
+    """Host memory of building a target whole, in memory (the path of a target that is one part)."""
+    return BASE_BYTES + WHOLE_BYTES_PER_PARAMETER * parameters
+
+
+def plan_parts(args, target) -> list[Part]:
+    """The parts of a target: the whole core when it fits ``target.max_part_mb`` and its build in memory fits
+    ``target.max_host_memory_gb``; else the embedding, chunks of consecutive layers and the head, the tables split
+    along the vocabulary, so that no part is over ``max_part_mb`` and packaging none takes more than
+    ``packaging_room``."""
+    limit, room = int(target.max_part_mb * MB), packaging_room(target)
+    if room <= 0:
+        raise InputError(f"target.max_host_memory_gb: {target.max_host_memory_gb:g} GB is below the "
+                         f"{PARTED_BASE_BYTES / GB:g} GB a parted build takes before it loads any weight; raise it")
+    sizes = piece_sizes(args, target)
+    vocab, layers = args.vocab_size, len(sizes.layers)
+    if sizes.total(vocab, args.tie_word_embeddings) <= limit and \
+            whole_build_bytes(args.parameter_count) <= target.max_host_memory_gb * GB:
+        return [Part.whole(args)]
+    row_cost = PACKAGING_BYTES_PER_TABLE_WEIGHT * sizes.row_weights
+    parts = [Part(name, vocab, embedding=rows) for name, rows in _vocab_split(
+        "embed", vocab, sizes.embedding_row, 0, limit, sizes.row_align, row_cost, room)]
+    first = 0
+    while first < layers:
+        end, free, memory = first, limit - sizes.layer_constants, room
+        while end < layers and sizes.layers[end] <= free and _layer_cost(sizes, end) <= memory:
+            free -= sizes.layers[end]
+            memory -= _layer_cost(sizes, end)
+            end += 1
+        if end == first:
+            if _layer_cost(sizes, first) > room:
+                raise InputError(f"target.max_host_memory_gb: {target.max_host_memory_gb:g} GB cannot package "
+                                 f"decoder layer {first} (about {size_text(_layer_cost(sizes, first))} above the "
+                                 f"{PARTED_BASE_BYTES / GB:g} GB base); raise it")
+            raise InputError(f"target.max_part_mb: {target.max_part_mb:g} MB is below decoder layer {first}'s "
+                             f"{size_text(sizes.layers[first] + sizes.layer_constants)}; raise it (a part holds "
+                             "whole layers)")
+        parts.append(Part(f"layers-{first}-{end - 1}", vocab, layers=(first, end)))
+        first = end
+    parts += [Part(name, vocab, head=rows) for name, rows in _vocab_split(
+        "head", vocab, sizes.head_row, sizes.norm, limit, sizes.row_align, row_cost, room)]
+    return parts
+
+
+def _layer_cost(sizes: Sizes, layer: int) -> int:
+    return PACKAGING_BYTES_PER_LAYER_WEIGHT * sizes.layer_weights[layer]
+
+
+def packaging_bytes(part: Part, sizes: Sizes) -> int:
+    """Host memory packaging ``part`` takes above the base (the measured costs per weight)."""
+    rows = sum(held[1] - held[0] for held in (part.embedding, part.head) if held)
+    return sum(_layer_cost(sizes, i) for i in part.layer_indices) + \
+        PACKAGING_BYTES_PER_TABLE_WEIGHT * rows * sizes.row_weights
+
+
+def _vocab_split(name: str, vocab: int, row_bytes: float, fixed: int, limit: int, align: int, row_cost: int,
+                 room: int) -> list[tuple[str, tuple[int, int]]]:
+    """Row ranges of a [vocab, hidden] table, each under ``limit`` with ``fixed`` bytes beside it and packaged within
+    ``room`` (``row_cost`` a row), in as few equal parts (multiples of ``align`` rows but the last) as it takes."""
+    fits = min(int((limit - fixed) // row_bytes), room // row_cost) // align * align
+    if fits <= 0:
+        raise InputError(f"target.max_part_mb / max_host_memory_gb: {limit / MB:g} MB and {size_text(room)} of "
+                         f"packaging room cannot hold {align} rows of the {name} table "
+                         f"({size_text(int(align * row_bytes))}); raise them")
+    count = math.ceil(vocab / fits)
+    step = math.ceil(vocab / count / align) * align
+    ranges = [(lo, min(lo + step, vocab)) for lo in range(0, vocab, step)]
+    if len(ranges) == 1:
+        return [(name, ranges[0])]
+    return [(f"{name}-{k + 1}of{len(ranges)}", r) for k, r in enumerate(ranges)]
+
+
+def shipped_line(args, target) -> str:
+    """The plan's line on the weights as the recipe ships them (every part together), against fp16."""
+    total = piece_sizes(args, target).total(args.vocab_size, args.tie_word_embeddings)
+    return (f"  shipped weights: {size_text(total)} per format ({8 * total / args.parameter_count:.2f} bits a "
+            f"parameter; {size_text(2 * args.parameter_count)} in fp16)")
+
+
+def part_bytes(part: Part, sizes: Sizes) -> int:
+    """The planned bytes of ``part``."""
+    total = sum(sizes.layers[i] for i in part.layer_indices) + (sizes.layer_constants if part.layer_indices else 0)
+    if part.embedding:
+        total += sizes.embedding_row * (part.embedding[1] - part.embedding[0])
+    if part.head:
+        total += sizes.norm + sizes.head_row * (part.head[1] - part.head[0])
+    return int(total)
+
+
+def plan_lines(args, target, parts: list[Part]) -> list[str]:
+    """The plan's lines on the parts: each with what it holds and its planned size."""
+    if len(parts) == 1:
+        return []
+    sizes = piece_sizes(args, target)
+    lines = [f"  parts: {len(parts)} (target.max_part_mb {target.max_part_mb:g}, target.max_host_memory_gb "
+             f"{target.max_host_memory_gb:g}), chained by the host in this order:"]
+    for part in parts:
+        held = []
+        if part.embedding:
+            held.append(f"embedding rows {part.embedding[0]}..{part.embedding[1] - 1}")
+        if part.layer_indices:
+            held.append(f"layers {part.layers[0]}..{part.layers[1] - 1}")
+        if part.own_taps(target.taps):
+            held.append(f"taps {list(part.own_taps(target.taps))}")
+        if part.head:
+            held.append(f"norm + lm_head rows {part.head[0]}..{part.head[1] - 1}")
+        lines.append(f"    {part.name}: {', '.join(held)}: {size_text(part_bytes(part, sizes))} (packaging about "
+                     f"{(PARTED_BASE_BYTES + packaging_bytes(part, sizes)) / GB:.1f} GB)")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------ part modules
+
+
+# ------------------------------------------------------------------------------------------------ the chain
+
+

@@ -1,0 +1,1 @@
+"""Runtime side: the host contract's driver, parts chained as one target, speculative decoding and its economics."""

@@ -1,0 +1,110 @@
+"""A parted target's packages called in order as one target (``convert/pipeline/partition.py`` says how a target
+is cut): each part's rows passed to the next, the taps gathered, a split head's best ids merged. ``Chain`` serves
+the torch part modules and the Core AI runtime's sessions alike (``convert.runtime.host.Functions``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from convert import backends
+from convert.errors import InputError
+from convert.export.spec import FunctionSpec
+from convert.models.part import HIDDEN_OUT, Part
+from convert.runtime.host import ModuleFunctions
+
+
+class Chain:
+    """The parts' functions called in order as one target: ``convert.runtime.host.Functions`` over one ``Functions`` per
+    part (torch part modules or Core AI sessions), each given the inputs its spec names and the previous part's
+    ``hidden_states``; returns what the whole target returns (taps in the recipe's order, the head's argmax over
+    every split, logits concatenated where the parts return them)."""
+
+    def __init__(self, links: list[tuple[Part, dict[str, FunctionSpec], object]], taps):
+        self.links, self.taps = links, tuple(taps or ())
+
+    def reset(self) -> None:
+        for _, _, functions in self.links:
+            functions.reset()
+
+    def states(self) -> dict[str, np.ndarray]:
+        """Every part's states, named ``part/state``."""
+        return {f"{part.name}/{k}": v for part, _, functions in self.links for k, v in functions.states().items()}
+
+    def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows, tapped, out = None, {}, {}
+        best = logits = None
+        for part, specs, functions in self.links:
+            got = functions.call(function, link_inputs(specs[function], inputs, rows))
+            own = part.own_taps(self.taps)
+            if own:
+                for layer, value in zip(own, np.split(np.asarray(got["taps"]), len(own), axis=-1), strict=True):
+                    tapped[layer] = value
+            if HIDDEN_OUT in got:
+                rows = got[HIDDEN_OUT]
+            if part.head is None:
+                continue
+            ids = np.asarray(got["argmax_ids"])
+            top = np.asarray(got["max_logit"]) if part.splits_head else None
+            if best is None:
+                out["argmax_ids"], best = ids, top
+            else:  # a later part wins only with a strictly larger logit: ties keep the lower id, as argmax does
+                better = top > best
+                out["argmax_ids"], best = np.where(better, ids, out["argmax_ids"]), np.where(better, top, best)
+            if "hidden" in got and "hidden" not in out:
+                out["hidden"] = got["hidden"]
+            if "logits" in got:
+                logits = [*(logits or []), np.asarray(got["logits"])]
+        if tapped:
+            out["taps"] = np.concatenate([tapped[t] for t in self.taps], axis=-1)
+        if logits:
+            out["logits"] = np.concatenate(logits, axis=-1)
+        return out
+
+
+def link_inputs(spec: FunctionSpec, inputs: dict[str, np.ndarray], rows: np.ndarray | None) -> dict[str, np.ndarray]:
+    """What one part's function takes of a whole target's call ``inputs`` and the previous part's ``rows``."""
+    given = {**inputs, "hidden_states": rows}
+    return {t.name: np.asarray(given[t.name], dtype=t.dtype) for t in spec.inputs}
+
+
+def module_chain(parts: list[Part], pieces: list, taps, wrap=None) -> Chain:
+    """A ``Chain`` over the parts' torch modules (each ``ModuleFunctions``, wrapped by ``wrap`` when given)."""
+    functions = [ModuleFunctions(m) if wrap is None else wrap(ModuleFunctions(m)) for m in pieces]
+    specs = [{name: spec for name, (_, spec) in m.functions.items()} for m in pieces]
+    return Chain(list(zip(parts, specs, functions, strict=True)), taps)
+
+
+def manifest_parts(manifest) -> list[Part]:
+    """The parts of a target bundle's manifest, in order (the whole target when it has none)."""
+    vocab = manifest.architecture.vocab_size
+    return [Part.from_record(r, vocab) for r in manifest.parts] if manifest.parts else []
+
+
+@contextmanager
+def coreai_target(folder: Path, manifest) -> Iterator[object]:
+    """A target bundle's Core AI packages as one ``convert.runtime.host.Functions``: its session, or its parts' sessions
+    chained in the manifest's order."""
+    packages = {p.part: p for p in manifest.packages if p.format == "coreai"}
+    if not packages:
+        raise InputError(f"{folder}: no .aimodel package (built without the coreai backend); use --runtime torch")
+    parts = manifest_parts(manifest)
+    if not parts:
+        with backends.load("coreai").open_session(folder / packages[None].path) as session:
+            yield session
+        return
+    with coreai_chain(parts, [folder / packages[p.name].path for p in parts],
+                      manifest.taps.layers if manifest.taps else ()) as chain:
+        yield chain
+
+
+@contextmanager
+def coreai_chain(parts: list[Part], paths: list[Path], taps) -> Iterator[Chain]:
+    """A ``Chain`` over a Core AI session of each part's ``.aimodel`` (``paths``, in the parts' order)."""
+    coreai = backends.load("coreai")
+    with ExitStack() as stack:
+        sessions = [stack.enter_context(coreai.open_session(path)) for path in paths]
+        yield Chain([(p, s.specs(), s) for p, s in zip(parts, sessions, strict=True)], taps)

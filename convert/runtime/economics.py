@@ -1,0 +1,181 @@
+"""What a drafter's acceptance buys: bytes each call reads, and the speedup under a bandwidth-bound cost model.
+
+At batch 1 on Apple silicon a call's time is close to the bytes it reads (weights and states), so costs are
+measured in bytes and expressed in units of one target decode call (seed 002's model): a round of speculative
+decoding costs ``draft_cost + c_v`` decode calls (``c_v``: the verify call's bytes over the decode call's) and
+yields ``E`` tokens (tokens per round, the bonus included), so the predicted speedup over plain greedy is
+``E / (draft_cost + c_v)``.
+
+Bytes read are measured, not derived from shapes: each call of the export modules runs under a dispatch mode
+that sees every aten op and marks which elements of which weight or state it reads (a gather such as the
+embedding lookup reads only its rows; a view of a state reads only its slice; a write is not a read). Elements
+are priced as shipped: a 4-bit linear at its packed bytes (codes and tables) per element, fp16 tensors at 2
+bytes, states at their package dtype. Activations and outputs are not counted (small at batch 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from convert.export.quantized import QuantizedLinear
+from convert.export.spec import size_text
+from convert.runtime.host import ModuleFunctions
+
+_GATHERS = {torch.ops.aten.embedding.default, torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default}
+_STATE_BYTES = {"float16": 2, "float32": 4, "int32": 4}
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A tensor of the compute modules and what one of its elements costs as shipped."""
+
+    kind: str  # "weights" or "states"
+    bytes_per_element: float
+
+
+def priced_tensors(compute, shipped) -> dict[int, Priced]:
+    """By storage address of ``compute``'s tensors (a ``compute_copy`` of ``shipped``): weights at their shipped
+    bytes per element (``QuantizedLinear`` packed), states at their package dtype."""
+    shipped_bytes = {}
+    for name, module in shipped.core.named_modules():
+        if isinstance(module, QuantizedLinear):
+            bias = 0 if module.bias is None else module.bias.nbytes
+            packed = (module.shipped_nbytes() - bias) / module.weight.numel()
+            shipped_bytes[f"{name}.weight" if name else "weight"] = packed
+    for name, tensor in [*shipped.core.named_parameters(), *shipped.core.named_buffers()]:
+        shipped_bytes.setdefault(name, tensor.element_size())
+    priced = {}
+    for name, tensor in [*compute.core.named_parameters(), *compute.core.named_buffers()]:
+        if name in shipped_bytes:
+            priced[tensor.untyped_storage().data_ptr()] = Priced("weights", shipped_bytes[name])
+    _, spec = next(iter(shipped.functions.values()))
+    dtypes = {s.name: s.dtype for s in spec.states}
+    for name, tensor in compute.states().items():
+        priced[tensor.untyped_storage().data_ptr()] = Priced("states", _STATE_BYTES[dtypes[name]])
+    return priced
+
+
+class _ReadMeter(TorchDispatchMode):
+    """Marks the elements of priced tensors that the ops of one call read."""
+
+    def __init__(self, priced: dict[int, Priced]):
+        super().__init__()
+        self.priced = priced
+        self.masks: dict[int, torch.Tensor] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+        if not is_view:
+            for i, argument in enumerate(schema.arguments):
+                value = args[i] if i < len(args) else kwargs.get(argument.name)
+                if argument.alias_info is not None and argument.alias_info.is_write:
+                    continue
+                for tensor in value if isinstance(value, (list, tuple)) else [value]:
+                    if isinstance(tensor, torch.Tensor):
+                        self._read(func, i, tensor, args)
+        return func(*args, **kwargs)
+
+    def _read(self, func, position: int, tensor: torch.Tensor, args) -> None:
+        address = tensor.untyped_storage().data_ptr()
+        if address not in self.priced:
+            return
+        elements = tensor.untyped_storage().nbytes() // tensor.element_size()
+        mask = self.masks.setdefault(address, torch.zeros(elements, dtype=torch.bool))
+        gather = func in _GATHERS and position == 0
+        if not gather and tensor.numel() == elements and tensor.storage_offset() == 0 and 0 not in tensor.stride():
+            mask.fill_(True)  # the whole tensor (a permutation of its elements, e.g. a transposed weight)
+            return
+        ids = torch.arange(elements).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+        if gather:  # the same gather over element ids: exactly the elements it reads
+            ids = func(ids, *args[1:])
+        mask[ids.reshape(-1)] = True
+
+    def bytes_read(self) -> dict[str, int]:
+        read = {"weights": 0.0, "states": 0.0}
+        for address, mask in self.masks.items():
+            priced = self.priced[address]
+            read[priced.kind] += int(mask.sum()) * priced.bytes_per_element
+        return {kind: round(value) for kind, value in read.items()}
+
+
+class MeteredFunctions(ModuleFunctions):
+    """``Functions`` over export modules that logs every call with the bytes it read: ``log`` gets
+    ``(side, function, {"weights": n, "states": n})``, shared by the target's and the drafter's."""
+
+    def __init__(self, compute, shipped, side: str, log: list):
+        super().__init__(compute)
+        self.priced, self.side, self.log = priced_tensors(compute, shipped), side, log
+
+    def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with _ReadMeter(self.priced) as meter:
+            out = self.modules.call(function, **inputs)
+        self.log.append((self.side, function, meter.bytes_read()))
+        return self.numpy(out)
+
+
+def per_call(log: list) -> dict[str, dict[str, int]]:
+    """Mean bytes read per call, by ``side.function``, with the call count."""
+    grouped: dict[str, list[dict]] = {}
+    for side, function, read in log:
+        grouped.setdefault(f"{side}.{function}", []).append(read)
+    return {key: {"calls": len(reads), **{kind: round(sum(r[kind] for r in reads) / len(reads))
+                                          for kind in ("weights", "states")},
+                  "total": round(sum(r["weights"] + r["states"] for r in reads) / len(reads))}
+            for key, reads in grouped.items()}
+
+
+def round_drafter_bytes(log: list) -> tuple[float, dict[str, float]]:
+    """Steady-state drafter bytes per round: the drafter calls between consecutive verify calls (after a verify:
+    the accepted rows into its context; then the next round's drafts), averaged over those gaps; and the calls
+    per round by function."""
+    verify_at = [i for i, (side, function, _) in enumerate(log) if side == "target" and function == "verify"]
+    if len(verify_at) < 2:
+        return float("nan"), {}
+    total, calls = 0.0, {}
+    for start, end in zip(verify_at, verify_at[1:], strict=False):
+        for side, function, read in log[start + 1 : end]:
+            if side == "drafter":
+                total += read["weights"] + read["states"]
+                calls[function] = calls.get(function, 0) + 1
+    gaps = len(verify_at) - 1
+    return total / gaps, {function: n / gaps for function, n in calls.items()}
+
+
+def cost_model(log: list, tokens_per_round: float) -> dict:
+    """The seed's model on a metered speculative run: costs in target decode calls, predicted speedup."""
+    calls = per_call(log)
+    decode, verify = calls["target.decode"]["total"], calls["target.verify"]["total"]
+    drafter_bytes, drafter_calls = round_drafter_bytes(log)
+    c_v, draft_cost = verify / decode, drafter_bytes / decode
+    return {
+        "bytes_per_call": calls,
+        "verify_cost": c_v,
+        "draft_cost": draft_cost,
+        "drafter_calls_per_round": drafter_calls,
+        "tokens_per_round": tokens_per_round,
+        "predicted_speedup": tokens_per_round / (draft_cost + c_v),
+        "model": "speedup = tokens per round / (draft cost + verify cost), costs = bytes read / target decode bytes",
+    }
+
+
+def ngram_speedup(stats: dict, verify_cost: float) -> float:
+    """Prompt lookup drafts for free: its verify calls cost ``c_v``, its decode calls (no match) 1."""
+    return stats["tokens"] / (stats["verify_calls"] * verify_cost + stats["decode_calls"])
+
+
+def format_economics(economics: dict) -> str:
+    calls = economics["bytes_per_call"]
+    parts = [f"{key} {size_text(c['total'])} (weights {size_text(c['weights'])} + states "
+             f"{size_text(c['states'])})" for key, c in calls.items()]
+    per_round = ", ".join(f"{n:g} {f}" for f, n in economics["drafter_calls_per_round"].items())
+    return (f"bytes read per call (weights as shipped + states): {'; '.join(parts)}\n"
+            f"cost model (bandwidth-bound, in target decode calls): verify {economics['verify_cost']:.3f}, drafter "
+            f"{economics['draft_cost']:.3f} per round ({per_round}) -> predicted speedup "
+            f"{economics['tokens_per_round']:.3f} / ({economics['draft_cost']:.3f} + {economics['verify_cost']:.3f}) "
+            f"= {economics['predicted_speedup']:.2f}x")

@@ -1,0 +1,1 @@
+"""Verification: package checks against the torch modules, the transformers reference, the statistical gates."""

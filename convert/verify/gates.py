@@ -1,0 +1,719 @@
+"""Numeric gates (fail closed): the shipped graphs against the transformers reference, on held-out text.
+
+Reference: the transformers model in fp32 on the evaluation windows. Candidate: the export modules
+(``TargetModules``) with the weights exactly as shipped (fp16, quantized where the recipe says), called
+function by function the way a runtime calls them, on one KV state per window:
+
+1. ``prefill`` over the first half of the window in chunks of the prefill width (the last chunk
+   right-padded, as a host pads a prompt);
+2. the block-vs-chain probe: ``verify`` over the next K positions (K = the verify width), then a
+   rollback to its first ``a`` rows and K - a ``decode`` steps over the same tokens; the argmax ids of the verify's
+   rows a.. and of the chain are compared. A dense target probes one block with a = 0; a hybrid target, whose
+   rollback commits the kept rows on the next call, probes four blocks with a = 0, K/2, K-1 and 1 (partial
+   accepts, each chain starting from a state the commit made);
+3. ``verify`` blocks over the rest of the window, each carrying a draft whose last 0..K/2 tokens are
+   wrong (seeded): only the accepted rows are read, and the next block starts at the first rejected
+   position, so the rejected rows are rolled back as on a device (``convert.runtime.host.TargetDriver`` calls the
+   functions through the target's host contract);
+4. ``decode`` steps: a greedy continuation of G tokens from the end of the window.
+
+Every position of the window thus has candidate logits computed from the true tokens before it.
+
+Candidate arithmetic: fp32, on the shipped weights (fp16 values upcast, exactly). On this CPU fp16 torch
+runs prefill and verify calls 3-7x slower than fp32, which would take the 32 x 256 fixture gate past a
+minute; fp32 isolates what the shipped weights (fp16 rounding, 4-bit quantization) do to the model. The
+device's fp16 arithmetic is covered by ``artifact_gate``: the shipped ``.aimodel`` on the Core AI runtime
+must give the argmax ids of the fp16 modules (``convert.verify.checks.run_coreai``). ``compute_dtype`` can
+select fp16 for a measurement of what fp16 arithmetic adds (docs/benchmarks.md, "Gates").
+
+Metrics, over every position of every window (n x length):
+
+- ``kl_mean`` / ``kl_p99`` / ``kl_max``: KL(reference || candidate) of the next-token distributions (nats).
+- ``top1``: fraction of positions whose argmax ids agree.
+- ``logits_cosine``: mean over positions of the cosine between the two logit vectors.
+- ``greedy_match``: from the end of each window, both greedily continue G tokens on their own; the
+  number of leading tokens that agree, divided by G, averaged over windows (1.0: every continuation
+  identical; one diverging at its first token counts 0 for that window).
+- ``tap_cosine[i]``: for each tapped layer i, the mean over positions of the cosine between the
+  candidate's ``taps`` slice and the reference's layer-i output (the features a conditioned drafter
+  reads). The mean, not the minimum: the minimum over n x length positions falls with n and would make
+  the bar depend on the amount of data, while the mean is stable.
+- ``block_chain_real_flips``: probe positions whose verify argmax differs from the decode chain's by
+  more than a near tie (see ``classify_flips``); ``block_chain_near_ties`` is reported, not gated.
+"""
+
+from __future__ import annotations
+
+import inspect
+import platform
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, computed_field
+from rich.table import Table
+
+from convert import backends
+from convert.errors import GateError, InputError, PackageError
+from convert.export.functions import compute_copy
+from convert.inputs.thresholds import GateThresholds, default_thresholds
+from convert.models import family_of
+from convert.models.part import HIDDEN_OUT
+from convert.progress import bar as progress_bar
+from convert.progress import steps
+from convert.runtime.chain import coreai_chain, link_inputs, module_chain
+from convert.runtime.host import COMMIT, ModuleFunctions, TargetDriver, module_driver
+from convert.verify import checks
+from convert.verify.reference import streamed_reference
+from convert.weights.quantize import calibration_text
+from convert.weights.target import TargetModules
+from quant.calibrate import fixture_corpus_text, sample_calibration
+
+REPORT_FILE = "gate_report.json"
+# What an artifact gate ran (ArtifactResult.scope)
+WHOLE_RUN = "the .aimodel in lockstep with the torch modules: prefill, decodes, a verify after a rollback"
+PARTS_CHAINED = ("every part's .aimodel chained on the runtime (its own rows passed from part to part) in lockstep "
+                 "with the chained torch parts, the same calls as a whole target's; and each part replayed on its own")
+PARTS_REPLAYED = ("each part's .aimodel replayed on its own against the torch part over a decode, a kept decode and a "
+                  "verify (10 rows at verify 8), fed the torch chain's rows; the prefill function and the runtime's "
+                  "own rows carried across parts are not run at this size (every function's quantized constants are "
+                  "still read back bit-exact)")
+
+
+class EvalIdentity(BaseModel):
+    """What the gate evaluated on; goes into the report and the manifest."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    corpus: str
+    corpus_sha256: str
+    n: int
+    length: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class EvalData:
+    tokens: torch.Tensor  # int64 [n, length]
+    identity: EvalIdentity
+
+    @classmethod
+    def from_text(cls, text: str, tokenizer, n: int, length: int, seed: int = 0, corpus: str = "text") -> EvalData:
+        """``n`` windows of ``length`` tokens of ``text`` through ``tokenizer`` (``sample_calibration``'s sampler)."""
+        sample = sample_calibration(text, tokenizer, n=n, length=length, seed=seed)
+        identity = EvalIdentity(corpus=corpus, corpus_sha256=sample.corpus_sha256, n=n, length=length, seed=seed)
+        return cls(tokens=sample.tokens, identity=identity)
+
+    @classmethod
+    def fixture(cls, tokenizer, n: int = 32, length: int = 256, seed: int = 0) -> EvalData:
+        """The default evaluation data: the fixture corpus' held-out split (never trained on)."""
+        return cls.from_text(fixture_corpus_text("eval"), tokenizer, n, length, seed, corpus="fixture:eval")
+
+
+class Metric(BaseModel):
+    name: str
+    value: float
+    threshold: float | None  # None: reported, not gated
+    bound: Literal["max", "min"] | None
+    passed: bool
+
+    @classmethod
+    def gated(cls, name: str, value: float, threshold: float, bound: Literal["max", "min"]) -> Metric:
+        """A NaN value fails either way (both comparisons are false)."""
+        passed = value <= threshold if bound == "max" else value >= threshold
+        return cls(name=name, value=value, threshold=threshold, bound=bound, passed=bool(passed))
+
+
+class Flip(BaseModel):
+    """A probe position where ``verify`` and the ``decode`` chain chose different ids."""
+
+    sample: int
+    position: int
+    block_id: int
+    chain_id: int
+    gap: float  # logits: the larger of the two computations' gaps between the two ids
+    near_tie: bool
+
+
+class NotRun(BaseModel):
+    what: str
+    reason: str
+
+
+class ArtifactResult(BaseModel):
+    """The shipped ``.aimodel`` on the Core AI runtime in lockstep with the modules (``checks.run_coreai``), or a
+    parted target's packages (``artifact_of_parts``); ``scope`` says which run it was."""
+
+    package: str
+    passed: bool
+    scope: str = WHOLE_RUN
+    error: str | None = None
+    runtime_calls: int = 0
+    argmax_compared: int = 0
+    argmax_near_ties: int = 0
+    max_output_delta: float = 0.0
+    seconds: float
+
+
+class GateReport(BaseModel):
+    thresholds: GateThresholds
+    data: EvalIdentity
+    candidate: str
+    greedy_tokens: int
+    metrics: list[Metric]
+    flips: list[Flip]
+    artifact: ArtifactResult | None = None
+    not_run: list[NotRun]
+    seconds: float
+
+    @computed_field
+    @property
+    def passed(self) -> bool:
+        return all(m.passed for m in self.metrics) and (self.artifact is None or self.artifact.passed)
+
+    def failures(self) -> list[str]:
+        """One phrase per failed check: metric, value, the bound it broke."""
+        failed = [f"{m.name} {m.value:.4g} {'>' if m.bound == 'max' else '<'} {m.threshold:.4g}"
+                  for m in self.metrics if not m.passed]
+        if self.artifact is not None and not self.artifact.passed:
+            failed.append(f"artifact {self.artifact.package}: {self.artifact.error}")
+        return failed
+
+    def raise_if_failed(self) -> None:
+        if not self.passed:
+            raise GateError(f"numeric gate failed: {'; '.join(self.failures())}")
+
+    def table(self) -> Table:
+        table = Table(title=f"numeric gate: {'PASS' if self.passed else 'FAIL'} ({self.data.corpus}, "
+                            f"{self.data.n} x {self.data.length} tokens, seed {self.data.seed})")
+        for column in ("metric", "threshold", "value", "result"):
+            table.add_column(column, justify="left" if column == "metric" else "right")
+        for m in self.metrics:
+            threshold = "-" if m.threshold is None else f"{'<=' if m.bound == 'max' else '>='} {m.threshold:.4g}"
+            result = "info" if m.threshold is None else ("pass" if m.passed else "[red]FAIL[/red]")
+            table.add_row(m.name, threshold, f"{m.value:.6g}", result)
+        if self.artifact is None:
+            table.add_row("artifact (.aimodel on Core AI)", "argmax equal", "not run", "-")
+        else:
+            a = self.artifact
+            value = f"{a.argmax_compared} ids, {a.argmax_near_ties} near ties" if a.passed else "differs"
+            table.add_row(f"artifact {a.package}", "argmax equal", value, "pass" if a.passed else "[red]FAIL[/red]")
+        return table
+
+    def write_json(self, path: Path) -> Path:
+        path.write_text(self.model_dump_json(indent=2) + "\n")
+        return path
+
+    def manifest_entry(self) -> dict:
+        """What a published bundle records: pass, data identity, thresholds and every metric's value."""
+        return {
+            "passed": self.passed,
+            "data": self.data.model_dump(),
+            "thresholds": self.thresholds.model_dump(),
+            "metrics": {m.name: m.value for m in self.metrics},
+            "artifact": None if self.artifact is None else self.artifact.model_dump(exclude={"seconds"}),
+        }
+
+
+class RowFlip(NamedTuple):
+    row: int
+    block_id: int
+    chain_id: int
+    gap: float
+    near_tie: bool
+
+
+def classify_flips(block: torch.Tensor, chain: torch.Tensor, margin: float) -> list[RowFlip]:
+    """The rows where the argmax ids of ``block`` [K, V] and ``chain`` [K, V] logits differ.
+
+    The gap is the larger of the two computations' logit differences between the two ids: a flip is a
+    near tie only when both the block and the chain had the two ids within ``margin`` of each other.
+    """
+    block_ids, chain_ids = block.argmax(-1), chain.argmax(-1)
+    flips = []
+    for row in torch.nonzero(block_ids != chain_ids).flatten().tolist():
+        a, b = int(block_ids[row]), int(chain_ids[row])
+        gap = max(float(block[row, a] - block[row, b]), float(chain[row, b] - chain[row, a]))
+        flips.append(RowFlip(row, a, b, gap, gap < margin))
+    return flips
+
+
+def run_gates(
+    reference,
+    modules: TargetModules,
+    data: EvalData,
+    thresholds: GateThresholds,
+    taps: list[int] | None = None,
+    greedy_tokens: int = 16,
+    probe_accepts: tuple[int, ...] | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+) -> GateReport:
+    """Gate ``modules`` (weights as shipped) against ``reference`` (a transformers causal LM in fp32).
+
+    ``taps``: tapped layers to gate (default: every tap the modules return). ``probe_accepts``: one verify block
+    per entry, compared with the decode chain after keeping that many of its rows (default: ``default_probe``).
+    The modules' own states are left untouched: the candidate runs on a copy in ``compute_dtype``.
+    """
+    start = time.perf_counter()
+    taps = list(modules.core.taps) if taps is None else list(taps)
+    probe_accepts = default_probe(modules) if probe_accepts is None else tuple(probe_accepts)
+    _check_reference(reference, modules)
+    _check_inputs(modules, data, taps, greedy_tokens, probe_accepts)
+    candidate = compute_copy(modules, compute_dtype)
+    generator = torch.Generator().manual_seed(data.identity.seed)
+    stats = _Stats(taps)
+    with progress_bar(progress) as bar:
+        task = bar.add_task("numeric gate", total=data.identity.n)
+        for index, window in enumerate(data.tokens.tolist()):
+            ref = _reference_window(reference, window, taps, greedy_tokens, modules)
+            cand = _candidate_window(candidate, window, taps, greedy_tokens, probe_accepts, generator)
+            stats.add(index, ref, cand, thresholds.near_tie_margin)
+            stats.add_greedy(ref.greedy, cand.greedy)
+            bar.advance(task)
+    weights = str(next(modules.core.parameters()).dtype).removeprefix("torch.")
+    return _report(stats, thresholds, data, f"export modules, weights as shipped ({weights}), computed in "
+                   f"{str(compute_dtype).removeprefix('torch.')}", greedy_tokens, start)
+
+
+def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThresholds,
+                       taps: list[int] | None = None, greedy_tokens: int = 16,
+                       probe_accepts: tuple[int, ...] | None = None) -> GateReport:
+    """``run_gates`` for a target larger than memory: the transformers reference (``convert.verify.reference``) and the
+    candidate (``loader``: a ``convert.weights.shipped.PartLoader``) each hold one decoder layer at a time, running
+    every window's calls through it before the next is loaded; the greedy continuation takes one more pass per token.
+    The same schedule, arithmetic and metrics as ``run_gates``."""
+    start = time.perf_counter()
+    outline = loader.outline
+    taps = list(outline.core.taps) if taps is None else list(taps)
+    probe_accepts = default_probe(outline) if probe_accepts is None else tuple(probe_accepts)
+    _check_inputs(outline, data, taps, greedy_tokens, probe_accepts)
+    windows = data.tokens.tolist()
+    references = streamed_reference(source, windows, taps, greedy_tokens)
+    stats = _Stats(taps)
+
+    def consume(index: int, cand: _Window) -> None:  # a window's logits, reference and candidate, then freed
+        stats.add(index, references[index], cand, thresholds.near_tie_margin)
+        references[index].logits = references[index].taps = None
+
+    candidates = streamed_candidate(loader, windows, taps, greedy_tokens, probe_accepts,
+                                    torch.Generator().manual_seed(data.identity.seed), consume=consume)
+    for ref, cand in zip(references, candidates, strict=True):
+        stats.add_greedy(ref.greedy, cand.greedy)
+    return _report(stats, thresholds, data, "export modules, weights as shipped (float16), computed in float32, "
+                   "one layer at a time", greedy_tokens, start)
+
+
+def _report(stats: _Stats, thresholds: GateThresholds, data: EvalData, candidate: str, greedy_tokens: int,
+            start: float) -> GateReport:
+    return GateReport(thresholds=thresholds, data=data.identity, candidate=candidate, greedy_tokens=greedy_tokens,
+                      metrics=stats.metrics(thresholds), flips=stats.flips, not_run=not_run_here(),
+                      seconds=time.perf_counter() - start)
+
+
+def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy_tokens: int,
+                       probe_accepts: tuple[int, ...], generator: torch.Generator,
+                       compute_dtype: torch.dtype = torch.float32, consume=None) -> list[_Window]:
+    """``_candidate_window`` of every window, one piece of the target in memory at a time (``loader.units()``: the
+    embedding, each decoder layer, the head, each a part with the part functions of ``convert/pipeline/partition.py``).
+    Steps 1-3 depend on no output: each piece runs every window's calls, from a fresh state, on the rows the previous
+    piece
+    returned, and keeps its state per window (on disk: a 27B's states are about 1 GB a window in fp32); each greedy
+    token is one more pass, restoring and keeping those states. ``consume(index, window)``: called with each window
+    once its logits, taps and probe are computed, which are then dropped (the returned windows keep their greedy
+    ids only); without it every window keeps everything."""
+    outline = loader.outline
+    widths, args = outline.widths, outline.core.args
+    returned, hidden = list(outline.core.taps), args.hidden_size
+    schedules = [_schedule(w, widths, args.vocab_size, probe_accepts, generator) for w in windows]
+    drivers = [TargetDriver(None, widths, outline.contract) for _ in windows]
+    inputs = [[d.inputs(c.function, c.tokens, c.p0) for c in calls] for d, calls in zip(drivers, schedules,
+                                                                                        strict=True)]
+    units = loader.units()
+    results: list[_Window | None] = [None] * len(windows)
+
+    with tempfile.TemporaryDirectory(prefix="spec-convert-gate-") as scratch:
+        def run(piece, function: str, given: dict, rows) -> dict[str, np.ndarray]:
+            return ModuleFunctions(piece).call(function, link_inputs(piece.functions[function][1], given, rows))
+
+        def keep(piece, w: int, u: int) -> None:  # window w's states of piece u, for the next pass
+            torch.save(piece.states(), Path(scratch) / f"{w}-{u}.pt")
+
+        def restore(piece, w: int, u: int) -> None:
+            for name, value in torch.load(Path(scratch) / f"{w}-{u}.pt").items():
+                piece.states()[name].copy_(value)
+
+        def load(unit):
+            return loader.load([unit], compute_dtype)[0]
+
+        passes = greedy_tokens
+        with steps(f"numeric gate: the candidate, one piece at a time ({len(units)} pieces x {passes} passes)",
+                   len(units) * passes, "loads") as advance:
+            rows = [[None] * len(calls) for calls in schedules]
+            tapped = [[{} for _ in calls] for calls in schedules]
+            for u, unit in enumerate(units):
+                piece = load(unit)
+                own = unit.own_taps(returned)
+                for w, calls in enumerate(schedules):
+                    piece.reset()
+                    outs = []
+                    for c, call in enumerate(calls):
+                        got = run(piece, call.function, inputs[w][c], rows[w][c])
+                        rows[w][c] = got.get(HIDDEN_OUT, rows[w][c])
+                        if own:
+                            tapped[w][c].update(zip(own, np.split(got["taps"], len(own), axis=-1), strict=True))
+                        if unit.head is not None:
+                            outs.append(_rows_of(call, got, tapped[w][c], returned))
+                    if greedy_tokens > 1:
+                        keep(piece, w, u)
+                    if unit.head is not None:
+                        results[w] = _window_of(calls, outs, len(windows[w]), taps, returned, hidden)
+                        results[w].greedy = [int(results[w].logits[-1].argmax())]
+                        if consume is not None:
+                            consume(w, results[w])
+                            results[w].logits = results[w].taps = results[w].probe = None
+                del piece
+                advance()
+            for step in range(1, greedy_tokens):
+                given = [drivers[w].inputs("decode", [results[w].greedy[-1]], len(windows[w]) + step - 1)
+                         for w in range(len(windows))]
+                rows = [None] * len(windows)
+                for u, unit in enumerate(units):
+                    piece = load(unit)
+                    for w in range(len(windows)):
+                        restore(piece, w, u)
+                        got = run(piece, "decode", given[w], rows[w])
+                        if step + 1 < greedy_tokens:
+                            keep(piece, w, u)
+                        rows[w] = got.get(HIDDEN_OUT, rows[w])
+                        if unit.head is not None:
+                            results[w].greedy.append(int(got["argmax_ids"][0, 0]))
+                    del piece
+                    advance()
+    return results
+
+
+def _rows_of(call: _Call, got: dict[str, np.ndarray], tapped: dict[int, np.ndarray], returned: list[int]) -> dict:
+    """A call's outputs as ``TargetDriver.run`` gives the whole target's: its real rows, the taps in order."""
+    out = dict(got)
+    if tapped:
+        out["taps"] = np.concatenate([tapped[t] for t in returned], axis=-1)
+    return {k: np.asarray(v)[0, : len(call.tokens)] for k, v in out.items()}
+
+
+def default_probe(modules: TargetModules) -> tuple[int, ...]:
+    """The probe's accepted rows per block: (0,) for a positional rollback (keeping rows is only a position there);
+    partial accepts for a commit-next-call one, where the kept rows go through the commit."""
+    if modules.contract["rollback"] != COMMIT:
+        return (0,)
+    k = modules.widths["verify"]
+    return tuple(dict.fromkeys((0, k // 2, k - 1, min(1, k - 1))))
+
+
+def artifact_gate(package_path: Path, modules: TargetModules, prompt: list[int] | None = None) -> ArtifactResult:
+    """Run the shipped ``.aimodel`` on the Core AI runtime in lockstep with ``modules`` (as shipped, fp16).
+
+    A greedy sequence of prefill, decode steps and a verify block after a rollback
+    (``checks.run_coreai``); every argmax must equal the modules' except near ties of the fp16 runtime,
+    and returned logits or taps must agree within the fp16 bound. On Linux the runtime is the CPU
+    reference interpreter (fp16 emulated: ~30 s for one prefill of 64 on the fixture), so keep it short.
+    """
+    if package_path.suffix != ".aimodel":
+        raise InputError(f"{package_path}: the artifact gate runs a Core AI .aimodel")
+    with backends.load("coreai").open_session(package_path) as session:
+        return lockstep_result(session, ModuleFunctions(modules), modules, package_path.name, WHOLE_RUN, prompt)
+
+
+def lockstep_result(runtime, reference, modules: TargetModules, package: str, scope: str,
+                    prompt: list[int] | None = None) -> ArtifactResult:
+    """``checks.lockstep`` of ``runtime`` against ``reference`` as the artifact gate's result (a failure recorded)."""
+    start = time.perf_counter()
+    try:
+        stats = checks.lockstep(runtime, reference, modules.widths, modules.contract, modules.core.args.vocab_size,
+                                prompt)
+    except PackageError as error:
+        return ArtifactResult(package=package, passed=False, scope=scope, error=str(error),
+                              seconds=time.perf_counter() - start)
+    keys = ("runtime_calls", "argmax_compared", "argmax_near_ties", "max_output_delta")
+    return ArtifactResult(package=package, passed=True, scope=scope, seconds=time.perf_counter() - start,
+                          **{k: stats[k] for k in keys})
+
+
+def artifact_of_parts(checked: list, parts: list, pieces: list, taps, modules: TargetModules,
+                      chained: bool) -> ArtifactResult:
+    """A parted target's artifact gate, after each part's package check replayed the calls the chained torch parts
+    made (``checked``: their Core AI ``Packaged``). ``chained``: then also every part's .aimodel chained on the runtime
+    in lockstep with the chained torch parts (``checks.lockstep``); otherwise the replays are the gate, and they do
+    not show that the runtime's own rows carried from part to part stay within the bound over a longer run."""
+    names = ", ".join(done.path.name for done in checked)
+    seconds = sum(done.check_seconds for done in checked)
+    if not chained:
+        heads = [done.check for done, part in zip(checked, parts, strict=True) if part.head is not None]
+        return ArtifactResult(package=names, passed=True, scope=PARTS_REPLAYED, seconds=seconds,
+                              runtime_calls=sum(d.check["runtime_calls"] for d in checked),
+                              argmax_compared=sum(h["ids_compared"] for h in heads),
+                              argmax_near_ties=sum(h["id_near_ties"] for h in heads),
+                              max_output_delta=max(d.check["max_output_delta"] for d in checked))
+    with coreai_chain(parts, [done.path for done in checked], taps) as runtime:
+        result = lockstep_result(runtime, module_chain(parts, pieces, taps), modules, names, PARTS_CHAINED)
+    result.seconds += seconds
+    return result
+
+
+def artifact_from_check(package: str, check: dict, seconds: float) -> ArtifactResult:
+    """The build's Core AI package check (``checks.check_package``) is this gate's run: record it as such."""
+    keys = ("runtime_calls", "argmax_compared", "argmax_near_ties", "max_output_delta")
+    return ArtifactResult(package=package, passed=True, seconds=seconds, **{k: check[k] for k in keys})
+
+
+def gate_target(plan, modules: TargetModules) -> GateReport:
+    """The recipe's gate (``target.gate``) on a build plan's shipped modules: the reference is the transformers
+    model in fp32 from the same pinned snapshot, the data the recipe's evaluation text through its tokenizer."""
+    thresholds, data = _recipe_gate(plan)
+    reference = load_reference(plan.snapshot.directory)
+    return run_gates(reference, modules, data, thresholds, greedy_tokens=plan.recipe.target.gate.greedy_tokens)
+
+
+def gate_streamed(plan, loader) -> GateReport:
+    """``gate_target`` one layer at a time (``run_streamed_gates``; ``loader``: a
+    ``convert.weights.shipped.PartLoader``)."""
+    thresholds, data = _recipe_gate(plan)
+    return run_streamed_gates(plan.snapshot.directory, loader, data, thresholds,
+                              greedy_tokens=plan.recipe.target.gate.greedy_tokens)
+
+
+def _recipe_gate(plan) -> tuple[GateThresholds, EvalData]:
+    """The recipe's thresholds (defaults of its method, overridden by ``target.gate.thresholds``) and data."""
+    from transformers import PreTrainedTokenizerFast
+
+
+    target, source = plan.recipe.target, plan.snapshot.directory
+    settings = target.gate
+    defaults = default_thresholds(target.quantization.method).model_dump()
+    thresholds = GateThresholds(**{**defaults, **settings.thresholds})
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
+    spec = settings.data
+    text = calibration_text(spec.corpus, plan.recipe_path.resolve().parent, field="target.gate.data.corpus")
+    try:
+        data = EvalData.from_text(text, tokenizer, spec.samples, spec.length, spec.seed, corpus=spec.corpus)
+    except ValueError as exc:
+        raise InputError(f"{plan.recipe_path}: target.gate.data: {exc}") from None
+    return thresholds, data
+
+
+def load_reference(source: Path):
+    """The transformers model of a checkpoint, in fp32: the class its config.json names (``architectures``), so a
+    vision-language checkpoint is its own ``*ForConditionalGeneration``; never remote code."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(source))
+    named = [getattr(transformers, a, None) for a in (config.architectures or [])]
+    cls = next((c for c in named if c is not None and hasattr(c, "from_pretrained")), AutoModelForCausalLM)
+    return cls.from_pretrained(str(source), dtype=torch.float32).eval()
+
+
+def not_run_here() -> list[NotRun]:
+    """Candidates that cannot run on this platform, with the reason."""
+    if platform.system() == "Darwin":
+        return [NotRun(what="Core ML runtime (.mlpackage)",
+                       reason="the .mlpackage candidate is not wired into the gate yet; its weights are checked "
+                              "bit for bit by the package check")]
+    return [
+        NotRun(what="Core ML runtime (.mlpackage)", reason="coremltools predicts only on macOS; its weights are "
+               "checked bit for bit by the package check"),
+        NotRun(what="Core AI device-specialized package", reason="needs macOS with coreai-build; the artifact gate "
+               "runs the .aimodel on the runtime's Linux CPU reference"),
+    ]
+
+
+def _check_reference(reference, modules: TargetModules) -> None:
+    dtype = next(reference.parameters()).dtype
+    if dtype != torch.float32:
+        raise InputError(f"the gate's reference must be the transformers model in float32, got {dtype}")
+    vocab = reference.config.get_text_config().vocab_size
+    if vocab != modules.core.args.vocab_size:
+        raise InputError(f"reference vocab {vocab} != modules vocab {modules.core.args.vocab_size}: not the same model")
+
+
+def _check_inputs(modules: TargetModules, data: EvalData, taps, greedy_tokens: int, probe_accepts: tuple[int, ...]):
+    """Refuse, naming the quantity, what the schedule cannot run."""
+    missing = [t for t in taps if t not in modules.core.taps]
+    if missing:
+        raise InputError(f"tap layer {missing[0]} is not returned by the modules (taps {list(modules.core.taps)})")
+    widths, length, split = modules.widths, data.identity.length, data.identity.length // 2
+    if split + len(probe_accepts) * widths["verify"] > length:
+        raise InputError(f"evaluation length {length} is too short for {len(probe_accepts)} probe block(s) of "
+                         f"{widths['verify']} after a prefill of {split}")
+    if not all(0 <= a < widths["verify"] for a in probe_accepts):
+        raise InputError(f"probe accepts {list(probe_accepts)} must lie in 0..{widths['verify'] - 1}")
+    if greedy_tokens < 1:
+        raise InputError(f"greedy_tokens must be at least 1, got {greedy_tokens}")
+    rows = {  # cache rows written, padding included
+        "prefill chunks": -(-split // widths["prefill"]) * widths["prefill"],
+        "verify blocks": length - 1 + widths["verify"],
+        "greedy continuation": length + greedy_tokens - 1,
+    }
+    what, needed = max(rows.items(), key=lambda item: item[1])
+    if needed > modules.core.context:
+        raise InputError(f"evaluation length {length}: the {what} need {needed} cache rows; the target's context is "
+                         f"{modules.core.context}")
+
+
+@dataclass
+class _Window:
+    logits: torch.Tensor  # [length, V]
+    taps: dict[int, torch.Tensor]  # layer -> [length, hidden]
+    greedy: list[int]
+    probe: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None  # (first position, block, chain logits)
+
+
+@torch.no_grad()
+def _reference_window(reference, window: list[int], taps: list[int], greedy_tokens: int, modules) -> _Window:
+    captured = {}
+    layers = family_of(modules.core.args).reference_layers(reference)
+    hooks = [layers[t].register_forward_hook(
+        lambda _m, _i, out, t=t: captured.__setitem__(t, out[0] if isinstance(out, tuple) else out))
+        for t in taps]
+    try:
+        out = reference(input_ids=torch.tensor([window]), use_cache=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    cache = _cache_keyword(reference)
+    logits = out.logits[0].float()
+    greedy = [int(logits[-1].argmax())]
+    for _ in range(greedy_tokens - 1):
+        out = reference(input_ids=torch.tensor([[greedy[-1]]]), use_cache=True, **{cache: out[cache]})
+        greedy.append(int(out.logits[0, -1].argmax()))
+    return _Window(logits, {t: captured[t].reshape(len(window), -1).float() for t in taps}, greedy)
+
+
+def _cache_keyword(reference) -> str:
+    """transformers 5.2x renamed ``past_key_values`` to ``cache`` (the old name warns, and goes in 5.40)."""
+    return "cache" if "cache" in inspect.signature(reference.forward).parameters else "past_key_values"
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call of a window's schedule (module docstring, steps 1-3): ``keep`` rows from ``p0`` go into the window's
+    logits and taps; ``probe``: (block index, rows kept) of a probe's verify (``block``) or one of its decodes."""
+
+    function: str
+    tokens: list[int]
+    p0: int
+    keep: int = 0
+    probe: tuple[int, int] | None = None
+    block: bool = False
+
+
+def _schedule(window: list[int], widths: dict[str, int], vocab: int, probe_accepts: tuple[int, ...],
+              generator: torch.Generator) -> list[_Call]:
+    """The calls of steps 1-3 for one window: they depend on the window and the seeded drafts, not on any output, so
+    a streamed gate runs them one layer at a time."""
+    length, split, k = len(window), len(window) // 2, widths["verify"]
+    calls = [_Call("prefill", window[p0 : p0 + min(widths["prefill"], split - p0)], p0,
+                   min(widths["prefill"], split - p0)) for p0 in range(0, split, widths["prefill"])]
+    p = split
+    for index, kept in enumerate(probe_accepts):
+        calls.append(_Call("verify", window[p : p + k], p, k, (index, kept), block=True))
+        calls += [_Call("decode", [window[q]], q, probe=(index, kept)) for q in range(p + kept, p + k)]
+        p += k
+    while p < length:
+        rejected = int(torch.randint(0, k // 2 + 1, (), generator=generator))
+        accepted = min(k - rejected, length - p)
+        wrong = [(t + 1) % vocab for t in window[p + accepted : p + k]]
+        calls.append(_Call("verify", window[p : p + accepted] + wrong, p, accepted))
+        p += accepted
+    return calls
+
+
+def _window_of(calls: list[_Call], outs: list[dict[str, np.ndarray]], length: int, taps: list[int],
+               returned: list[int], hidden: int) -> _Window:
+    """The window's candidate logits and taps (and probe logits) from its calls' outputs (``TargetDriver.run``'s:
+    real rows only); the greedy ids are added after."""
+    vocab = outs[0]["logits"].shape[-1]
+    logits = torch.empty(length, vocab)
+    features = {t: torch.empty(length, hidden) for t in taps}
+    blocks, chains = {}, {}
+    for call, out in zip(calls, outs, strict=True):
+        if call.keep:
+            logits[call.p0 : call.p0 + call.keep] = torch.from_numpy(out["logits"][: call.keep])
+            for t in taps:
+                i = returned.index(t)
+                features[t][call.p0 : call.p0 + call.keep] = torch.from_numpy(
+                    out["taps"][: call.keep, i * hidden : (i + 1) * hidden])
+        if call.probe is not None:
+            index, kept = call.probe
+            if call.block:
+                blocks[index] = (call.p0 + kept, torch.from_numpy(out["logits"][kept:]).clone())
+            else:
+                chains.setdefault(index, []).append(torch.from_numpy(out["logits"][0]))
+    probe = [(blocks[i][0], blocks[i][1], torch.stack(chains[i])) for i in sorted(blocks)]
+    return _Window(logits, features, [], probe)
+
+
+def _candidate_window(modules: TargetModules, window: list[int], taps: list[int], greedy_tokens: int,
+                      probe_accepts: tuple[int, ...], generator: torch.Generator) -> _Window:
+    """One window through the functions as a runtime calls them (module docstring, steps 1-4)."""
+    calls = _schedule(window, modules.widths, modules.core.args.vocab_size, probe_accepts, generator)
+    driver = module_driver(modules)
+    driver.reset()
+    outs = [driver.run(c.function, c.tokens, c.p0) for c in calls]
+    result = _window_of(calls, outs, len(window), taps, list(modules.core.taps), modules.core.args.hidden_size)
+    result.greedy = [int(result.logits[-1].argmax())]
+    for q in range(len(window), len(window) + greedy_tokens - 1):
+        result.greedy.append(int(driver.run("decode", [result.greedy[-1]], q)["argmax_ids"][0]))
+    return result
+
+
+class _Stats:
+    """Per-position values accumulated over windows, reduced to metrics at the end."""
+
+    def __init__(self, taps: list[int]):
+        self.kl, self.top1, self.cosine, self.greedy = [], [], [], []
+        self.tap_cosine = {t: [] for t in taps}
+        self.flips: list[Flip] = []
+        self.probed = 0
+
+    def add(self, index: int, ref: _Window, cand: _Window, margin: float) -> None:
+        """A window's logits, taps and probe (its greedy ids: ``add_greedy``)."""
+        ref_logp = torch.log_softmax(ref.logits.double(), -1)
+        cand_logp = torch.log_softmax(cand.logits.double(), -1)
+        self.kl.append((ref_logp.exp() * (ref_logp - cand_logp)).sum(-1).clamp(min=0))
+        self.top1.append(ref.logits.argmax(-1) == cand.logits.argmax(-1))
+        self.cosine.append(torch.cosine_similarity(ref.logits.double(), cand.logits.double(), dim=-1))
+        for t, values in self.tap_cosine.items():
+            values.append(torch.cosine_similarity(ref.taps[t].double(), cand.taps[t].double(), dim=-1))
+        for p0, block, chain in cand.probe:
+            self.probed += block.shape[0]
+            for f in classify_flips(block, chain, margin):
+                self.flips.append(Flip(sample=index, position=p0 + f.row, block_id=f.block_id, chain_id=f.chain_id,
+                                       gap=f.gap, near_tie=f.near_tie))
+
+    def add_greedy(self, ref: list[int], cand: list[int]) -> None:
+        matched = next((i for i, (a, b) in enumerate(zip(ref, cand, strict=True)) if a != b), len(ref))
+        self.greedy.append(matched / len(ref))
+
+    def metrics(self, th: GateThresholds) -> list[Metric]:
+        kl = torch.cat(self.kl)
+        real = sum(not f.near_tie for f in self.flips)
+        metrics = [
+            Metric.gated("kl_mean", float(kl.mean()), th.mean_kl_max, "max"),
+            Metric.gated("kl_p99", float(torch.quantile(kl, 0.99)), th.p99_kl_max, "max"),
+            Metric.gated("kl_max", float(kl.max()), th.max_kl_max, "max"),
+            Metric.gated("top1", float(torch.cat(self.top1).double().mean()), th.top1_min, "min"),
+            Metric.gated("logits_cosine", float(torch.cat(self.cosine).mean()), th.cosine_min, "min"),
+            Metric.gated("greedy_match", sum(self.greedy) / len(self.greedy), th.greedy_match_min, "min"),
+        ]
+        for t, values in self.tap_cosine.items():
+            metrics.append(Metric.gated(f"tap_cosine[{t}]", float(torch.cat(values).mean()), th.tap_cosine_min, "min"))
+        metrics.append(Metric.gated("block_chain_real_flips", real, th.block_chain_real_flips_max, "max"))
+        metrics.append(Metric(name="block_chain_near_ties", value=len(self.flips) - real, threshold=None, bound=None,
+                              passed=True))
+        metrics.append(Metric(name="block_chain_positions", value=self.probed, threshold=None, bound=None, passed=True))
+        return metrics

@@ -1,0 +1,137 @@
+"""A target's shipped modules loaded a few pieces at a time: for a target that ships as parts and may be larger than
+host memory (a 27B is 54 GB in fp16, 14 GB as 4-bit codes).
+
+``PartLoader.load(parts)`` builds a skeleton core (``convert/weights/stream.py``: parameters on meta, buffers real),
+fills only the modules those parts hold from the checkpoint (memory-mapped; cast to the shipping dtype) and swaps in
+their quantized weights read back from the quantize stage's cache entries (``QuantizeResult.unit``), then returns the
+parts' export modules (``convert.pipeline.partition.part_modules``). They are the tensors of ``build.shipped_modules``
+bit for bit; whatever a stage drops is freed. ``units`` are the pieces the streamed gate walks: the embedding, each
+decoder layer, the head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from convert.export.functions import compute_copy
+from convert.export.quantized import QuantizedEmbedding, QuantizedLinear, apply_quantized
+from convert.export.spec import SHIP_DTYPE
+from convert.inputs.sources import CheckpointReader
+from convert.models import family_of
+from convert.models.part import Part
+from convert.weights.quantize import QuantizeResult
+from convert.weights.stream import Streamer, parameters_on_meta, release_free_memory, skeleton
+from convert.weights.target import TargetModules, modules_over
+
+
+class PartLoader:
+    """Loads parts of ``plan``'s target with the weights as they ship (``result``: the quantize stage's, or None)."""
+
+    def __init__(self, plan, result: QuantizeResult | None):
+        self.plan, self.result = plan, result
+        self.reader = CheckpointReader(plan.snapshot.directory)
+        self.outline = modules_over(skeleton(plan.args, plan.recipe.target, SHIP_DTYPE, SHIP_DTYPE, "cpu"), plan.args,
+                                    plan.recipe.target, SHIP_DTYPE)
+
+    def load(self, parts: list[Part], compute: torch.dtype | None = None) -> list[TargetModules]:
+        """The export modules of ``parts`` (one core shared by them), holding only those parts' weights;
+        ``compute``: as ``export.compute_copy`` in that dtype makes them (made in place)."""
+        plan = self.plan
+        release_free_memory()
+        core = skeleton(plan.args, plan.recipe.target, SHIP_DTYPE, SHIP_DTYPE, "cpu")
+        streamer = Streamer(core, self.reader, plan.layout, SHIP_DTYPE, SHIP_DTYPE, "cpu")
+        prefixes = list(dict.fromkeys(p for part in parts for p in held_modules(part)))
+        quantized = {}
+        if self.result is not None:
+            for prefix in prefixes:
+                quantized.update(self.result.unit(prefix))
+        skip = frozenset(f"{name}.weight" for name in quantized)  # never read: the quantized weight replaces it
+        for prefix in prefixes:
+            streamer.fill(prefix, skip)
+        if plan.args.tie_word_embeddings and {"embed_tokens", "lm_head"} <= set(prefixes):
+            core.lm_head.weight = core.embed_tokens.weight  # one table, as the whole core holds it
+        if quantized:
+            apply_quantized(core, quantized)
+        del quantized
+        for p in core.parameters():
+            p.requires_grad_(False)
+        pieces = part_modules(modules_over(core, plan.args, plan.recipe.target, SHIP_DTYPE), plan.recipe.target,
+                              parts)
+        return pieces if compute is None else [compute_copy(piece, compute, in_place=True) for piece in pieces]
+
+    def units(self) -> list[Part]:
+        """The embedding, each decoder layer, the head: what the streamed gate loads one at a time."""
+        vocab, layers = self.plan.args.vocab_size, self.plan.args.num_hidden_layers
+        return [Part("embed", vocab, embedding=(0, vocab)),
+                *(Part(f"layer-{i}", vocab, layers=(i, i + 1)) for i in range(layers)),
+                Part("head", vocab, head=(0, vocab))]
+
+
+def held_modules(part: Part) -> list[str]:
+    """The core modules whose weights ``part`` computes with (tied tables: one read serves both)."""
+    prefixes = ["embed_tokens"] if part.embedding is not None else []
+    prefixes += [f"layers.{i}" for i in part.layer_indices]
+    if part.head is not None:
+        prefixes += ["norm", "lm_head"]
+    return prefixes
+
+
+def part_modules(modules, target, parts: list[Part]) -> list:
+    """The export modules (``TargetModules``) of each part, computing with the whole ``modules``' tensors (shared,
+    not copied; a table split along the vocabulary is a view of its rows, a quantized one's codes and tables sliced):
+    the same weights, the part's own states."""
+    core = modules.core
+    args = core.args
+    dtype = next(p for p in core.parameters() if p.is_floating_point()).dtype
+    family = family_of(args)
+    built = []
+    for part in parts:
+        if part.is_whole:
+            built.append(modules)
+            continue
+        with parameters_on_meta():
+            piece = family.build_core(args, target, part)
+        piece = piece.to(dtype).eval()
+        _share_part(piece, core, part)
+        built.append(modules_over(piece, args, target, dtype, part))
+    return built
+
+
+def _share_part(piece: nn.Module, core: nn.Module, part: Part) -> None:
+    for j, i in enumerate(part.layer_indices):
+        _share(piece.layers[j], core.layers[i])
+    if part.embedding is not None:
+        piece.embed_tokens = _rows(core.embed_tokens, *part.embedding)
+    if part.head is not None:
+        piece.norm = core.norm
+        piece.lm_head = _rows(core.lm_head, *part.head)
+
+
+def _share(mine: nn.Module, theirs: nn.Module) -> None:
+    """``mine`` (a part's fresh module) computes with ``theirs``' tensors: the same parameter and buffer objects, and
+    ``theirs``' own submodule where it is a leaf or of another type (a ``QuantizedLinear`` swapped into the whole
+    core). Non-tensor attributes stay ``mine``'s (a layer's state rows, counted from the part's first layer)."""
+    mine._parameters.update(theirs._parameters)
+    mine._buffers.update(theirs._buffers)
+    for name, child in theirs._modules.items():
+        own = mine._modules[name]
+        if type(own) is not type(child) or not child._modules:
+            mine._modules[name] = child
+        else:
+            _share(own, child)
+
+
+def _rows(module: nn.Module, lo: int, hi: int) -> nn.Module:
+    """Rows ``lo .. hi-1`` of an embedding table or an lm_head (the module itself when that is all of it)."""
+    if (lo, hi) == (0, module.weight.shape[0]):
+        return module
+    if isinstance(module, QuantizedLinear):
+        kind = QuantizedEmbedding if isinstance(module, QuantizedEmbedding) else QuantizedLinear
+        return kind(f"{module.name}[{lo}:{hi}]", module.quantized_weight().rows(lo, hi))
+    rows = nn.Parameter(module.weight[lo:hi], requires_grad=False)
+    if isinstance(module, nn.Embedding):
+        return nn.Embedding.from_pretrained(rows, freeze=True)
+    linear = nn.Linear(module.in_features, hi - lo, bias=False, device="meta")
+    linear.weight = rows
+    return linear

@@ -1,0 +1,68 @@
+"""The target part: its function specs (the shape contract) and the export modules that implement them, for any
+architecture family of ``convert/models``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from convert.export.functions import ExportModules
+from convert.export.spec import TORCH_DTYPES, FunctionSpec
+from convert.inputs.recipe import Target
+from convert.models import family_of
+from convert.models.layout import Layout
+
+
+def function_specs(args, target: Target, dtype: torch.dtype = torch.float16) -> list[FunctionSpec]:
+    """prefill / decode / verify of ``args``' family, each at its own static width S (``convert/models``)."""
+    return family_of(args).function_specs(args, target, dtype)
+
+
+@dataclass
+class TargetModules(ExportModules):
+    core: nn.Module
+    contract: dict  # the family's host contract (manifests.schema.HostContract): how a runtime drives the functions
+
+    def call(self, name: str, input_ids=None, position_ids=None, **extra) -> dict[str, torch.Tensor]:
+        """Run function ``name`` in torch on the shared states; returns every core output, logits included
+        (the checks and gates read logits even when the shipped function does not return them). ``extra``: the
+        function's other inputs by name (a hybrid target's ``accept`` and ``valid``, a part's ``hidden_states``)."""
+        module, spec = self.functions[name]
+        given = {k: v for k, v in (("input_ids", input_ids), ("position_ids", position_ids)) if v is not None}
+        given.update(extra)
+        if set(given) != {t.name for t in spec.inputs}:
+            raise ValueError(f"{name} takes inputs {[t.name for t in spec.inputs]}, got {sorted(given)}")
+        tensors = []
+        for t in spec.inputs:
+            value = torch.as_tensor(given[t.name]).to(TORCH_DTYPES[t.dtype]).reshape(-1)
+            if value.numel() != torch.Size(t.shape).numel():
+                raise ValueError(f"{name} takes {t.name} of shape {list(t.shape)}, got {value.numel()} values")
+            tensors.append(value.reshape(t.shape))
+        with torch.no_grad():
+            return module.produce(*tensors)
+
+
+def build_modules(args, target: Target, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                  layout: Layout | None = None) -> TargetModules:
+    """Export modules filled with ``tensors`` in ``dtype``, sharing one core and one set of states. ``layout``: how
+    the checkpoint stores the model (``sanitize``'s result; checked here when not given)."""
+    family = family_of(args)
+    if layout is None:
+        layout = family.sanitize({k: tuple(v.shape) for k, v in tensors.items()}, args)
+    core = family.build_core(args, target).to(dtype).eval()
+    core.load_weights(tensors, layout)
+    for p in core.parameters():
+        p.requires_grad_(False)
+    return modules_over(core, args, target, dtype)
+
+
+def modules_over(core: nn.Module, args, target: Target, dtype: torch.dtype, part=None) -> TargetModules:
+    """The function modules of the whole target (or of ``part``, ``convert/pipeline/partition.py``) over ``core``,
+    sharing one set of fresh states."""
+    family = family_of(args)
+    specs = family.function_specs(args, target, dtype, part)
+    states = {s.name: torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype]) for s in specs[0].states}
+    functions = {s.name: (family.FunctionModule(core, s, states), s) for s in specs}
+    return TargetModules(core=core, functions=functions, contract=family.host_contract(args, target))
