@@ -60,7 +60,8 @@ from convert.errors import InputError, quote
 from convert.export.functions import ExportModules, FunctionModule
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.inputs.sources import check_safetensors, read_json, weight_files
-from convert.models.qwen3 import MLP, RMSNorm, layer_shapes, rotate, scaled_scores
+from convert.models.qwen3.config import layer_shapes
+from convert.models.qwen3.core import MLP, RMSNorm, rotate, scaled_scores
 
 ARCHITECTURES = ("DFlash2DraftModel", "DFlashDraftModel")
 TAP_CONVENTION = "output-of-layer-0-based"

@@ -73,8 +73,9 @@ from convert.errors import InputError, quote
 from convert.export.functions import ExportModules, FunctionModule
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.inputs.sources import tensor_shapes, weight_files
-from convert.models.qwen3 import DecoderLayer, Qwen3Args, RMSNorm, layer_shapes, register_positions
-from convert.models.qwen3_5 import GatedAttention, ZeroCentredRMSNorm, zero_centre_norms
+from convert.models.qwen3.config import Qwen3Args, layer_shapes
+from convert.models.qwen3.core import DecoderLayer, RMSNorm, register_positions
+from convert.models.qwen3_5.core import GatedAttention, ZeroCentredRMSNorm, zero_centre_norms
 
 QWEN35, DEEPSEEK = "qwen3.5", "deepseek"
 ZERO_CENTRED_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
