@@ -50,7 +50,7 @@ class Qwen3Args:
     bos_token_id: int | None
     eos_token_id: int | None
     pad_token_id: int | None
-    mtp_layers: int = 0  # an MTP head declared by the config: its tensors are convert/models/mtp.py's, not ours
+    mtp_layers: int = 0  # an MTP head declared by the config: its tensors are convert/models/mtp's, not ours
 
     rope_type = "default"
     family = FAMILY
