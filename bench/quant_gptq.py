@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from convert.models.qwen3 import LINEAR_GROUPS, CausalRunner
+from convert.models.qwen3.core import LINEAR_GROUPS, CausalRunner
 from convert.weights.quantize import quantize_sequential
 from quant.affine import quantize_affine
 from quant.calibrate import capture_hessians, each_linear, encode, fixture_corpus_text, sample_calibration
@@ -79,7 +79,7 @@ def load_fixture():
 
 
 def fresh_core(args, tensors, length: int, device: torch.device):
-    from convert.models.qwen3 import Qwen3Core
+    from convert.models.qwen3.core import Qwen3Core
 
     core = Qwen3Core(args, length).float().eval()
     core.load_weights(tensors)

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from convert.models.dflash2 import CODEBOOKS, DFlash2Args, DFlash2Reference
+from convert.models.dflash2 import DFlash2Args, DFlash2Reference
+from convert.models.dflash2.config import CODEBOOKS
 
 LAYOUTS = ("plain", "selector_weight", "main_file", "model_prefix", "aliases")
 HIDDEN, VOCAB, TAPS = 64, 512, [0, 2, 3]

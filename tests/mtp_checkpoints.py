@@ -1,6 +1,6 @@
 """Seeded tiny checkpoints with an MTP head, in the two real layouts, next to (or inside) a tiny Qwen3 target.
 
-The key names are written out here as the real checkpoints spell them (not derived from convert/models/mtp.py),
+The key names are written out here as the real checkpoints spell them (not derived from convert/models/mtp/),
 so the loader is checked against the formats rather than against itself:
 
 * Qwen3.5 / Qwen3-Next: ``mtp.fc``, ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``, ``mtp.norm``,

@@ -33,7 +33,8 @@ def changed(module: str, monkeypatch) -> None:
     monkeypatch.setattr(cache, "module_source", source)
 
 
-@pytest.mark.parametrize("module", ["convert.export.hadamard", "convert.models.qwen3", "convert.fp16", "quant.types"])
+@pytest.mark.parametrize("module", ["convert.export.hadamard", "convert.models.qwen3.core", "convert.fp16",
+                                    "quant.types"])
 def test_a_change_in_an_imported_module_changes_the_package_key(hybrid, module, monkeypatch):
     assert module in cache.project_imports(packaging.CODE + ("convert.backends.coreai", "convert.models.qwen3_5"))
     before = packaging.package_key("coreai", hybrid, "t", "weights")

@@ -11,7 +11,8 @@ import torch
 from tokenizers import Tokenizer
 
 from convert.inputs.sources import load_tensors
-from convert.models.qwen3 import LINEAR_GROUPS, CausalRunner, Qwen3Args, Qwen3Core
+from convert.models.qwen3 import Qwen3Args
+from convert.models.qwen3.core import LINEAR_GROUPS, CausalRunner, Qwen3Core
 from convert.weights.quantize import quantize_sequential
 from quant.calibrate import each_linear, encode, fixture_corpus_text, sample_calibration
 from quant.gptq import HessianAccumulator, gptq_quantize

@@ -16,6 +16,8 @@ from convert.errors import InputError
 from convert.inputs.sources import load_tensors, read_json, tensor_shapes
 from convert.models import mtp, qwen3
 from convert.models.mtp import MTPArgs
+from convert.models.qwen3.core import RMSNorm
+from convert.models.qwen3_5.core import ZeroCentredRMSNorm
 
 S = mtp.DRAFT_STEPS + 1
 CONTEXT = 64
@@ -93,8 +95,8 @@ def test_head_only_checkpoint_with_zero_centred_norms(tmp_path):
     assert args.zero_centred_norm and args.model_type == "qwen3_5_text"
     head = mtp.load_head(tmp_path / "head", args)
     core = mtp.build_modules(args, head, load_tensors(tmp_path / "target"), CONTEXT, dtype=torch.float32).core
-    norms = [m for m in core.modules() if isinstance(m, qwen3.RMSNorm)]
-    assert len(norms) == 7 and all(isinstance(m, mtp.ZeroCentredRMSNorm) for m in norms)
+    norms = [m for m in core.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 7 and all(isinstance(m, ZeroCentredRMSNorm) for m in norms)
     x = torch.randn(5, 64)
     w = written["mtp.pre_fc_norm_hidden.weight"]
     by_hand = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w)

@@ -1,6 +1,6 @@
-"""Target architectures: one small file per family behind this registry, picked from a checkpoint's config.json.
+"""Target architectures: one small package per family behind this registry, picked from a checkpoint's config.json.
 
-Every family module (``qwen3``: Qwen3 dense; ``qwen3_5``: the hybrid Qwen3.5 family) defines the same names, and
+Every family package (``qwen3``: Qwen3 dense; ``qwen3_5``: the hybrid Qwen3.5 family) defines the same names, and
 nothing outside ``convert/models`` names a family:
 
 - ``FAMILY``: the manifest's ``architecture.family``; ``accepts(config)``: whether a config.json is this family's.

@@ -1,0 +1,105 @@
+"""DFlash2: the functions' specs (context_update, context_append, draft over a shared ring) and the export modules
+over one core."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from convert.errors import InputError
+from convert.export.functions import ExportModules, FunctionModule
+from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
+from convert.models.dflash2.config import DFlash2Args
+from convert.models.dflash2.core import DFlash2Core
+
+
+class DrafterFunction(FunctionModule):
+    """A FunctionModule that calls one entry of the shared core (``context`` or ``draft``); the core is stored under
+    ``core`` in every function, so parameter names (and the package's weights) are shared."""
+
+    def __init__(self, core: DFlash2Core, spec: FunctionSpec, states: dict[str, torch.Tensor], entry: str):
+        super().__init__(core, spec, states)
+        self.entry = entry
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        produced = getattr(self.core, self.entry)(*inputs, *(getattr(self, s.name) for s in self.spec.states))
+        return tuple(produced[o.name] for o in self.spec.outputs)
+
+
+ENTRIES = {"context_update": "context", "context_append": "context", "draft": "draft"}
+
+
+def function_specs(args: DFlash2Args, update_width: int = 64, append_width: int = 8, ring_rows: int = 2048,
+                   dtype: torch.dtype = torch.float16, draft_width: int | None = None,
+                   logits: bool = False) -> list[FunctionSpec]:
+    """context_update / context_append (write context rows into the ring) and draft, sharing the ring states."""
+    draft_width = draft_width or args.block_size
+    if not 2 <= draft_width <= args.block_size:
+        raise InputError(f"draft width {draft_width} must be in 2..block_size ({args.block_size})")
+    if ring_rows < max(update_width, append_width):
+        raise InputError(f"ring rows {ring_rows} must hold one context chunk ({max(update_width, append_width)} rows)")
+    fdtype = DTYPE_NAMES[dtype]
+    ring = (args.num_hidden_layers, args.num_key_value_heads, ring_rows, args.head_dim)
+    states = (TensorSpec("ring_keys", ring, fdtype), TensorSpec("ring_values", ring, fdtype),
+              TensorSpec("ring_laps", (1, ring_rows), fdtype))
+    specs = []
+    for name, width in (("context_update", update_width), ("context_append", append_width)):
+        inputs = (TensorSpec("taps", (1, width, args.feature_size), fdtype),
+                  TensorSpec("position_ids", (1, width), "int32"))
+        specs.append(FunctionSpec(name, inputs, (TensorSpec("written", (1, width), "int32"),), states))
+    inputs = (TensorSpec("anchor_embedding", (1, 1, args.hidden_size), fdtype),
+              TensorSpec("anchor_id", (1, 1), "int32"),
+              TensorSpec("position_ids", (1, draft_width), "int32"))
+    outputs = [TensorSpec("draft_ids", (1, draft_width - 1), "int32")]
+    if logits:
+        outputs.append(TensorSpec("logits", (1, draft_width - 1, args.vocab_size), fdtype))
+    specs.append(FunctionSpec("draft", inputs, tuple(outputs), states))
+    return specs
+
+
+@dataclass
+class DrafterModules(ExportModules):
+    core: DFlash2Core
+
+    def call(self, name: str, **inputs) -> dict[str, torch.Tensor]:
+        """Run function ``name`` in torch on the shared states with inputs by name (arrays or tensors, cast to the
+        spec's dtypes); returns every core output (``logits`` and ``selector_scores`` included)."""
+        module, spec = self.functions[name]
+        if set(inputs) != {t.name for t in spec.inputs}:
+            raise ValueError(f"{name} takes inputs {[t.name for t in spec.inputs]}, got {sorted(inputs)}")
+        dtypes = {"int32": torch.int32, "float16": torch.float16, "float32": torch.float32}
+        tensors = []
+        for t in spec.inputs:
+            value = torch.as_tensor(inputs[t.name]).to(dtypes[t.dtype])
+            if tuple(value.shape) != t.shape:
+                raise ValueError(f"{name} takes {t.name} of shape {list(t.shape)}, got {list(value.shape)}")
+            tensors.append(value)
+        with torch.no_grad():
+            return getattr(self.core, module.entry)(*tensors, *(getattr(module, s.name) for s in spec.states))
+
+
+def build_modules(args: DFlash2Args, tensors: dict[str, torch.Tensor], lm_head_weight: torch.Tensor,
+                  mask_embedding: torch.Tensor, dtype: torch.dtype, max_positions: int, ring_rows: int = 2048,
+                  update_width: int = 64, append_width: int = 8, mask_scale: float = 1.0,
+                  draft_width: int | None = None, logits: bool = False) -> DrafterModules:
+    """Export modules in ``dtype`` over one core (drafter ``tensors`` by canonical key, the target's ``lm_head``
+    weight [vocab, H] and raw mask row [H], scaled here by ``mask_scale``) and one set of ring states.
+
+    ``max_positions`` sizes the fp32 RoPE tables: context rows and block anchors must sit below it (a block
+    starting at ``max_positions - 1`` still fits). ``logits`` adds the [1, S-1, vocab] logits output to ``draft``.
+    """
+    for name, tensor, shape in (("lm_head weight", lm_head_weight, (args.vocab_size, args.hidden_size)),
+                                ("mask embedding row", mask_embedding, (args.hidden_size,))):
+        if tuple(tensor.shape) != shape:
+            raise InputError(f"the target's {name} is {list(tensor.shape)}; this drafter needs {list(shape)}")
+    specs = function_specs(args, update_width, append_width, ring_rows, dtype, draft_width, logits)
+    # the fp32 RoPE tables are cast with the core: the same values as a lookup in fp32 followed by the cast
+    core = DFlash2Core(args, ring_rows, max_positions, draft_width).to(dtype).eval()
+    core.load_weights(tensors)
+    core.set_target(lm_head_weight, mask_embedding, mask_scale)
+    for p in core.parameters():
+        p.requires_grad_(False)
+    states = {s.name: torch.zeros(s.shape, dtype=dtype) for s in specs[0].states}
+    functions = {s.name: (DrafterFunction(core, s, states, ENTRIES[s.name]), s) for s in specs}
+    return DrafterModules(core=core, functions=functions)

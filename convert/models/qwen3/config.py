@@ -1,0 +1,157 @@
+"""Qwen3 dense: the family's constants, which configs it accepts, its args and the shapes a checkpoint must have."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from convert import fields
+from convert.errors import InputError, quote
+
+FAMILY = "qwen3"
+ARCHITECTURES = ("Qwen3ForCausalLM",)
+STATE_NAMES = ("key_cache", "value_cache")
+HOST_CONTRACT = {
+    "name": "spec-convert/positional",
+    "version": 1,
+    "rollback": "positional",
+    "inputs": {},
+    "pending_rows": {},
+    "rules": [
+        "cache row c holds position c; each call writes its rows at its positions and a query at position p reads "
+        "rows 0..p (the causal mask is computed in the graph from position_ids)",
+        "after a verify, continue at the position after the last accepted token: the rejected rows lie beyond every "
+        "later query's position until a later call overwrites them; nothing is copied",
+        "positions must be below the context; a prompt's last prefill chunk may be right-padded (read the row of "
+        "its last real token)",
+    ],
+}
+
+
+def accepts(config: dict) -> bool:
+    text = config.get("text_config", config)
+    return bool(set(text.get("architectures") or config.get("architectures") or []) & set(ARCHITECTURES)) or \
+        text.get("model_type") == "qwen3"
+
+
+@dataclass(frozen=True)
+class Qwen3Args:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    mtp_layers: int = 0  # an MTP head declared by the config: its tensors are convert/models/mtp's, not ours
+
+    rope_type = "default"
+    family = FAMILY
+
+    @classmethod
+    def from_config(cls, config: dict, where: str = "config.json") -> Qwen3Args:
+        """Read transformers v4 (``rope_theta``) and v5 (``rope_parameters``) config styles; a field of the wrong
+        type or a size below 1 is refused naming it (``convert/fields.py``)."""
+        config = fields.section(config, where)
+        archs = fields.strings(config, "architectures", where) or []
+        if archs and not set(archs) & set(ARCHITECTURES):
+            raise InputError(f"{where}: architectures {quote(archs)} is not a Qwen3 dense model "
+                             f"({', '.join(ARCHITECTURES)})")
+        rope = fields.mapping(config, "rope_parameters", where)
+        scaling = fields.mapping(config, "rope_scaling", where)
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type != "default":
+            raise InputError(f"{where}: rope type {quote(rope_type)} is not supported yet (only 'default')")
+        if fields.flag(config, "use_sliding_window", where):
+            raise InputError(f"{where}: use_sliding_window=true is not supported (full attention only)")
+        layer_types = fields.strings(config, "layer_types", where) or []
+        if any(t != "full_attention" for t in layer_types):
+            kinds = sorted(set(layer_types))
+            raise InputError(f"{where}: layer_types {quote(kinds)}: only full_attention layers are supported")
+        need = " needed for a Qwen3 model"
+        hidden = fields.integer(config, "hidden_size", where, needed=need)
+        heads = fields.integer(config, "num_attention_heads", where, needed=need)
+        kv_heads = fields.integer(config, "num_key_value_heads", where, heads)
+        if heads % kv_heads:
+            raise InputError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                             f"{kv_heads}")
+        theta = fields.number(config, "rope_theta", where, 10000.0)
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=fields.integer(config, "num_hidden_layers", where, maximum=fields.MAX_LAYERS,
+                                             needed=need),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=fields.integer(config, "head_dim", where, hidden // heads),
+            intermediate_size=fields.integer(config, "intermediate_size", where, needed=need),
+            vocab_size=fields.integer(config, "vocab_size", where, needed=need),
+            rms_norm_eps=fields.number(config, "rms_norm_eps", where, 1e-6),
+            rope_theta=fields.number(rope, "rope_theta", where, theta, field="rope_parameters.rope_theta"),
+            tie_word_embeddings=fields.flag(config, "tie_word_embeddings", where),
+            max_position_embeddings=fields.integer(config, "max_position_embeddings", where, 32768),
+            attention_bias=fields.flag(config, "attention_bias", where),
+            bos_token_id=fields.token_id(config.get("bos_token_id"), "bos_token_id", where),
+            eos_token_id=fields.token_id(config.get("eos_token_id"), "eos_token_id", where),
+            pad_token_id=fields.token_id(config.get("pad_token_id"), "pad_token_id", where),
+            mtp_layers=fields.integer(config, "mtp_num_hidden_layers", where, 0, minimum=0)
+            or fields.integer(config, "num_nextn_predict_layers", where, 0, minimum=0),
+        )
+
+    @property
+    def parameter_count(self) -> int:
+        h, d, q, kv = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads
+        attn = h * d * (2 * q + 2 * kv) + 2 * d
+        if self.attention_bias:
+            attn += d * (q + 2 * kv) + h
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_hidden_layers * layer + heads * self.vocab_size * h + h
+
+
+def layer_shapes(prefix: str, hidden: int, head_dim: int, heads: int, kv_heads: int, intermediate: int,
+                 bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """The tensors of one Qwen3 decoder layer (q/k norms, SwiGLU MLP) under ``prefix``, with their shapes; the
+    drafters' layers are the same (DFlash2 adds its conv kernels, an MTP head is one such layer)."""
+    h, d, q, kv, inter = hidden, head_dim, heads * head_dim, kv_heads * head_dim, intermediate
+    shapes = {
+        prefix + "self_attn.q_proj.weight": (q, h),
+        prefix + "self_attn.k_proj.weight": (kv, h),
+        prefix + "self_attn.v_proj.weight": (kv, h),
+        prefix + "self_attn.o_proj.weight": (h, q),
+        prefix + "self_attn.q_norm.weight": (d,),
+        prefix + "self_attn.k_norm.weight": (d,),
+        prefix + "mlp.gate_proj.weight": (inter, h),
+        prefix + "mlp.up_proj.weight": (inter, h),
+        prefix + "mlp.down_proj.weight": (h, inter),
+        prefix + "input_layernorm.weight": (h,),
+        prefix + "post_attention_layernorm.weight": (h,),
+    }
+    if bias:
+        shapes.update({prefix + "self_attn.q_proj.bias": (q,), prefix + "self_attn.k_proj.bias": (kv,),
+                       prefix + "self_attn.v_proj.bias": (kv,), prefix + "self_attn.o_proj.bias": (h,)})
+    return shapes
+
+
+def expected_shapes(args: Qwen3Args) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Qwen3 checkpoint must hold, by transformers key, with its shape."""
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, args.hidden_size),
+                                          "model.norm.weight": (args.hidden_size,)}
+    if not args.tie_word_embeddings:
+        shapes["lm_head.weight"] = (args.vocab_size, args.hidden_size)
+    for i in range(args.num_hidden_layers):
+        shapes.update(layer_shapes(f"model.layers.{i}.", args.hidden_size, args.head_dim, args.num_attention_heads,
+                                   args.num_key_value_heads, args.intermediate_size, args.attention_bias))
+    return shapes
+
+
+Args = Qwen3Args
+PLAN_FIELDS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "intermediate_size")  # what a contract pins to plan the functions without the checkpoint
+PLAN_ALTERNATIVES: dict[str, tuple[str, ...]] = {}

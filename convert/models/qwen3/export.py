@@ -1,0 +1,58 @@
+"""Qwen3 dense: the registry hooks the pipeline calls (the core, the functions' specs, the host contract, the
+manifest's and the plan's lines)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from convert.export import functions as export
+from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
+from convert.models.part import Part, function_widths, part_tensors
+from convert.models.qwen3.config import FAMILY, HOST_CONTRACT, STATE_NAMES, Qwen3Args
+from convert.models.qwen3.core import Qwen3Core
+
+FunctionModule = export.NamedFunction
+
+
+def build_core(args: Qwen3Args, target, part: Part | None = None) -> Qwen3Core:
+    return Qwen3Core(args, target.context, tuple(target.taps or ()), part)
+
+
+def function_specs(args: Qwen3Args, target, dtype: torch.dtype = torch.float16,
+                   part: Part | None = None) -> list[FunctionSpec]:
+    """prefill / decode / verify: same inputs (``input_ids``, ``position_ids``), states and outputs, each at its
+    own static width S; a part's take and return what it needs (``convert/pipeline/partition.py``)."""
+    part = part or Part.whole(args)
+    fdtype = DTYPE_NAMES[dtype]
+    cache = (len(part.layer_indices), args.num_key_value_heads, target.context, args.head_dim)
+    states = tuple(TensorSpec(name, cache, fdtype) for name in STATE_NAMES) if part.layer_indices else ()
+    specs = []
+    for name, width in function_widths(target):
+        inputs, outputs = part_tensors(args, target, part, width, fdtype)
+        specs.append(FunctionSpec(name, inputs, outputs, states))
+    return specs
+
+
+def host_contract(args: Qwen3Args, target) -> dict:
+    return HOST_CONTRACT
+
+
+def architecture_record(args: Qwen3Args, target) -> dict:
+    return {
+        "family": FAMILY, "hidden_size": args.hidden_size, "num_layers": args.num_hidden_layers,
+        "num_heads": args.num_attention_heads, "num_kv_heads": args.num_key_value_heads, "head_dim": args.head_dim,
+        "intermediate_size": args.intermediate_size, "vocab_size": args.vocab_size,
+        "tie_word_embeddings": args.tie_word_embeddings, "rope_type": args.rope_type, "rope_theta": args.rope_theta,
+        "rms_norm_eps": args.rms_norm_eps, "context": target.context,
+    }
+
+
+def plan_lines(args: Qwen3Args, target) -> list[str]:
+    return [f"  qwen3: {args.num_hidden_layers} layers, hidden {args.hidden_size}, heads {args.num_attention_heads}/"
+            f"{args.num_key_value_heads} (head_dim {args.head_dim}), vocab {args.vocab_size}, "
+            f"{'tied' if args.tie_word_embeddings else 'untied'} lm_head, context {target.context}"]
+
+
+def reference_layers(model) -> nn.ModuleList:
+    return model.model.layers
