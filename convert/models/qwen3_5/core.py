@@ -163,7 +163,7 @@ class GatedDeltaNet(nn.Module):
         return (q if with_query else None), k, v, g, beta
 
     def forward(self, x, call: Call, core: Qwen35Core, conv_state, recurrent_state, pending_qkv, pending_ba):
-        """x [S, H] -> [S, H]; reads and writes this layer's rows of the GDN states (module docstring: rollback)."""
+        """x [S, H] -> [S, H]; reads and writes this layer's rows of the GDN states (package docstring: rollback)."""
         s, slot, pending = call.width, self.slot, core.pending
         # 1. commit the first `accept` rows left pending by the previous call
         window = torch.cat([conv_state[slot].to(x.dtype), pending_qkv[slot].to(x.dtype)])
@@ -230,7 +230,7 @@ def layers_before(kind: tuple[int, ...], index: int, first: int) -> int:
 
 
 class Qwen35Core(nn.Module):
-    """The shared computation behind every function of a hybrid target (see the module docstring).
+    """The shared computation behind every function of a hybrid target (see the package docstring, __init__.py).
 
     ``forward(input_ids, position_ids, accept, <states>, valid=None, width=...)`` returns ``argmax_ids`` [1,S]
     int32, ``logits``, ``hidden`` (final-norm output) and, with taps, ``taps`` (output of layer i, 0-based, in the
