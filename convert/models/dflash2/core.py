@@ -271,8 +271,8 @@ class DFlash2Core(DFlash2Weights):
         return attn.o_proj(out.reshape(-1, attn.heads * attn.head_dim))
 
     def _touch(self, positions, ring_keys, ring_values, ring_laps) -> None:
-        """Write the ring row of p0's slot back unchanged (see the package docstring, __init__.py: the draft's states must be
-        written in place to stay states)."""
+        """Write the ring row of p0's slot back unchanged (see the package docstring, __init__.py: the draft's states
+        must be written in place to stay states)."""
         p0 = positions[:1]
         slot = (p0 - torch.div(p0, self.ring_rows, rounding_mode="floor") * self.ring_rows).long()  # [1]
         zero = torch.zeros_like(slot)
