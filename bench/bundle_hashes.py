@@ -34,7 +34,7 @@ def hashes(value, path: str = "") -> dict[str, str]:
 def build_and_hash(recipe: Path, out: Path) -> dict[str, str]:
     bundle = out / recipe.stem
     subprocess.run([sys.executable, "-m", "convert", "build", str(recipe), "-o", str(bundle), "--no-cache"],
-                   check=True)
+                   check=True, stdout=sys.stderr)  # stdout is this script's JSON
     found = {}
     for manifest in sorted(bundle.rglob("manifest.json")):
         name = manifest.parent.relative_to(bundle).as_posix()
