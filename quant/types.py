@@ -117,3 +117,18 @@ def hadamard(n: int) -> torch.Tensor:
     while matrix.shape[0] < n:
         matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
     return matrix / math.sqrt(n)
+
+
+def walsh_hadamard(rows: torch.Tensor, block: int) -> torch.Tensor:
+    """``rows`` times the block-diagonal ``hadamard(block)`` over its last dimension, by the fast transform: log2(block)
+    passes of pairwise sums and differences (the Sylvester order), then one division by sqrt(block), in ``rows``'
+    dtype. Equal to the matrix product up to rounding (in fp64 the sums of a 2-bit pack's values are exact), in
+    ``block * log2(block)`` fewer operations per row than ``block**2``: what unfolding a 27B pack needs."""
+    if block < 1 or block & (block - 1) or rows.shape[-1] % block:
+        raise ValueError(f"a block of {block} columns does not split rows of {rows.shape[-1]}")
+    shape, y, half = rows.shape, rows.reshape(-1, block), 1
+    while half < block:
+        pairs = y.reshape(y.shape[0], block // (2 * half), 2, half)
+        y = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2)
+        half *= 2
+    return (y.reshape(shape) / math.sqrt(block)).to(rows.dtype)

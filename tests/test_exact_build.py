@@ -177,3 +177,31 @@ def test_a_gated_deltanet_part_on_the_core_ai_runtime_computes_what_its_torch_pa
     calls = recorded_calls(plan.parts, pieces, [], loader.outline.contract, plan.args.vocab_size, False)
     (done,) = package_formats(["coreai"], pieces[1], tmp_path, "layers-0-0", calls[1], every_function=True)
     assert done.check["runtime_calls"] > 0 and done.check["max_output_delta"] < 0.02
+
+
+def test_a_parted_build_gates_and_loads_the_same_from_the_packs_view(written, tmp_path, monkeypatch):
+    """The streamed unfolding: the same parted build planned with the unfolded checkpoint written, and with only its
+    view (as a pack over ``target.max_host_memory_gb`` is planned): the streamed gate's metrics are equal, and every
+    part loads the same tensors, bit for bit."""
+    from convert.inputs import prism
+    from convert.pipeline import plan as planning
+    from convert.pipeline.build import exact_result
+    from convert.weights.shipped import PartLoader
+
+    recipe = RECIPE.replace("source: path:pack", f"source: path:{written / 'pack'}").replace(
+        "  context: 128\n", "  context: 128\n  max_part_mb: 0.06\n")
+    (tmp_path / "r.yaml").write_text(recipe)
+    stored = planning.make_plan(tmp_path / "r.yaml", cache_root=tmp_path / "cache")
+    def over_the_limit(snapshot, quant, where, max_bytes, cache_root):
+        return prism.unfolded_snapshot(snapshot, quant, where, 0.0, cache_root)
+
+    monkeypatch.setattr(planning, "unfolded_snapshot", over_the_limit)
+    viewed = planning.make_plan(tmp_path / "r.yaml", cache_root=tmp_path / "cache")
+    assert (viewed.snapshot.directory / prism.VIEW_FILE).is_file()
+    assert not (stored.snapshot.directory / prism.VIEW_FILE).exists()
+    reports = [gates.gate_streamed(p, PartLoader(p, exact_result(p))) for p in (stored, viewed)]
+    assert reports[0].metrics == reports[1].metrics and reports[1].passed
+    for a, b in zip(*(PartLoader(p, exact_result(p)).load(p.parts) for p in (stored, viewed)), strict=True):
+        state_a, state_b = a.core.state_dict(), b.core.state_dict()
+        assert state_a.keys() == state_b.keys()
+        assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)

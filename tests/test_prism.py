@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from convert.errors import InputError
 from convert.inputs import prism
+from quant.types import hadamard, walsh_hadamard
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -107,12 +108,26 @@ def test_unpack_codes_reads_the_lowest_bits_first():
 
 
 def test_hadamard_is_the_normalised_sylvester_matrix():
-    h = prism.hadamard(16)
+    h = hadamard(16)
     i = torch.arange(16)
     parity = torch.tensor([[bin(a & b).count("1") % 2 for b in range(16)] for a in range(16)], dtype=torch.float64)
     assert torch.equal(h * 4, 1 - 2 * parity)
     assert torch.allclose(h @ h, torch.eye(16, dtype=torch.float64), atol=1e-15)
     assert torch.equal(h, h.T) and h[i, 0].eq(0.25).all()
+
+
+@pytest.mark.parametrize("block", [1, 2, 64, 512, 1024])
+def test_the_fast_transform_is_the_matrix_product(block):
+    """``walsh_hadamard`` (the butterfly the unfolding uses) against rows times the block-diagonal matrix, in fp64:
+    equal to rounding (relative 1e-14), and a pack's values (fp16 scale times -1, 0, 1, 2) come out bit for bit where
+    the block is a power of four (the scale 1/sqrt(block) is then exact)."""
+    x = torch.randn(5, 3 * block, dtype=torch.float64, generator=torch.Generator().manual_seed(block))
+    product = (x.reshape(5, 3, block) @ hadamard(block)).reshape(5, -1)
+    assert (walsh_hadamard(x, block) - product).abs().max() <= 1e-14 * product.abs().max()
+    if math.log2(block) % 2 == 0:
+        values = (torch.randint(-1, 3, (5, 3 * block)) * torch.rand(5, 3 * block).half()).double()
+        assert torch.equal(walsh_hadamard(values, block).float(),
+                           (values.reshape(5, 3, block) @ hadamard(block)).reshape(5, -1).float())
 
 
 def test_unfold_equals_the_writers_logical_weights(written, pack):
@@ -292,3 +307,43 @@ def test_the_unfolded_checkpoint_is_the_stock_hf_form_of_the_pack(written, pack,
             assert torch.equal(found[key], tensor), key
     assert json.loads((out / "config.json").read_text()) == json.loads((root / "unfolded" / "config.json").read_text())
     assert (out / "tokenizer.json").read_bytes() == (root / "pack" / "tokenizer.json").read_bytes()
+
+
+def test_the_view_reads_what_the_unfolded_checkpoint_stores(written, pack, tmp_path):
+    """A pack too large to unfold in memory is read through its view: every tensor ``UnfoldedPack`` computes (whole,
+    or a range of rows) is ``write_unfolded``'s bit for bit, with the same names and shapes; the view writes no
+    weights, and one whose pack is gone is refused naming the view."""
+    from convert.inputs.checkpoint import checkpoint_shapes, open_checkpoint
+    from convert.inputs.sources import tensor_shapes
+
+    stored = prism.write_unfolded(pack, tmp_path / "unfolded")
+    view = prism.write_view(pack, tmp_path / "view")
+    assert not list(view.glob("*.safetensors"))
+    assert (view / "config.json").read_text() == (stored / "config.json").read_text()
+    expected = load_file(str(stored / "model.safetensors"))
+    assert checkpoint_shapes(view) == tensor_shapes(stored) == {k: tuple(t.shape) for k, t in expected.items()}
+    reader = open_checkpoint(view)
+    assert isinstance(reader, prism.UnfoldedPack)
+    for key, tensor in expected.items():
+        assert torch.equal(reader.get(key), tensor), key
+        assert torch.equal(reader.rows(key, 1, 3), tensor[1:3]), key
+    moved = tmp_path / "moved"
+    shutil.copytree(view, moved)
+    (moved / prism.VIEW_FILE).write_text(json.dumps({"pack": str(tmp_path / "nowhere")}))
+    with pytest.raises(InputError, match=f"{moved / prism.VIEW_FILE}: the pack it unfolds"):
+        open_checkpoint(moved)
+
+
+def test_a_pack_over_the_memory_limit_is_unfolded_as_a_view(written, tmp_path):
+    """``unfolded_snapshot`` writes the full unfolded checkpoint when its fp32 weights fit ``max_bytes``, else the view;
+    the pack stays the snapshot's source either way."""
+    from convert.inputs.recipe import Quantization
+    from convert.inputs.sources import Snapshot
+
+    snapshot = Snapshot("path:pack", written[0] / "pack")
+    quant = Quantization(method="exact")
+    whole = prism.unfolded_snapshot(snapshot, quant, "r.yaml", 1e12, tmp_path / "cache")
+    viewed = prism.unfolded_snapshot(snapshot, quant, "r.yaml", 1e3, tmp_path / "cache")
+    assert (whole.directory / "model.safetensors").is_file() and not (whole.directory / prism.VIEW_FILE).exists()
+    assert (viewed.directory / prism.VIEW_FILE).is_file() and not list(viewed.directory.glob("*.safetensors"))
+    assert whole.source == viewed.source == written[0] / "pack"

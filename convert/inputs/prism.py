@@ -64,7 +64,7 @@ from convert import cache as build_cache
 from convert.errors import InputError
 from convert.inputs.contract import as_config
 from convert.inputs.sources import Snapshot, check_safetensors, file_records, license_files, read_json, weight_files
-from quant.types import QuantizedWeight, Rotation, hadamard
+from quant.types import QuantizedWeight, Rotation, walsh_hadamard
 
 MODEL_TYPE = "prism_hadamard_qwen35"
 MLX_PACK = "prism-ml/Ternary-Bonsai-2-27B-mlx-2bit"
@@ -355,41 +355,54 @@ def unpack_codes(words: torch.Tensor) -> torch.Tensor:
     return ((signed.unsqueeze(-1) >> shifts) & 3).to(torch.uint8).reshape(words.shape[0], -1)
 
 
-def codes(module: PackedModule) -> torch.Tensor:
-    """The module's codes, uint8 [rows, width] in 0..3, read from its file now."""
-    return unpack_codes(_load(module.file, module.key + ".weight"))
+def codes(module: PackedModule, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """The module's codes of rows ``start:stop`` (all by default), uint8 [rows, width] in 0..3, read from its file
+    now (only those rows)."""
+    with safe_open(str(module.file), framework="pt") as f:
+        return unpack_codes(f.get_slice(module.key + ".weight")[start:stop])
 
 
-def dequantize(module: PackedModule) -> torch.Tensor:
-    """The rotated weight W' = scales * codes + biases per group of 128 input columns, fp32 [rows, width]; exact,
-    since read_pack checked biases = -scales: each value is an fp16 scale times code - 1 (at most 13 bits)."""
-    groups = codes(module).to(torch.float32).reshape(module.rows, -1, GROUP_SIZE)
-    rotated = groups * module.scales.to(torch.float32)[..., None] + module.biases.to(torch.float32)[..., None]
-    return rotated.reshape(module.rows, module.width)
+def dequantize(module: PackedModule, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """The rotated weight W' = scales * codes + biases per group of 128 input columns, rows ``start:stop``, fp32;
+    exact, since read_pack checked biases = -scales: each value is an fp16 scale times code - 1 (at most 13 bits)."""
+    words = codes(module, start, stop)
+    groups = words.to(torch.float32).reshape(words.shape[0], -1, GROUP_SIZE)
+    scales, biases = (t[start:stop].to(torch.float32)[..., None] for t in (module.scales, module.biases))
+    return (groups * scales + biases).reshape(words.shape[0], module.width)
+
+
+# rows unfolded at a time: the fp64 temporaries of a 5120-wide chunk stay near 100 MB
+UNFOLD_ELEMENTS = 1 << 23
+
+
+def unfold(module: PackedModule, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """The logical weight W = W' H S (so that W x = W' H(s * x)), rows ``start:stop``: computed in fp64 a chunk of
+    rows at a time, returned fp32. The embedding's rows are ``embedding_table``'s."""
+    stop = module.rows if stop is None else stop
+    out = torch.empty(stop - start, module.width, dtype=torch.float32)
+    step = max(1, UNFOLD_ELEMENTS // module.width)
+    for lo in range(start, stop, step):
+        rows = dequantize(module, lo, min(lo + step, stop))
+        if module.embedding:  # mlx-vlm's embedding casts the looked-up rows to fp16 before the transform
+            rows = rows.to(torch.float16)
+        out[lo - start : lo - start + rows.shape[0]] = _rotate_rows(rows.to(torch.float64), module.block, module.signs)
+    return out
 
 
 def _rotate_rows(rows: torch.Tensor, block: int, signs: torch.Tensor | None) -> torch.Tensor:
-    """(rows H) S with H block-diagonal over the columns, in fp64; rows unchanged when not rotated."""
+    """(rows H) S with H block-diagonal over the columns, in the rows' dtype; rows unchanged when not rotated."""
     if not block:
         return rows
-    count, width = rows.shape
-    turned = (rows.reshape(count, width // block, block) @ hadamard(block)).reshape(count, width)
-    return turned * signs.to(torch.float64)
-
-
-def unfold(module: PackedModule) -> torch.Tensor:
-    """The logical weight W = W' H S (so that W x = W' H(s * x)), computed in fp64, returned fp32."""
-    return _rotate_rows(dequantize(module).to(torch.float64), module.block, module.signs).to(torch.float32)
+    return walsh_hadamard(rows, block) * signs.to(rows.dtype)
 
 
 def embedding_table(module: PackedModule) -> torch.Tensor:
     """The logical embedding table, each row ``h = s * H(row)`` as mlx-vlm's embedding computes it: the dequantized
     row cast to fp16 (the loader's cast), then the transform, then the signs. Row by row this is W' H S, computed in
-    fp64 and returned fp32."""
+    fp64 and returned fp32 (``unfold`` of the embedding)."""
     if not module.embedding:
         raise ValueError(f"{module.key} is not the embedding; its logical weight is unfold(module)")
-    rows = dequantize(module).to(torch.float16).to(torch.float64)
-    return _rotate_rows(rows, module.block, module.signs).to(torch.float32)
+    return unfold(module)
 
 
 # ------------------------------------------------------------------------------------------------ the unfolded form
@@ -422,7 +435,9 @@ def hf_layout(key: str, tensor: torch.Tensor) -> torch.Tensor:
     if key.endswith(OFFSET_NORMS) and tensor.dim() == 1:
         return tensor - 1.0
     if key.endswith("conv1d.weight") and tensor.dim() == 3 and tensor.shape[-1] == 1:
-        return tensor.movedim(2, 1).contiguous()
+        # a reshape, not movedim: the same values with the standard strides a stored [C, 1, K] has (torch's conv1d
+        # rounds differently with the strides movedim leaves on the size-1 dimension)
+        return tensor.reshape(tensor.shape[0], 1, tensor.shape[1])
     return tensor
 
 
@@ -439,8 +454,7 @@ def unfolded_tensors(pack: Pack) -> Iterator[tuple[str, torch.Tensor]]:
     time."""
     packed = {m.key + suffix for m in pack.modules.values() for suffix in (".weight", ".scales", ".biases", ".signs")}
     for module in pack.modules.values():
-        logical = embedding_table(module) if module.embedding else unfold(module)
-        yield hf_key(module.key + ".weight"), logical
+        yield hf_key(module.key + ".weight"), unfold(module)
     for file in weight_files(pack.directory):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
@@ -461,6 +475,65 @@ def write_unfolded(pack: Pack, directory: Path) -> Path:
         if path.is_file():
             shutil.copyfile(path, directory / path.name)
     return directory
+
+
+VIEW_FILE = "unfolded-pack.json"  # marks an unfolded checkpoint whose weights are computed from the pack as read
+
+
+def write_view(pack: Pack, directory: Path) -> Path:
+    """The pack's unfolded checkpoint without its weights (``unfolded_checkpoint`` reads them from the pack, one
+    tensor or a range of rows at a time): config.json, the tokenizer files and ``VIEW_FILE`` naming the pack. What a
+    pack too large to unfold in memory (a 27B's logical weights are 108 GB in fp32) is gated and packaged from."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / VIEW_FILE).write_text(json.dumps({"pack": str(pack.directory.resolve())}, indent=2))
+    (directory / "config.json").write_text(json.dumps(unfolded_config(pack), indent=2))
+    for path in [*(pack.directory / name for name in COPIED_FILES), *license_files(pack.directory)]:
+        if path.is_file():
+            shutil.copyfile(path, directory / path.name)
+    return directory
+
+
+class UnfoldedPack:
+    """The tensors of a pack's unfolded checkpoint by their Hugging Face names, computed as they are read: a packed
+    matrix is ``unfold``-ed (only the rows asked for), a dense tensor read and put in the Hugging Face layout
+    (``hf_layout``). The same values ``write_unfolded`` stores, with ``CheckpointReader``'s ``get`` and ``rows``."""
+
+    def __init__(self, view: Path):
+        recorded = read_json(view / VIEW_FILE).get("pack")
+        if not isinstance(recorded, str) or not (Path(recorded) / "config.json").is_file():
+            raise InputError(f"{view / VIEW_FILE}: the pack it unfolds ({recorded!r}) is gone; remove {view} and "
+                             "build again")
+        self.pack = read_pack(Path(recorded))
+        self.modules = {hf_key(m.key + ".weight"): m for m in self.pack.modules.values()}
+        packed = {m.key + suffix for m in self.pack.modules.values() for suffix in (".weight", ".scales", ".biases",
+                                                                                   ".signs")}
+        self.dense = {hf_key(name): (h.file, name, h.shape) for name, h in _tensor_headers(self.pack.directory).items()
+                      if name not in packed}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's name and shape in the unfolded checkpoint (nothing is read)."""
+        shapes = {key: (m.rows, m.width) for key, m in self.modules.items()}
+        for key, (_, name, shape) in self.dense.items():
+            conv = name.endswith("conv1d.weight") and len(shape) == 3 and shape[-1] == 1
+            shapes[key] = (shape[0], 1, shape[1]) if conv else shape
+        return shapes
+
+    def get(self, key: str) -> torch.Tensor:
+        if key in self.modules:
+            return unfold(self.modules[key])
+        file, name, _ = self._dense(key)
+        return hf_layout(name, _load(file, name))
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of tensor ``key``, unfolding only those."""
+        if key in self.modules:
+            return unfold(self.modules[key], start, stop)
+        return self.get(key)[start:stop]
+
+    def _dense(self, key: str) -> tuple[Path, str, tuple[int, ...]]:
+        if key not in self.dense:
+            raise InputError(f"{self.pack.directory}: tensor {key!r} is missing; the pack does not match its config")
+        return self.dense[key]
 
 
 def source_config(directory: Path) -> dict:
@@ -484,8 +557,9 @@ def unfolded_snapshot(snapshot: Snapshot, quant, where: str, max_bytes: float,
     """The snapshot a build reads: a Prism pack's unfolded checkpoint (``write_unfolded``, written once into
     ``cache_root``, default the build cache's directory, under a key of the pack's file hashes and this module's
     code; also under ``--no-cache``: the reference reads it from disk) with the pack as its source, or
-    ``snapshot`` as it is. A pack needs ``quant`` method ``exact`` and ``exact`` needs a pack; an unfolded checkpoint
-    larger than ``max_bytes`` (it is written from memory, in fp32) is refused."""
+    ``snapshot`` as it is. A pack needs ``quant`` method ``exact`` and ``exact`` needs a pack. An unfolded checkpoint
+    larger than ``max_bytes`` (it is written from memory, in fp32) is not written: its view (``write_view``) is, and
+    the streamed stages read it through ``UnfoldedPack``."""
     refuse_gguf(snapshot.directory)
     is_pack = snapshot.config().get("model_type") == MODEL_TYPE
     if not is_pack:
@@ -499,18 +573,17 @@ def unfolded_snapshot(snapshot: Snapshot, quant, where: str, max_bytes: float,
                          "pack; set method: exact to ship its own codes (re-quantizing would throw their exactness "
                          "away)")
     pack = read_pack(snapshot.directory)
-    unfolded = 4 * sum(m.rows * m.width for m in pack.modules.values())
-    if unfolded > max_bytes:
-        raise InputError(f"{snapshot.directory}: its unfolded fp32 reference checkpoint would take "
-                         f"{unfolded / 1e9:.1f} GB, over target.max_host_memory_gb; a pack this large needs the "
-                         "streamed unfolding, which is not built yet")
+    streamed = 4 * sum(m.rows * m.width for m in pack.modules.values()) > max_bytes
     record = {"pack": {r.path: r.sha256 for r in file_records(pack.directory)},
               "code": build_cache.code_fingerprint(("convert.inputs.prism",))}
+    if streamed:  # the view names the pack's directory
+        record["view"] = str(pack.directory.resolve())
     directory = (cache_root or build_cache.default_directory()) / "unfolded" / build_cache.key(record)
     if not (directory / "config.json").is_file():
         directory.parent.mkdir(parents=True, exist_ok=True)
+        write = write_view if streamed else write_unfolded
         with tempfile.TemporaryDirectory(prefix=".unfolding-", dir=directory.parent) as scratch:
-            write_unfolded(pack, Path(scratch) / "checkpoint").rename(directory)
+            write(pack, Path(scratch) / "checkpoint").rename(directory)
     return dataclasses.replace(snapshot, directory=directory, packed=snapshot.directory)
 
 
@@ -531,8 +604,3 @@ def exact_weight(module: PackedModule) -> QuantizedWeight:
     return QuantizedWeight("exact2", codes(module), GROUP_SIZE, scale=module.scales.contiguous(),
                            zero_point=torch.ones(groups, dtype=torch.uint8), stats={"weight_mse": 0.0},
                            rotation=rotation)
-
-
-def exact_weights(pack: Pack) -> dict[str, QuantizedWeight]:
-    """Every packed matrix of the pack by export-core module name, as ``exact_weight`` ships it."""
-    return {core_name(m): exact_weight(m) for m in pack.modules.values()}

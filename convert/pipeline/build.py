@@ -13,7 +13,6 @@ from convert.cache import BuildCache
 from convert.errors import GateError
 from convert.export.quantized import apply_quantized
 from convert.export.spec import SHIP_DTYPE
-from convert.inputs.prism import exact_weights, read_pack
 from convert.inputs.sources import (
     file_records,
     load_tensors,
@@ -40,7 +39,7 @@ from convert.runtime.host import TargetDriver
 from convert.verify import gates
 from convert.verify.checks import part_calls, recorded_calls, short_schedule
 from convert.verify.gates import GateReport
-from convert.weights.quantize import QuantizeResult, quantize_checkpoint
+from convert.weights.quantize import QuantizeResult, pack_modules, quantize_checkpoint
 from convert.weights.shipped import PartLoader
 from convert.weights.target import TargetModules, build_modules
 from manifests import identity
@@ -66,14 +65,16 @@ def shipped_modules(plan: Plan, cache: BuildCache | None = None,
         del tensors
     if result is None:
         return modules, None
-    apply_quantized(modules.core, result.weights)
+    apply_quantized(modules.core, dict(result.items()))
     return modules, _quantization_record(quant, result, modules)
 
 
 def exact_result(plan: Plan) -> QuantizeResult:
     """``target.quantization.method: exact``: the pack's own codes, scales and rotations, nothing re-quantized."""
-    with stage(f"read the codes and scales of {plan.snapshot.packed.name} (exact: nothing is re-quantized)"):
-        return QuantizeResult(exact_weights(read_pack(plan.snapshot.packed)), None, None)
+    with stage(f"read the scales and rotations of {plan.snapshot.packed.name} (exact: nothing is re-quantized; the "
+               "codes are read a unit at a time)"):
+        pack_modules(plan.snapshot.packed)
+        return QuantizeResult({}, None, None, pack=plan.snapshot.packed)
 
 
 def gate(plan: Plan, modules: TargetModules, report_path: Path | None) -> GateReport:

@@ -15,14 +15,11 @@ from convert import fields
 from convert.errors import InputError, SourceUnavailable
 from convert.export.spec import SHIP_DTYPE, FunctionSpec, function_lines, size_lines
 from convert.inputs import contract
+from convert.inputs.checkpoint import checkpoint_shapes
 from convert.inputs.contract import _MISSING, as_config, lookup
 from convert.inputs.prism import BLOCK_FIELD, pack_block, source_config, unfolded_snapshot
 from convert.inputs.recipe import Recipe, check_against_model, load_recipe
-from convert.inputs.sources import (
-    Snapshot,
-    resolve,
-    tensor_shapes,
-)
+from convert.inputs.sources import Snapshot, resolve
 from convert.models import dflash2, family_for, family_of, mtp
 from convert.models.layout import Layout
 from convert.models.part import Part
@@ -98,7 +95,7 @@ def make_plan(recipe_path: Path, output: str | None = None, cache_root: Path | N
     family = family_for(snapshot.config(), str(config_path))
     args = family.Args.from_config(snapshot.config(), where=str(config_path))
     check_against_model(recipe, args.num_hidden_layers, args.max_position_embeddings, recipe_path)
-    layout = family.sanitize(tensor_shapes(snapshot.directory), args, f"checkpoint {snapshot.directory}")
+    layout = family.sanitize(checkpoint_shapes(snapshot.directory), args, f"checkpoint {snapshot.directory}")
     if not (snapshot.directory / "tokenizer.json").is_file():
         raise InputError(f"{snapshot.directory}: no tokenizer.json; a bundle ships its tokenizer and hashes it")
     checkpoint_bytes = sum(p.stat().st_size for p in snapshot.directory.glob("*.safetensors"))

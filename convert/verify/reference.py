@@ -29,7 +29,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 
-from convert.inputs.sources import CheckpointReader, read_json, tensor_shapes
+from convert.inputs.checkpoint import checkpoint_shapes, open_checkpoint
+from convert.inputs.sources import read_json
 from convert.models import family_for
 from convert.progress import steps
 from convert.weights.stream import META, release_free_memory
@@ -59,8 +60,8 @@ class Weights:
         config = read_json(source / "config.json")
         family = family_for(config)
         self.args = family.Args.from_config(config)
-        self.layout = family.sanitize(tensor_shapes(source), self.args)
-        self.reader, self.device = CheckpointReader(source), device
+        self.layout = family.sanitize(checkpoint_shapes(source), self.args)
+        self.reader, self.device = open_checkpoint(source), device
 
     def load(self, module: nn.Module, prefix: str) -> None:
         """``prefix``: the module's canonical key (``model.layers.3``, ``lm_head``); a tied lm_head reads the

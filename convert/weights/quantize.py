@@ -24,6 +24,7 @@ checks and both packages see the same codes and tables.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -36,6 +37,7 @@ from torch import nn
 from convert import cache as build_cache
 from convert.errors import InputError
 from convert.export.spec import SHIP_DTYPE
+from convert.inputs.prism import PackedModule, core_name, exact_weight, read_pack
 from convert.inputs.recipe import Quantization
 from convert.inputs.sources import CheckpointReader
 from convert.models import family_of
@@ -75,29 +77,49 @@ CODE = ("convert.weights.quantize", "convert.weights.stream", "convert.export.qu
 @dataclass
 class QuantizeResult:
     """The shipped weights by export-core module name: in ``weights``, or (``quantize_checkpoint(in_memory=False)``:
-    a target larger than memory) read back one unit at a time from the cache ``entries`` (``unit``, ``items``)."""
+    a target larger than memory) read back one unit at a time from the cache ``entries`` (``unit``, ``items``), or
+    (method exact) read one unit at a time from the Prism pack at ``pack``: a 27B pack's codes are 27 GB unpacked,
+    so they are neither held whole nor sent whole to a stage's process (only the path travels)."""
 
     weights: dict[str, QuantizedWeight]
     calibration: CalibrationSet | None
     corpus: str | None
     units: dict[str, str] = field(default_factory=dict)  # unit -> "cached" | "computed"
     entries: dict[str, build_cache.Entry] = field(default_factory=dict)  # unit -> its cache entry
+    pack: Path | None = None
 
     def unit(self, prefix: str) -> dict[str, QuantizedWeight]:
         """The weights of unit ``prefix`` (``layers.3``, ``lm_head``, ``embed_tokens``; none for another module)."""
         if prefix in self.entries:
             return read_entry(self.entries[prefix])
-        return {n: w for n, w in self.weights.items() if n == prefix or n.startswith(prefix + ".")}
+        if self.pack is not None:
+            return {n: exact_weight(m) for n, m in pack_modules(self.pack).items() if _under(n, prefix)}
+        return {n: w for n, w in self.weights.items() if _under(n, prefix)}
 
     def names(self) -> set[str]:
         """Every quantized module's name (read from the entries' metadata when the weights are not held)."""
-        return set(self.weights) | {n for e in self.entries.values() for n in e.meta["weights"]}
+        packed = set(pack_modules(self.pack)) if self.pack is not None else set()
+        return set(self.weights) | packed | {n for e in self.entries.values() for n in e.meta["weights"]}
 
     def items(self) -> Iterator[tuple[str, QuantizedWeight]]:
         """Every (name, weight), one unit in memory at a time."""
         yield from self.weights.items()
         for prefix in self.entries:
             yield from self.unit(prefix).items()
+        if self.pack is not None:
+            for name, module in pack_modules(self.pack).items():
+                yield name, exact_weight(module)
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+@functools.lru_cache(maxsize=1)
+def pack_modules(directory: Path) -> dict[str, PackedModule]:
+    """The Prism pack's packed matrices by export-core module name (``read_pack`` once a process: its scales and
+    signs, never its codes)."""
+    return {core_name(m): m for m in read_pack(directory).modules.values()}
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from torch import nn
 from convert.export.functions import compute_copy
 from convert.export.quantized import QuantizedEmbedding, QuantizedLinear, apply_quantized
 from convert.export.spec import SHIP_DTYPE
-from convert.inputs.sources import CheckpointReader
+from convert.inputs.checkpoint import open_checkpoint
 from convert.models import family_of
 from convert.models.part import Part
 from convert.weights.quantize import QuantizeResult
@@ -30,7 +30,7 @@ class PartLoader:
 
     def __init__(self, plan, result: QuantizeResult | None):
         self.plan, self.result = plan, result
-        self.reader = CheckpointReader(plan.snapshot.directory)
+        self.reader = open_checkpoint(plan.snapshot.directory)
         self.outline = modules_over(skeleton(plan.args, plan.recipe.target, SHIP_DTYPE, SHIP_DTYPE, "cpu"), plan.args,
                                     plan.recipe.target, SHIP_DTYPE)
 

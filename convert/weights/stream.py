@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from convert.inputs.sources import CheckpointReader
+from convert.inputs.checkpoint import Reader
 from convert.models import family_of
 from convert.models.layout import Layout
 
@@ -62,7 +62,7 @@ def checkpoint_key(core: nn.Module, name: str) -> str:
 class Streamer:
     """Fills and frees the modules of a ``skeleton`` core from a checkpoint stored under ``layout``."""
 
-    def __init__(self, core: nn.Module, reader: CheckpointReader, layout: Layout, ship_dtype: torch.dtype,
+    def __init__(self, core: nn.Module, reader: Reader, layout: Layout, ship_dtype: torch.dtype,
                  work_dtype: torch.dtype, device: torch.device | str):
         self.core, self.reader, self.layout = core, reader, layout
         self.ship_dtype, self.work_dtype, self.device = ship_dtype, work_dtype, torch.device(device)
