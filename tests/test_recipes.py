@@ -39,6 +39,10 @@ def test_dflash2_27b_plans_from_its_contract():
     # cost per weight, beside the build process's base): a vocabulary table's rows in 4 parts, 2 decoder layers (2 x
     # ~383 M weights) a part
     assert "parts: 40 (target.max_part_mb 2000, target.max_host_memory_gb 16), chained by the host" in out
+    # which bound chose them: 10 layers (10 x ~185 MB) fit the device's 2000 MB, but the host packages only 2
+    assert "layer chunks: 2 layers from the first, set by the host memory bound (the device's 2000 MB alone: 10; " \
+        "host memory alone: 2, packaging about 14 bytes a layer weight within 12.67 GiB)" in out
+    assert "tables: 4 parts each, set by the host memory bound (device alone: 1; host memory alone: 4" in out
     assert "embed-1of4: embedding rows 0..62079: 151.68 MiB (packaging about 12.9 GB)" in out
     assert "layers-4-5: layers 4..5, taps [5]: 368.38 MiB (packaging about 13.1 GB)" in out
     assert "layers-62-63: layers 62..63: 362.36 MiB" in out

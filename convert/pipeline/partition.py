@@ -53,9 +53,6 @@ FINISH_BYTES_PER_TABLE_WEIGHT = 4
 WHOLE_BYTES_PER_PARAMETER = 12
 
 
-# ------------------------------------------------------------------------------------------------ the core's ends
-
-
 # ------------------------------------------------------------------------------------------------ planning
 
 
@@ -247,13 +244,43 @@ def part_bytes(part: Part, sizes: Sizes) -> int:
     return int(total)
 
 
+def bound_lines(args, target) -> list[str]:
+    """Which limit sized the parts: how many layers a chunk (from the first layer) and how many parts a table the
+    device limit (``max_part_mb``) alone would allow, and how many the host memory (``max_host_memory_gb``) alone; the
+    plan takes the smaller of each."""
+    sizes = piece_sizes(args, target)
+    limit, room = int(target.max_part_mb * MB), packaging_room(target)
+    device = _leading(sizes.layers, limit - sizes.layer_constants)
+    host = _leading([_layer_cost(sizes, i) for i in range(len(sizes.layers))], room)
+    chunk = "device" if device <= host else "host memory"
+    table_device = math.ceil(args.vocab_size / max(1, int((limit - sizes.norm) // sizes.head_row)))
+    table_host = math.ceil(args.vocab_size / max(1, room // (PACKAGING_BYTES_PER_TABLE_WEIGHT * sizes.row_weights)))
+    table = "device" if table_device >= table_host else "host memory"
+    return [f"  layer chunks: {min(device, host)} layers from the first, set by the {chunk} bound (the device's "
+            f"{target.max_part_mb:g} MB alone: {device}; host memory alone: {host}, packaging about "
+            f"{PACKAGING_BYTES_PER_LAYER_WEIGHT} bytes a layer weight within {size_text(room)})",
+            f"  tables: {max(table_device, table_host)} parts each, set by the {table} bound (device alone: "
+            f"{table_device}; host memory alone: {table_host}, about {PACKAGING_BYTES_PER_TABLE_WEIGHT} bytes a "
+            "table weight)"]
+
+
+def _leading(costs, budget: int) -> int:
+    """How many of ``costs``, from the first, fit ``budget`` together."""
+    count = 0
+    while count < len(costs) and costs[count] <= budget:
+        budget -= costs[count]
+        count += 1
+    return count
+
+
 def plan_lines(args, target, parts: list[Part]) -> list[str]:
-    """The plan's lines on the parts: each with what it holds and its planned size."""
+    """The plan's lines on the parts: which bound sized them, then each part with what it holds and its planned
+    size."""
     if len(parts) == 1:
         return []
     sizes = piece_sizes(args, target)
     lines = [f"  parts: {len(parts)} (target.max_part_mb {target.max_part_mb:g}, target.max_host_memory_gb "
-             f"{target.max_host_memory_gb:g}), chained by the host in this order:"]
+             f"{target.max_host_memory_gb:g}), chained by the host in this order:", *bound_lines(args, target)]
     for part in parts:
         held = []
         if part.embedding:
@@ -267,11 +294,3 @@ def plan_lines(args, target, parts: list[Part]) -> list[str]:
         lines.append(f"    {part.name}: {', '.join(held)}: {size_text(part_bytes(part, sizes))} (packaging about "
                      f"{(PARTED_BASE_BYTES + packaging_bytes(part, sizes)) / GB:.1f} GB)")
     return lines
-
-
-# ------------------------------------------------------------------------------------------------ part modules
-
-
-# ------------------------------------------------------------------------------------------------ the chain
-
-
