@@ -21,8 +21,9 @@ $(VENV)/.bench: pyproject.toml $(BIN)/spec-convert
 demo: install
 	$(BIN)/spec-convert demo
 
+# a worker per core (pytest-xdist), each module's tests on one worker so its fixtures are built once
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 test-heavy: install
 	$(BIN)/python -m pytest -q -m heavy

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -7,6 +8,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from checkpoints import write_checkpoint  # noqa: E402
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs a worker per core) each worker computes with one torch thread: two
+    workers of two threads each on two cores spin-wait for each other (see ``one_torch_thread``)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +38,6 @@ def one_torch_thread():
 @pytest.fixture(autouse=True, scope="session")
 def build_cache_in_tmp(tmp_path_factory):
     """Builds under test cache their stages in a directory of this session, never in the user's cache."""
-    import os
-
     previous = os.environ.get("SPEC_CONVERT_CACHE")
     os.environ["SPEC_CONVERT_CACHE"] = str(tmp_path_factory.mktemp("build-cache"))
     yield
