@@ -7,10 +7,12 @@ builds the export modules of one part at ``bench/scale.py``'s geometry (hidden 5
 or head part of ``--rows`` vocabulary rows; seeded weights (std 0.02) quantized round-to-nearest (``--method``
 affine4 or lut4: the same codes-and-tables structure as their GPTQ forms); then packages it in one ``--format`` in
 this process, as the build's part process does, while a thread samples this process's resident memory (``VmRSS``)
-every 20 ms. Each phase's peak is reported above the memory before the modules were built, in bytes per weight of
-the part: building the modules, then per function the backend's steps (Core ML: the fp32 tracing copy, the trace,
-the conversion, the save; Core AI: the export, then the conversion and the save of all functions), then the
-multifunction merge (Core ML) and the package check.
+every 20 ms. Each phase's peak is reported in bytes per weight of the part above the memory before the modules were
+built and above the memory once they are built (what stays then is the part's fp16 weights, codes and tables; the
+bench's own seeded weights and their quantization peak while they are built). The phases: building the modules,
+then per function the backend's steps (Core ML: the fp32 tracing copy, the trace, the conversion, the save; Core AI:
+the export), then Core ML's multifunction merge and its package check (the constants read back) or Core AI's
+conversion of all functions (its check, a replay on the runtime, is not measured here).
 
     PYTHONPATH=. python3 -m bench.part_memory [--format coreml] [--layers 1] [--layer-types L] [--method affine4]
                                               [--table embed|head --rows 62080] [--json out.json]
@@ -63,7 +65,8 @@ class Sampler:
         finally:
             self.peak = max(self.peak, self._rss())
             self.phases.append({"phase": name, "seconds": round(time.perf_counter() - began, 1),
-                                "start_gib": round(start / 2**30, 2), "peak_gib": round(self.peak / 2**30, 2)})
+                                "start_gib": round(start / 2**30, 2), "peak_gib": round(self.peak / 2**30, 2),
+                                "end_gib": round(self._rss() / 2**30, 2)})
 
     def stop(self) -> None:
         self._stop.set()
@@ -116,6 +119,11 @@ def part_modules(layer_types: list[str], table: str | None, rows: int, method: s
             quantized[name] = fit(weight.float(), target.quantization.resolved_group_size)
         del value
     apply_quantized(core, quantized)
+    del quantized
+    if table == "head":  # the other table is not the part's: free it (the part process never loads it)
+        core.embed_tokens = torch.nn.Embedding(1, args.hidden_size, dtype=torch.float16)
+    elif table == "embed":
+        core.lm_head = torch.nn.Linear(args.hidden_size, 1, bias=False, dtype=torch.float16)
     for p in core.parameters():
         p.requires_grad_(False)
     modules = modules_over(core, args, target, torch.float16)
@@ -126,8 +134,8 @@ def part_modules(layer_types: list[str], table: str | None, rows: int, method: s
     else:
         part = Part(f"layers-0-{len(layer_types) - 1}", vocab, layers=(0, len(layer_types)))
     (piece,) = split(modules, target, [part])
-    weights = sum(p.numel() for name, p in core.named_parameters()
-                  if (name.startswith(("embed_tokens", "lm_head")) if table else name.startswith("layers.")))
+    weights = sum(p.numel() for name, p in core.named_parameters() if name.startswith(
+        {"head": "lm_head", "embed": "embed_tokens", None: "layers."}[table]))
     return piece, weights
 
 
@@ -139,7 +147,6 @@ def main() -> None:
     parser.add_argument("--table", choices=["embed", "head"], help="an embedding or head part instead of layers")
     parser.add_argument("--rows", type=int, default=62080, help="the table part's vocabulary rows")
     parser.add_argument("--method", choices=["affine4", "lut4"], default="affine4")
-    parser.add_argument("--check", action="store_true", help="also read the package back (the build's check)")
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
@@ -160,14 +167,21 @@ def main() -> None:
         _wrap(coreml.ct.utils, "save_multifunction", sampler, lambda *a: "merge the functions")
     else:
         _wrap(coreai, "_export", sampler, lambda module, spec: f"{spec.name}: torch.export")
+        _wrap(coreai.coreai_torch.TorchConverter, "to_coreai", sampler, lambda *a: "convert every function")
     out = Path(f"/tmp/part-memory-{options.format}")
     backend = backends.load(options.format)
     path = out.with_suffix(backends.SUFFIXES[options.format])
-    with sampler.phase(f"package {options.format} (all)"):
-        backend.package(piece.functions, path)
+    backend.package(piece.functions, path)
+    if options.format == "coreml":  # the Core AI check replays recorded calls on the runtime: not measured here
+        from convert.verify import checks
+
+        with sampler.phase("check: read the constants back"):
+            checks.check_package("coreml", path, piece, None, True)
     sampler.stop()
     base = sampler.base
-    rows = [{**p, "above_base_bytes_per_weight": round((p["peak_gib"] * 2**30 - base) / weights, 2)}
+    built = sampler.phases[0]["end_gib"] * 2**30
+    rows = [{**p, "above_base_bytes_per_weight": round((p["peak_gib"] * 2**30 - base) / weights, 2),
+             "above_modules_bytes_per_weight": round((p["peak_gib"] * 2**30 - built) / weights, 2)}
             for p in sampler.phases]
     result = {"machine": _machine("cpu"), "format": options.format, "method": options.method,
               "part": options.table or pattern, "rows": options.rows if options.table else None, "weights": weights,
