@@ -46,6 +46,7 @@ of one table). It is a derived artifact; the ``.aimodel`` is what ``stable_hash`
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import math
@@ -191,7 +192,8 @@ def _shipped(where: str, op, blobs: dict[str, bytes]) -> compress.ShippedWeight:
             table = torch.from_numpy(lut[a // group : b // group])
             return custom_layers.lut_to_dense(torch.from_numpy(indices[a:b]), table, int(axis)).numpy()
 
-        return compress.ShippedWeight(where, weight, compress.in_row_blocks(decompress, indices.shape[0], group),
+        return compress.ShippedWeight(where, weight,
+                                      functools.partial(compress.in_row_blocks, decompress, indices.shape[0], group),
                                       compress.fingerprint(weight))
     data, scale, offset, shift = operands
     element = str(ir.RankedTensorType(op.operands[0].type).element_type)
@@ -206,8 +208,8 @@ def _shipped(where: str, op, blobs: dict[str, bytes]) -> compress.ShippedWeight:
         blocks = (torch.from_numpy(data[a:b]), torch.from_numpy(scale[a:b]), torch.from_numpy(offset[a:b]))
         return custom_layers.constexpr_blockwise_shift_scale(blocks[0], blocks[1], zero_point=blocks[2]).numpy()
 
-    return compress.ShippedWeight(where, weight, compress.in_row_blocks(dequantize, data.shape[0], 1),
-                                  compress.fingerprint(weight))
+    decompressed = functools.partial(compress.in_row_blocks, dequantize, data.shape[0], 1)
+    return compress.ShippedWeight(where, weight, decompressed, compress.fingerprint(weight))
 
 
 def _constant(where: str, value, blobs: dict[str, bytes]) -> np.ndarray:

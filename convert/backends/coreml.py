@@ -36,6 +36,7 @@ takes 0.06 s. weight.bin is 23,744 bytes merged against 21,824-22,848 bytes for 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -340,16 +341,16 @@ def contents(path: Path) -> Contents:
     spec, program = _load_program(path)
     names = [f.name for f in spec.description.functions]
     found = Contents({n: _function_spec(n, program.functions[n]) for n in names}, {}, {}, {})
-    dense: dict[str, tuple[np.ndarray, str]] = {}  # by fingerprint: (dense weight, its digest)
+    digests: dict[str, str] = {}  # by fingerprint: the digest of its dense weight
     for name in names:
         operations = program.functions[name].operations
         found.operation_types[name] = {op.op_type for op in operations}
         found.weight_digests[name], found.compressed[name] = set(), []
         for op in operations:
             if _is_compressed_weight(op):
-                shipped = _shipped(op, dense)
+                shipped = _shipped(op, digests)
                 found.compressed[name].append(shipped)
-                found.weight_digests[name].add(dense[shipped.fingerprint][1])
+                found.weight_digests[name].add(digests[shipped.fingerprint])
             elif op.op_type == "const" and (value := _plain_constant(op)) is not None:
                 found.weight_digests[name].add(compress.digest(value))
     return found
@@ -405,9 +406,9 @@ def _codes_then_scales(op: Operation) -> Operation | None:
     return producer if producer is not None and producer.op_type == "constexpr_lut_to_dense" else None
 
 
-def _shipped(op: Operation, dense: dict[str, tuple[np.ndarray, str]]) -> compress.ShippedWeight:
-    """The op's weight; its decompression from ``dense`` when an op with the same codes and tables was decompressed
-    before (else computed and added there)."""
+def _shipped(op: Operation, digests: dict[str, str]) -> compress.ShippedWeight:
+    """The op's weight, its dense form decompressed when asked for; the digest of that dense form is added to
+    ``digests`` (by fingerprint) unless an op with the same codes and tables was read before."""
     where = f"MIL op {op.name} ({op.op_type})"
     codes_op = _codes_then_scales(op)
     if codes_op is None:
@@ -422,10 +423,9 @@ def _shipped(op: Operation, dense: dict[str, tuple[np.ndarray, str]]) -> compres
         raise PackageError(f"{where}: operands {missing} are not constants; it is not a weight compressed here")
     weight = reader(where, *(None if var is None else var.val for var in operands.values()))
     key = compress.fingerprint(weight)
-    if key not in dense:
-        array = _decompressed(op)
-        dense[key] = (array, compress.digest(array))
-    return compress.ShippedWeight(where, weight, dense[key][0], key)
+    if key not in digests:
+        digests[key] = compress.digest(_decompressed(op))
+    return compress.ShippedWeight(where, weight, functools.partial(_decompressed, op), key)
 
 
 def _decompressed(op: Operation) -> np.ndarray:

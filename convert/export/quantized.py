@@ -207,12 +207,18 @@ def add_coreml_compression(module: nn.Module) -> None:
 @dataclass(frozen=True)
 class ShippedWeight:
     """A compressed weight read back from a package: where it is, its codes and tables as stored, the dense weight
-    the format's own decompression makes of them, and ``fingerprint(weight)`` (the checks match weights by it)."""
+    the format's own decompression makes of them (``dense``, computed each time it is asked for: a part's check
+    holding one dense copy of every weight peaked at 12 bytes a weight above its modules, docs/benchmarks.md), and
+    ``fingerprint(weight)`` (the checks match weights by it)."""
 
     where: str
     weight: QuantizedWeight
-    dense: np.ndarray
+    decompress: Callable[[], np.ndarray]
     fingerprint: str
+
+    @property
+    def dense(self) -> np.ndarray:
+        return self.decompress()
 
 
 def from_lut_to_dense(where: str, indices: np.ndarray, lut: np.ndarray) -> QuantizedWeight:

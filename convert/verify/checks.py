@@ -118,7 +118,7 @@ def quantized_constants(name: str, path, weights: dict[str, QuantizedWeight], ev
             if match is None:
                 problem = _closest(expected, found)
             else:
-                key = (weight_name, id(match.dense))
+                key = (weight_name, match.fingerprint)
                 if key not in compared:
                     compared[key] = compress.difference(expected, match)
                 problem = compared[key]
