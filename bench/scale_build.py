@@ -81,11 +81,13 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def run_build(recipe: Path, output: Path, log: Path) -> dict:
-    """Run the build in a child process; its stages (from the stage lines) with seconds and the peak resident memory
-    of its process tree."""
+def run_build(recipe: Path, output: Path, log: Path, cached: bool = False) -> dict:
+    """Run the build in a child process (``cached``: with the build cache, so that a second run resumes; else
+    ``--no-cache``); its stages (from the stage lines) with seconds and the peak resident memory of its process
+    tree."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
-    command = [sys.executable, "-m", "convert", "build", str(recipe), "-o", str(output), "--no-cache"]
+    command = [sys.executable, "-m", "convert", "build", str(recipe), "-o", str(output),
+               *([] if cached else ["--no-cache"])]
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     samples: list[tuple[float, int, int, int]] = []  # (seconds, tree VmRSS, tree RssAnon, tree RssFile)
