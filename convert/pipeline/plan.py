@@ -33,7 +33,6 @@ from convert.pipeline.partition import (
     plan_parts,
     shipped_line,
 )
-from convert.pipeline.partition import plan_lines as parts_lines
 from convert.weights.quantize import estimate_lines, kept_modules
 from convert.weights.stream import parameters_on_meta
 from convert.weights.target import function_specs
@@ -139,7 +138,7 @@ def describe_plan(plan: Plan) -> list[str]:
         *function_lines(plan.specs),
         *size_lines(plan.parameter_count, recipe.backends),
         shipped_line(args, recipe.target),
-        *parts_lines(args, recipe.target, plan.parts),
+        *plan_lines(args, recipe.target, plan.parts),
         *(rotation_lines(args, recipe.target, pack_block(plan.snapshot.packed)) if plan.snapshot.packed else []),
         f"  states: {plan.state_bytes / mib:.1f} MiB in all",
         *estimate_lines(args, recipe.target),
