@@ -335,9 +335,9 @@ class Contents:
 
 def contents(path: Path) -> Contents:
     """The package's ``Contents``. The functions of a multifunction package share their weights
-    (``save_multifunction`` stores equal constants once), so each distinct compressed weight is decompressed once
-    and its ``ShippedWeight``s in the other functions share that dense array: a part's check holds its program and
-    one dense copy of its compressed weights."""
+    (``save_multifunction`` stores equal constants once), so each distinct compressed weight's dense form is
+    decompressed once here for its digest and dropped; a ``ShippedWeight`` decompresses it again when a check
+    compares it. A part's check holds its program (coremltools loads each function's constants) and no dense copy."""
     spec, program = _load_program(path)
     names = [f.name for f in spec.description.functions]
     found = Contents({n: _function_spec(n, program.functions[n]) for n in names}, {}, {}, {})
