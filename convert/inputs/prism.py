@@ -471,10 +471,15 @@ def write_unfolded(pack: Pack, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     save_file(dict(unfolded_tensors(pack)), str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(unfolded_config(pack), indent=2))
+    _copy_files(pack, directory)
+    return directory
+
+
+def _copy_files(pack: Pack, directory: Path) -> None:
+    """The pack's tokenizer, generation and license files, copied into ``directory``."""
     for path in [*(pack.directory / name for name in COPIED_FILES), *license_files(pack.directory)]:
         if path.is_file():
             shutil.copyfile(path, directory / path.name)
-    return directory
 
 
 VIEW_FILE = "unfolded-pack.json"  # marks an unfolded checkpoint whose weights are computed from the pack as read
@@ -487,9 +492,7 @@ def write_view(pack: Pack, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / VIEW_FILE).write_text(json.dumps({"pack": str(pack.directory.resolve())}, indent=2))
     (directory / "config.json").write_text(json.dumps(unfolded_config(pack), indent=2))
-    for path in [*(pack.directory / name for name in COPIED_FILES), *license_files(pack.directory)]:
-        if path.is_file():
-            shutil.copyfile(path, directory / path.name)
+    _copy_files(pack, directory)
     return directory
 
 
