@@ -50,6 +50,7 @@ and signs, and reads each module's codes only when ``codes`` is called.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 import tempfile
@@ -343,6 +344,17 @@ def _check_agreement(modules: dict[str, PackedModule], manifest: dict, block: in
                              f"{module.width}, but tensor {name!r} has {module.signs[i].item()}")
 
 
+def read_pack_once(directory: Path) -> Pack:
+    """``read_pack`` of ``directory`` once a process: a stage that both reads a pack's unfolded view and ships its
+    exact weights holds one copy of its scales and signs (about 0.8 GB at 27B), not one per reader."""
+    return _read_pack_at(Path(directory).resolve())
+
+
+@functools.lru_cache(maxsize=1)
+def _read_pack_at(directory: Path) -> Pack:
+    return read_pack(directory)
+
+
 def _power_of_two(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 1 and value & (value - 1) == 0
 
@@ -377,7 +389,8 @@ UNFOLD_ELEMENTS = 1 << 23
 
 def unfold(module: PackedModule, start: int = 0, stop: int | None = None) -> torch.Tensor:
     """The logical weight W = W' H S (so that W x = W' H(s * x)), rows ``start:stop``: computed in fp64 a chunk of
-    rows at a time, returned fp32. The embedding's rows are ``embedding_table``'s."""
+    rows at a time, returned fp32. The embedding's rows are cast to fp16 before the transform, as mlx-vlm's lookup
+    does (``embedding_table``)."""
     stop = module.rows if stop is None else stop
     out = torch.empty(stop - start, module.width, dtype=torch.float32)
     step = max(1, UNFOLD_ELEMENTS // module.width)
@@ -452,7 +465,7 @@ def unfolded_tensors(pack: Pack) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the pack's model in the Hugging Face checkpoint's names and layout: each packed matrix as its
     logical weight (``unfold`` / ``embedding_table``, fp32), the dense tensors as stored, one file's tensors at a
     time."""
-    packed = {m.key + suffix for m in pack.modules.values() for suffix in (".weight", ".scales", ".biases", ".signs")}
+    packed = _packed_names(pack)
     for module in pack.modules.values():
         yield hf_key(module.key + ".weight"), unfold(module)
     for file in weight_files(pack.directory):
@@ -475,6 +488,11 @@ def write_unfolded(pack: Pack, directory: Path) -> Path:
     return directory
 
 
+def _packed_names(pack: Pack) -> set[str]:
+    """The pack's tensors that make up its packed matrices (codes, scales, biases, signs)."""
+    return {m.key + suffix for m in pack.modules.values() for suffix in (".weight", ".scales", ".biases", ".signs")}
+
+
 def _copy_files(pack: Pack, directory: Path) -> None:
     """The pack's tokenizer, generation and license files, copied into ``directory``."""
     for path in [*(pack.directory / name for name in COPIED_FILES), *license_files(pack.directory)]:
@@ -486,8 +504,8 @@ VIEW_FILE = "unfolded-pack.json"  # marks an unfolded checkpoint whose weights a
 
 
 def write_view(pack: Pack, directory: Path) -> Path:
-    """The pack's unfolded checkpoint without its weights (``unfolded_checkpoint`` reads them from the pack, one
-    tensor or a range of rows at a time): config.json, the tokenizer files and ``VIEW_FILE`` naming the pack. What a
+    """The pack's unfolded checkpoint without its weights (``UnfoldedPack`` computes them from the pack, one tensor
+    or a range of rows at a time): config.json, the tokenizer files and ``VIEW_FILE`` naming the pack. What a
     pack too large to unfold in memory (a 27B's logical weights are 108 GB in fp32) is gated and packaged from."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / VIEW_FILE).write_text(json.dumps({"pack": str(pack.directory.resolve())}, indent=2))
@@ -506,19 +524,17 @@ class UnfoldedPack:
         if not isinstance(recorded, str) or not (Path(recorded) / "config.json").is_file():
             raise InputError(f"{view / VIEW_FILE}: the pack it unfolds ({recorded!r}) is gone; remove {view} and "
                              "build again")
-        self.pack = read_pack(Path(recorded))
+        self.pack = read_pack_once(Path(recorded))
         self.modules = {hf_key(m.key + ".weight"): m for m in self.pack.modules.values()}
-        packed = {m.key + suffix for m in self.pack.modules.values() for suffix in (".weight", ".scales", ".biases",
-                                                                                   ".signs")}
+        packed = _packed_names(self.pack)
         self.dense = {hf_key(name): (h.file, name, h.shape) for name, h in _tensor_headers(self.pack.directory).items()
                       if name not in packed}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's name and shape in the unfolded checkpoint (nothing is read)."""
         shapes = {key: (m.rows, m.width) for key, m in self.modules.items()}
-        for key, (_, name, shape) in self.dense.items():
-            conv = name.endswith("conv1d.weight") and len(shape) == 3 and shape[-1] == 1
-            shapes[key] = (shape[0], 1, shape[1]) if conv else shape
+        for key, (_, name, shape) in self.dense.items():  # hf_layout's shape, computed on the meta device
+            shapes[key] = tuple(hf_layout(name, torch.empty(shape, device="meta")).shape)
         return shapes
 
     def get(self, key: str) -> torch.Tensor:

@@ -24,7 +24,6 @@ checks and both packages see the same codes and tables.
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -37,7 +36,7 @@ from torch import nn
 from convert import cache as build_cache
 from convert.errors import InputError
 from convert.export.spec import SHIP_DTYPE
-from convert.inputs.prism import PackedModule, core_name, exact_weight, read_pack
+from convert.inputs.prism import PackedModule, core_name, exact_weight, read_pack_once
 from convert.inputs.recipe import Quantization
 from convert.inputs.sources import CheckpointReader
 from convert.models import family_of
@@ -115,11 +114,10 @@ def _under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-@functools.lru_cache(maxsize=1)
 def pack_modules(directory: Path) -> dict[str, PackedModule]:
-    """The Prism pack's packed matrices by export-core module name (``read_pack`` once a process: its scales and
-    signs, never its codes)."""
-    return {core_name(m): m for m in read_pack(directory).modules.values()}
+    """The Prism pack's packed matrices by export-core module name (its scales and signs, read once a process;
+    never its codes)."""
+    return {core_name(m): m for m in read_pack_once(directory).modules.values()}
 
 
 @dataclass(frozen=True)
