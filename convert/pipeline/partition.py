@@ -244,17 +244,21 @@ def part_bytes(part: Part, sizes: Sizes) -> int:
     return int(total)
 
 
-def bound_lines(args, target) -> list[str]:
-    """Which limit sized the parts: how many layers a chunk (from the first layer) and how many parts a table the
-    device limit (``max_part_mb``) alone would allow, and how many the host memory (``max_host_memory_gb``) alone; the
-    plan takes the smaller of each."""
-    sizes = piece_sizes(args, target)
+def bound_lines(target, vocab: int, sizes: Sizes) -> list[str]:
+    """Which limit sized the parts: how many layers a chunk (from the first layer) and how many parts a table (the
+    head's split, ``_vocab_split``) the device limit (``max_part_mb``) alone would allow, and how many the host memory
+    (``max_host_memory_gb``) alone; the plan takes the smaller of each."""
     limit, room = int(target.max_part_mb * MB), packaging_room(target)
     device = _leading(sizes.layers, limit - sizes.layer_constants)
     host = _leading([_layer_cost(sizes, i) for i in range(len(sizes.layers))], room)
     chunk = "device" if device <= host else "host memory"
-    table_device = math.ceil(args.vocab_size / max(1, int((limit - sizes.norm) // sizes.head_row)))
-    table_host = math.ceil(args.vocab_size / max(1, room // (PACKAGING_BYTES_PER_TABLE_WEIGHT * sizes.row_weights)))
+    row_cost, unbounded = PACKAGING_BYTES_PER_TABLE_WEIGHT * sizes.row_weights, 1 << 62
+
+    def table_parts(part_limit: int, part_room: int) -> int:
+        return len(_vocab_split("head", vocab, sizes.head_row, sizes.norm, part_limit, sizes.row_align, row_cost,
+                                part_room))
+
+    table_device, table_host = table_parts(limit, unbounded), table_parts(unbounded, room)
     table = "device" if table_device >= table_host else "host memory"
     return [f"  layer chunks: {min(device, host)} layers from the first, set by the {chunk} bound (the device's "
             f"{target.max_part_mb:g} MB alone: {device}; host memory alone: {host}, packaging about "
@@ -280,7 +284,8 @@ def plan_lines(args, target, parts: list[Part]) -> list[str]:
         return []
     sizes = piece_sizes(args, target)
     lines = [f"  parts: {len(parts)} (target.max_part_mb {target.max_part_mb:g}, target.max_host_memory_gb "
-             f"{target.max_host_memory_gb:g}), chained by the host in this order:", *bound_lines(args, target)]
+             f"{target.max_host_memory_gb:g}), chained by the host in this order:",
+             *bound_lines(target, args.vocab_size, sizes)]
     for part in parts:
         held = []
         if part.embedding:
