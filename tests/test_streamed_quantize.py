@@ -262,6 +262,11 @@ streamed(Path({directory!r}), quantization("lut4-gptq"), BuildCache(Path({cache!
 """
 
 
+def finished_entries(cache_dir: Path) -> list[Path]:
+    """The stored units' entries; not one being written (``.<key>.tmp-<pid>``: pathlib's ``*`` matches a dot)."""
+    return [p for p in cache_dir.glob("quantize/*/*/entry.json") if not p.parent.name.startswith(".")]
+
+
 def test_a_killed_run_resumes_redoing_at_most_the_unit_in_flight(tmp_path):
     directory = write(tmp_path / "ckpt", "dense")
     cache_dir = tmp_path / "cache"
@@ -271,14 +276,14 @@ def test_a_killed_run_resumes_redoing_at_most_the_unit_in_flight(tmp_path):
     deadline = time.monotonic() + 120
     stored = []
     while time.monotonic() < deadline and process.poll() is None:
-        stored = list(cache_dir.glob("quantize/*/*/entry.json"))
+        stored = finished_entries(cache_dir)
         if len(stored) >= 2:
             process.send_signal(signal.SIGKILL)
             break
         time.sleep(0.005)
     process.wait()
     assert process.returncode == -signal.SIGKILL, "the run ended before it was killed mid-quantization"
-    stored = list(cache_dir.glob("quantize/*/*/entry.json"))
+    stored = finished_entries(cache_dir)
     assert 2 <= len(stored) < 5  # 3 layers, the lm_head and the embedding: killed in the middle
     cache = BuildCache(cache_dir)
     resumed = streamed(directory, quantization("lut4-gptq"), cache)
