@@ -8,19 +8,24 @@ or head part of ``--rows`` vocabulary rows; seeded weights (std 0.02) quantized 
 affine4 or lut4: the same codes-and-tables structure as their GPTQ forms); then packages it in one ``--format`` in
 this process, as the build's part process does, while a thread samples this process's resident memory (``VmRSS``)
 every 20 ms. Each phase's peak is reported in bytes per weight of the part above the memory before the modules were
-built and above the memory once they are built (what stays then is the part's fp16 weights, codes and tables; the
-bench's own seeded weights and their quantization peak while they are built). The phases: building the modules,
-then per function the backend's steps (Core ML: the fp32 tracing copy, the trace, the conversion, the save; Core AI:
-the export), then Core ML's multifunction merge and its package check (the constants read back) or Core AI's
-conversion of all functions (its check, a replay on the runtime, is not measured here).
+built and above the memory of the modules as they are packaged (codes, tables and what is not quantized, once the
+quantized linears' fp16 dense weights are released as the part process releases them after recording its calls;
+with ``--keep-dense``, the dense weights too; the bench's own seeded weights and their quantization peak while they
+are built). The phases: building the modules, releasing the dense weights, then per function the backend's steps
+(Core ML: the fp32 tracing copy, the trace, the conversion, the save; Core AI: the export), then Core ML's
+multifunction merge and its package check (the constants read back) or Core AI's conversion of all functions and its
+check (the quantized constants read back, then the package loaded on the Core AI runtime, every function lowered, and
+decode called once: the runtime's fp16 is emulated on Linux, and a 64-token prefill of one layer at this width took
+21 minutes there).
 
     PYTHONPATH=. python3 -m bench.part_memory [--format coreml] [--layers 1] [--layer-types L] [--method affine4]
-                                              [--table embed|head --rows 62080] [--json out.json]
+                                              [--table embed|head --rows 62080] [--keep-dense] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import threading
 import time
@@ -84,6 +89,21 @@ def _wrap(owner, attribute: str, sampler: Sampler, name) -> None:
     setattr(owner, attribute, wrapped)
 
 
+def _stacked(blocks):
+    """One ``QuantizedWeight`` of consecutive row blocks' (their codes and tables stacked)."""
+    from quant.types import QuantizedWeight
+
+    first = blocks[0]
+    if len(blocks) == 1:
+        return first
+
+    def cat(field):
+        return None if getattr(first, field) is None else torch.cat([getattr(b, field) for b in blocks])
+
+    return QuantizedWeight(first.method, cat("codes"), first.group_size, scale=cat("scale"),
+                           zero_point=cat("zero_point"), lut=cat("lut"))
+
+
 def part_modules(layer_types: list[str], table: str | None, rows: int, method: str, seed: int = 0):
     """The export modules of the part, its weights' count."""
     from convert.export.quantized import apply_quantized
@@ -104,26 +124,39 @@ def part_modules(layer_types: list[str], table: str | None, rows: int, method: s
         "quantization": {"method": method}}, "backends": ["coreml"]})
     target = recipe.target
     generator = torch.Generator().manual_seed(seed)
-    core = qwen3_5.build_core(args, target).to(torch.float16).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16 if table else default)  # two fp32 tables of 248320 rows would be 10 GB
+    try:
+        core = qwen3_5.build_core(args, target).to(torch.float16).eval()
+    finally:
+        torch.set_default_dtype(default)
+    if table == "head":  # the other table is not the part's: one row of it (the part process never loads it)
+        core.embed_tokens = torch.nn.Embedding(1, args.hidden_size, dtype=torch.float16)
+    elif table == "embed":
+        core.lm_head = torch.nn.Linear(args.hidden_size, 1, bias=False, dtype=torch.float16)
+    fit = quantize_affine if method == "affine4" else quantize_lut
+    group = target.quantization.resolved_group_size
     quantized = {}
     for name, module in core.named_modules():
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.nn.Parameter):
             continue
-        with torch.no_grad():
-            value = torch.randn(weight.shape, generator=generator) * (0.02 if weight.dim() == 2 else 0.1)
-            weight.copy_(value + (1.0 if weight.dim() == 1 else 0.0))
         wanted = name in ("embed_tokens", "lm_head") if table else name.startswith("layers.")
-        if weight.dim() == 2 and wanted and "in_proj_a" not in name and "in_proj_b" not in name:
-            fit = quantize_affine if method == "affine4" else quantize_lut
-            quantized[name] = fit(weight.float(), target.quantization.resolved_group_size)
-        del value
+        quantize = weight.dim() == 2 and wanted and "in_proj_a" not in name and "in_proj_b" not in name
+        blocks = []
+        step = 16384  # rows a block (a multiple of lut4's groups): a table's fp32 draws stay 0.3 GB at a time
+        for lo in range(0, weight.shape[0], step):
+            with torch.no_grad():
+                value = torch.randn(weight[lo:lo + step].shape, generator=generator) * (0.02 if weight.dim() == 2
+                                                                                          else 0.1)
+                weight[lo:lo + step].copy_(value + (1.0 if weight.dim() == 1 else 0.0))
+            if quantize:  # round-to-nearest is row-block by row-block (groups of columns, or of 16 rows)
+                blocks.append(fit(weight[lo:lo + step].float(), group))
+            del value
+        if blocks:
+            quantized[name] = _stacked(blocks)
     apply_quantized(core, quantized)
     del quantized
-    if table == "head":  # the other table is not the part's: free it (the part process never loads it)
-        core.embed_tokens = torch.nn.Embedding(1, args.hidden_size, dtype=torch.float16)
-    elif table == "embed":
-        core.lm_head = torch.nn.Linear(args.hidden_size, 1, bias=False, dtype=torch.float16)
     for p in core.parameters():
         p.requires_grad_(False)
     modules = modules_over(core, args, target, torch.float16)
@@ -147,6 +180,7 @@ def main() -> None:
     parser.add_argument("--table", choices=["embed", "head"], help="an embedding or head part instead of layers")
     parser.add_argument("--rows", type=int, default=62080, help="the table part's vocabulary rows")
     parser.add_argument("--method", choices=["affine4", "lut4"], default="affine4")
+    parser.add_argument("--keep-dense", action="store_true", help="package with the fp16 dense weights held")
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
@@ -155,10 +189,15 @@ def main() -> None:
 
     from convert import backends
     from convert.backends import coreai, coreml
+    from convert.export.quantized import release_dense_weights
 
     sampler = Sampler()
     with sampler.phase("build the part's modules (fp16 weights, codes, tables)"):
         piece, weights = part_modules(layer_types, options.table, options.rows, options.method)
+    if not options.keep_dense:  # as the part process does once the part's calls are recorded
+        with sampler.phase("release the quantized linears' dense weights"):
+            release_dense_weights(piece.core)
+            gc.collect()
     if options.format == "coreml":
         _wrap(coreml, "_tracing_copy", sampler, lambda module, spec: f"{spec.name}: fp32 tracing copy")
         _wrap(torch.jit, "trace", sampler, lambda module, *a: "trace")
@@ -172,14 +211,27 @@ def main() -> None:
     backend = backends.load(options.format)
     path = out.with_suffix(backends.SUFFIXES[options.format])
     backend.package(piece.functions, path)
-    if options.format == "coreml":  # the Core AI check replays recorded calls on the runtime: not measured here
+    if options.format == "coreml":
         from convert.verify import checks
 
         with sampler.phase("check: read the constants back"):
             checks.check_package("coreml", path, piece, None, True)
+    else:  # the check replays recorded calls on the runtime: here the package loaded and decode called once
+        from convert.export import quantized as compress
+        from convert.export.spec import TORCH_DTYPES
+        from convert.verify import checks
+
+        with sampler.phase("check: the quantized constants read back"):
+            checks.quantized_constants("coreai", path, compress.quantized_weights(piece.core))
+            gc.collect()
+        with sampler.phase("check: the package loaded on the Core AI runtime, decode called once"):
+            with coreai.open_session(path) as session:
+                spec = piece.functions["decode"][1]
+                session.call("decode", {t.name: torch.zeros(t.shape, dtype=TORCH_DTYPES[t.dtype]).numpy()
+                                        for t in spec.inputs})
     sampler.stop()
     base = sampler.base
-    built = sampler.phases[0]["end_gib"] * 2**30
+    built = sampler.phases[1 if not options.keep_dense else 0]["end_gib"] * 2**30  # the modules as packaged
     rows = [{**p, "above_base_bytes_per_weight": round((p["peak_gib"] * 2**30 - base) / weights, 2),
              "above_modules_bytes_per_weight": round((p["peak_gib"] * 2**30 - built) / weights, 2)}
             for p in sampler.phases]

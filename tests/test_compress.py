@@ -210,15 +210,34 @@ def test_apply_quantized_refuses_what_cannot_ship_exactly(change, message):
         apply_quantized(core, weights)
 
 
-def test_core_ml_refuses_codes_at_a_later_equal_lut_entry():
+def test_core_ml_ships_codes_at_a_later_equal_lut_entry_as_they_are(tmp_path):
+    """The codes are the quantizer's, not derived from the dense weight (which would pick the first equal entry)."""
     quantized = random_quantized((16, 64), "lut4", seed=7)
     quantized.lut[0, 9] = quantized.lut[0, 2]
     quantized.codes[quantized.codes == 9] = 0
     quantized.codes[3, 5] = 9
-    module = nn.Sequential(QuantizedLinear("layers.0.up_proj", quantized))
-    expected = r"'layers.0.up_proj': the table of rows 0-15 has entry 9 equal to its earlier entry 2, and code \[3, 5\]"
-    with pytest.raises(PackageError, match=expected):
-        compress.add_coreml_compression(module)
+    core = nn.Sequential(QuantizedLinear("0", quantized))
+    spec = FunctionSpec("main", (TensorSpec("x", (2, 64), "float32"),), (TensorSpec("y", (2, 16), "float32"),), ())
+    coreml.package({"main": (core, spec)}, tmp_path / "equal.mlpackage")
+    (shipped,) = coreml.compressed_weights(tmp_path / "equal.mlpackage")["main"]
+    assert int(shipped.weight.codes[3, 5]) == 9
+    assert compress.difference(quantized, shipped) is None
+
+
+def test_released_dense_weights_change_no_output_and_no_package_byte(built, tmp_path):
+    """A part's packaging releases the dense weights (release_dense_weights): the packages are made from the codes."""
+    core, functions = toy_functions()
+    apply_quantized(core, toy_weights(core))
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(3)).half()
+    before = core.layers[0].k_proj(x)
+    compress.release_dense_weights(core)
+    layers = [m for m in core.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 11 and all(m.weight.untyped_storage().nbytes() == 2 for m in layers)  # one fp16 zero each
+    assert torch.equal(core.layers[0].k_proj(x).view(torch.int16), before.view(torch.int16))
+    coreml.package(functions, tmp_path / "q4.mlpackage")
+    coreai.package(functions, tmp_path / "q4.aimodel")
+    for name in ("q4.mlpackage", "q4.aimodel"):
+        assert coreml.stable_hash(tmp_path / name) == coreml.stable_hash(built.out / name)
 
 
 def test_core_ml_constants_are_the_quantizers_bit_for_bit_in_every_function(built):

@@ -46,7 +46,6 @@ of one table). It is a derived artifact; the ``.aimodel`` is what ``stable_hash`
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import json
 import math
@@ -137,6 +136,7 @@ def compressed_weights(path: Path) -> dict[str, list[compress.ShippedWeight]]:
     """
     module = _mlir_module(AIModelAsset.load(path).program)
     blobs = _resource_blobs((path / "main.mlirb").read_bytes())
+    decoded: dict = {}  # the functions share the resources: each one decoded once, not once a function
     shipped = {}
     with module.context:
         for graph in module.body.operations:
@@ -145,7 +145,7 @@ def compressed_weights(path: Path) -> dict[str, list[compress.ShippedWeight]]:
             function = ir.StringAttr(graph.attributes["sym_name"]).value
             operations = graph.regions[0].blocks[0].operations
             shipped[function] = [
-                _shipped(f"function {function}: op {index} ({op.name})", op, blobs)
+                _shipped(f"function {function}: op {index} ({op.name})", op, blobs, decoded)
                 for index, op in enumerate(operations)
                 if op.name in _COMPRESSED_OPS
             ]
@@ -180,9 +180,9 @@ _NUMPY_ELEMENTS = {"f16": np.float16, "f32": np.float32, "ui8": np.uint8, "si8":
                    "si32": np.int32}
 
 
-def _shipped(where: str, op, blobs: dict[str, bytes]) -> compress.ShippedWeight:
+def _shipped(where: str, op, blobs: dict[str, bytes], decoded: dict) -> compress.ShippedWeight:
     """One compressed-weight op: its operands as stored, and coreai-torch's reference decompression of them."""
-    operands = [_constant(where, value, blobs) for value in op.operands]
+    operands = [_constant(where, value, blobs, decoded) for value in op.operands]
     if op.name == "coreai.lut_to_dense":
         indices, lut, axis = operands
         weight = compress.from_lut_to_dense(where, indices, lut)
@@ -192,9 +192,7 @@ def _shipped(where: str, op, blobs: dict[str, bytes]) -> compress.ShippedWeight:
             table = torch.from_numpy(lut[a // group : b // group])
             return custom_layers.lut_to_dense(torch.from_numpy(indices[a:b]), table, int(axis)).numpy()
 
-        return compress.ShippedWeight(where, weight,
-                                      functools.partial(compress.in_row_blocks, decompress, indices.shape[0], group),
-                                      compress.fingerprint(weight))
+        return compress.ShippedWeight(where, weight, decompress, group, compress.fingerprint(weight))
     data, scale, offset, shift = operands
     element = str(ir.RankedTensorType(op.operands[0].type).element_type)
     if element not in _SHIFT_SCALE_METHODS:
@@ -208,19 +206,22 @@ def _shipped(where: str, op, blobs: dict[str, bytes]) -> compress.ShippedWeight:
         blocks = (torch.from_numpy(data[a:b]), torch.from_numpy(scale[a:b]), torch.from_numpy(offset[a:b]))
         return custom_layers.constexpr_blockwise_shift_scale(blocks[0], blocks[1], zero_point=blocks[2]).numpy()
 
-    decompressed = functools.partial(compress.in_row_blocks, dequantize, data.shape[0], 1)
-    return compress.ShippedWeight(where, weight, decompressed, compress.fingerprint(weight))
+    return compress.ShippedWeight(where, weight, dequantize, 1, compress.fingerprint(weight))
 
 
-def _constant(where: str, value, blobs: dict[str, bytes]) -> np.ndarray:
-    """The array a ``coreai.constant`` operand holds, from its resource blob or its inline attribute."""
+def _constant(where: str, value, blobs: dict[str, bytes], decoded: dict) -> np.ndarray:
+    """The array a ``coreai.constant`` operand holds, from its resource blob (decoded once into ``decoded``, by
+    resource, element type and shape) or its inline attribute."""
     if not ir.OpResult.isinstance(value) or value.owner.name != "coreai.constant":
         raise PackageError(f"{where}: an operand is not a constant; it is not a weight compressed here")
     attr = value.owner.attributes["value"]
     tensor = ir.RankedTensorType(attr.type)
     shape, element = tuple(tensor.shape), str(tensor.element_type)
     if ir.DenseResourceElementsAttr.isinstance(attr):
-        return _decode(where, blobs[re.match(r"dense_resource<([^>]+)>", str(attr)).group(1)], element, shape)
+        key = (re.match(r"dense_resource<([^>]+)>", str(attr)).group(1), element, shape)
+        if key not in decoded:
+            decoded[key] = _decode(where, blobs[key[0]], element, shape)
+        return decoded[key]
     dense = ir.DenseElementsAttr(attr)
     if element in ("f16", "f32"):
         if dense.is_splat:

@@ -11,13 +11,16 @@ Why these choices:
   dtype fp16 whereas data has dtype fp32"); fp16 -> fp32 -> fp16 is exact, so the shipped fp16
   constants equal the module's fp16 weights bit for bit. The copy shares fp32 tensors instead of
   duplicating them, and its zeroed states keep the trace's own KV writes out of the live cache.
-- Quantized linears (``convert/export/quantized.py``) ship through coremltools' pre-compressed path: the tracing
-  copy gets ``_COREML_/weight/...`` buffers (fp16 tables, uint4 zero points) and ``ct.convert`` emits
-  ``constexpr_lut_to_dense`` / ``constexpr_blockwise_shift_scale`` over our codes and tables (why the codes
-  it derives are ours: compress.py). An exact2 weight arrives as a 2-bit palettization with a table per group;
-  the conversion's last pass (``Exact2CodesThenScales``) ships it as its codes through one int8 table into
-  ``constexpr_blockwise_shift_scale`` (compress.py says why). ``compressed_weights`` reads them back for the
-  build's bit-exact check.
+- Quantized linears (``convert/export/quantized.py``) ship as coremltools' pre-compressed weights, built from
+  our codes and tables: the tracing copy marks each one (a ``_COREML_/weight/compression_type`` buffer) and holds
+  a placeholder for it, and while ``ct.convert`` runs, ``_weights_from_codes`` has the torch frontend make each
+  marked weight's ``constexpr_lut_to_dense`` / ``constexpr_blockwise_shift_scale`` from the ``QuantizedWeight``
+  itself (``_constexpr_weight``), the ops its own pre-compressed path makes after deriving the codes from a dense
+  weight. So no fp32 (or fp16) copy of a quantized weight is made to convert it: the tracing copy and the
+  conversion hold the codes once, as views (docs/benchmarks.md, "Where a part's packaging memory goes"). An exact2
+  weight arrives as a 2-bit palettization with a table per group; the conversion's last pass
+  (``Exact2CodesThenScales``) ships it as its codes through one int8 table into ``constexpr_blockwise_shift_scale``
+  (compress.py says why). ``compressed_weights`` reads them back for the build's bit-exact check.
 - KV writes must be an ``index_put_`` on the whole state with an index tensor for every dim (scatter_nd).
   coremltools 9 has no ``index_copy``; ``cache[l].index_copy_(1, pos, k)`` and ``cache[l, :, pos] = k``
   both reach its ``index_put`` with a whole-slice index, which fails ("Input squeeze_0 has rank 1 != other
@@ -35,8 +38,9 @@ takes 0.06 s. weight.bin is 23,744 bytes merged against 21,824-22,848 bytes for 
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import functools
+import gc
 import hashlib
 import json
 import logging
@@ -82,13 +86,15 @@ logging.getLogger("coremltools").addFilter(_DropKnownHarmless())
 
 import coremltools as ct  # noqa: E402
 from coremltools.converters.mil import Builder as mb  # noqa: E402
-from coremltools.converters.mil import Function, Operation, Program  # noqa: E402
+from coremltools.converters.mil import Function, Operation, Program, Var  # noqa: E402
 from coremltools.converters.mil.frontend.milproto.load import load as load_milproto  # noqa: E402
+from coremltools.converters.mil.frontend.torch.converter import TorchConverter  # noqa: E402
 from coremltools.converters.mil.mil import Block  # noqa: E402
 from coremltools.converters.mil.mil import types as mil_types  # noqa: E402
 from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass  # noqa: E402
 from coremltools.converters.mil.mil.passes.helper import block_context_manager  # noqa: E402
 from coremltools.converters.mil.mil.passes.pass_registry import register_pass  # noqa: E402
+from coremltools.converters.mil.mil.types import np_uint2_dtype, np_uint4_dtype  # noqa: E402
 from coremltools.proto import Model_pb2  # noqa: E402
 
 from convert.export.spec import TORCH_DTYPES  # noqa: E402
@@ -115,8 +121,11 @@ def package(functions: dict[str, tuple[nn.Module, FunctionSpec]], path: Path) ->
             single = Path(tmp) / f"{name}.mlpackage"
             convert_function(name, module, spec).save(str(single))
             descriptor.add_function(str(single), src_function_name="main", target_function_name=name)
+            gc.collect()  # a MIL program is a graph of cycles: its constants go only when the collector runs
         descriptor.default_function_name = next(iter(functions))
-        ct.utils.save_multifunction(descriptor, str(path))
+        with _constants_shared_when_equal():
+            ct.utils.save_multifunction(descriptor, str(path))
+        gc.collect()
     _make_deterministic(path)
 
 
@@ -129,20 +138,21 @@ def convert_function(name: str, module: nn.Module, spec: FunctionSpec) -> ct.mod
         # check_trace would rerun forward and compare; the state writes make that comparison meaningless.
         traced = torch.jit.trace(tracing_copy, example, check_trace=False)
         _reset_name_counters()
-        return ct.convert(
-            traced,
-            convert_to="mlprogram",
-            minimum_deployment_target=ct.target.iOS18,
-            compute_precision=ct.precision.FLOAT16,
-            inputs=[ct.TensorType(name=t.name, shape=t.shape, dtype=_NUMPY_DTYPES[t.dtype]) for t in spec.inputs],
-            outputs=[ct.TensorType(name=t.name, dtype=_NUMPY_DTYPES[t.dtype]) for t in spec.outputs],
-            states=[
-                ct.StateType(wrapped_type=ct.TensorType(shape=t.shape, dtype=np.float16), name=t.name)
-                for t in spec.states
-            ],
-            skip_model_load=True,
-            pass_pipeline=_pass_pipeline(),
-        )
+        with _weights_from_codes(module):
+            return ct.convert(
+                traced,
+                convert_to="mlprogram",
+                minimum_deployment_target=ct.target.iOS18,
+                compute_precision=ct.precision.FLOAT16,
+                inputs=[ct.TensorType(name=t.name, shape=t.shape, dtype=_NUMPY_DTYPES[t.dtype]) for t in spec.inputs],
+                outputs=[ct.TensorType(name=t.name, dtype=_NUMPY_DTYPES[t.dtype]) for t in spec.outputs],
+                states=[
+                    ct.StateType(wrapped_type=ct.TensorType(shape=t.shape, dtype=np.float16), name=t.name)
+                    for t in spec.states
+                ],
+                skip_model_load=True,
+                pass_pipeline=_pass_pipeline(),
+            )
     except Exception as error:
         raise PackageError(
             f"Core ML conversion of function {name!r} failed ({error}); check that the module traces with "
@@ -150,9 +160,85 @@ def convert_function(name: str, module: nn.Module, spec: FunctionSpec) -> ct.mod
         ) from error
 
 
+@contextlib.contextmanager
+def _weights_from_codes(module: nn.Module):
+    """While it is open, coremltools' torch frontend builds each quantized linear's compressed weight from the
+    ``QuantizedWeight`` of ``module`` under that parameter's name (``_constexpr_weight``) instead of deriving codes
+    from a dense weight. The tracing copy marks those parameters (``compress.add_coreml_compression``) and holds
+    them as placeholders, so no dense copy of a quantized weight exists during a conversion."""
+    weights = {f"{path}.weight": layer.quantized_weight() for path, layer in module.named_modules(
+        remove_duplicate=False) if isinstance(layer, compress.QuantizedLinear)}
+    derive = TorchConverter._construct_compression_op
+
+    def construct(converter, value, param_name):
+        weight = weights.get(param_name)
+        return derive(converter, value, param_name) if weight is None else _constexpr_weight(param_name, weight)
+
+    TorchConverter._construct_compression_op = construct
+    try:
+        yield
+    finally:
+        TorchConverter._construct_compression_op = derive
+
+
+@contextlib.contextmanager
+def _constants_shared_when_equal():
+    """While it is open, coremltools' constant deduplication (which ``save_multifunction`` runs across functions to
+    store each weight once) shares constants whose bytes are equal (a sha256 of the whole array beside dtype and
+    shape) instead of comparing candidates with ``np.allclose``: on a weight that every function holds, ``allclose``
+    widens both arrays to float64 (about 25 bytes a weight of the largest matrix: a 248320-row table's codes did not
+    fit 24 GB), and its fp16 tolerance of 6e-8 would share two constants a subnormal apart, which the bit-exact
+    checks would not pass."""
+    from coremltools.converters.mil.mil import ListVar
+    from coremltools.converters.mil.mil.passes.defs.cleanup.const_deduplication import const_deduplication
+
+    def find_constants(blocks: list[Block]) -> dict:
+        unique2duplicates, first = {}, {}
+        for block in blocks:
+            for op in list(block.operations):
+                var = op.outputs[0] if op.op_type == "const" else None
+                if var is None or isinstance(var, ListVar) or not const_deduplication.should_be_deduplicated(var.val):
+                    continue
+                value = np.ascontiguousarray(var.val)
+                key = (getattr(op, "weight_key", None), var.dtype, var.shape,
+                       hashlib.sha256(value.reshape(-1).view(np.uint8)).digest())
+                if key in first:
+                    unique2duplicates[first[key]].append(var)
+                else:
+                    first[key], unique2duplicates[var] = var, []
+        return unique2duplicates
+
+    approximate = const_deduplication.__dict__["find_constants"]  # the staticmethod itself
+    const_deduplication.find_constants = staticmethod(find_constants)
+    try:
+        yield
+    finally:
+        const_deduplication.find_constants = approximate
+
+
+def _constexpr_weight(name: str, weight: QuantizedWeight) -> Var:
+    """The op coremltools' pre-compressed path makes of a weight whose codes it derived (its torch frontend's
+    ``_construct_palettization_op``, ``_construct_quantization_op``), made from the codes and tables themselves:
+    lut4 as ``constexpr_lut_to_dense`` of uint4 codes by its fp16 tables [O/G, 1, 16, 1]; affine4 as
+    ``constexpr_blockwise_shift_scale`` of uint4 codes, fp16 scales and uint4 zero points (no offset when all are 0);
+    exact2 as ``constexpr_lut_to_dense`` of uint2 codes by a 4-entry fp16 table per group (``compress.exact2_tables``),
+    which ``Exact2CodesThenScales`` ships as codes then scales. The codes are views of the module's, not copies."""
+    codes = weight.codes.contiguous().numpy()
+    if weight.method == "affine4":
+        zero_point = weight.zero_point.contiguous().numpy()
+        return mb.constexpr_blockwise_shift_scale(
+            data=codes.view(np_uint4_dtype), scale=weight.scale.numpy(),
+            offset=zero_point.view(np_uint4_dtype) if zero_point.any() else None, name=name)
+    if weight.method == "lut4":
+        lut, indices = weight.lut.reshape(-1, 1, compress.ENTRIES, 1), codes.view(np_uint4_dtype)
+    else:
+        lut, indices = compress.exact2_tables(weight.scale, weight.zero_point)[..., None], codes.view(np_uint2_dtype)
+    return mb.constexpr_lut_to_dense(indices=indices, lut=lut.contiguous().numpy(), name=name)
+
+
 @register_pass(namespace="spec_convert", name="exact2_codes_then_scales")
 class Exact2CodesThenScales(AbstractGraphPass):
-    """Ship every 2-bit palettized weight (an exact2 weight's table per group, from ``QuantizedLinear``'s buffers)
+    """Ship every 2-bit palettized weight (an exact2 weight's table per group, from ``_constexpr_weight``)
     as ``constexpr_lut_to_dense`` of its codes through one int8 table ``[0, 1, 2, 3] - z`` into
     ``constexpr_blockwise_shift_scale`` with its fp16 scales, and its zero points less ``z`` as int8 offsets when
     they differ (``z`` is the first one). Each code's weight is the same fp16 value: ``scale * (code - zero_point)``,
@@ -228,11 +314,13 @@ def _check_spec(name: str, module: nn.Module, spec: FunctionSpec) -> None:
 
 
 def _tracing_copy(module: nn.Module, spec: FunctionSpec) -> nn.Module:
-    """A structural copy of ``module`` in eval mode: float tensors in fp32, states fresh fp32 zeros, and the
-    pre-compression buffers of its quantized linears (fp16 tables).
+    """A structural copy of ``module`` in eval mode: float tensors in fp32, states fresh fp32 zeros, and each
+    quantized linear's weight a placeholder of its shape (one fp32 zero, expanded) marked for
+    ``_weights_from_codes``.
 
-    fp32 tensors are shared, not copied (``.float()`` returns the tensor itself), so this costs memory only
-    for weights stored in another float dtype. See the module docstring for why fp32 and why fresh states.
+    fp32 tensors are shared, not copied (``.float()`` returns the tensor itself), so this costs memory only for
+    weights stored in another float dtype, never for a quantized one. See the module docstring for why fp32 and why
+    fresh states.
     """
     state_names = {state.name for state in spec.states}
     replacements: dict[int, torch.Tensor] = {}
@@ -241,9 +329,15 @@ def _tracing_copy(module: nn.Module, spec: FunctionSpec) -> nn.Module:
             replacements[id(buffer)] = torch.zeros(buffer.shape, dtype=torch.float32)
         else:
             replacements[id(buffer)] = buffer.detach().float() if buffer.is_floating_point() else buffer
+    quantized = {id(m.weight) for m in module.modules() if isinstance(m, compress.QuantizedLinear)}
     for parameter in module.parameters():
-        replacements[id(parameter)] = nn.Parameter(parameter.detach().float(), requires_grad=False)
+        value = torch.zeros((), dtype=torch.float32).expand(parameter.shape) if id(parameter) in quantized else \
+            parameter.detach().float()
+        replacements[id(parameter)] = nn.Parameter(value, requires_grad=False)
     traced = copy.deepcopy(module, memo=replacements).eval()
+    for layer in traced.modules():
+        if isinstance(layer, compress.QuantizedLinear):
+            layer.released = False  # the trace reads the placeholder parameter, which _weights_from_codes replaces
     compress.add_coreml_compression(traced)
     return traced
 
@@ -323,37 +417,51 @@ def _tensor_spec(function_name: str, name: str, tensor_type) -> TensorSpec:
 
 @dataclass
 class Contents:
-    """What the build's checks read from a package, from one load of its program: every function's spec, op types,
-    the digest (``compress.digest``) of every weight it holds (plain constants as stored, compressed weights as
-    coremltools decompresses them) and its compressed weights."""
+    """What the build's checks read from a package: every function's spec, op types and the digest
+    (``compress.digest``) of every weight it holds (plain constants as stored, compressed weights as coremltools
+    decompresses them)."""
 
     specs: dict[str, FunctionSpec]
     operation_types: dict[str, set[str]]
     weight_digests: dict[str, set[str]]
-    compressed: dict[str, list[compress.ShippedWeight]]
 
 
-def contents(path: Path) -> Contents:
-    """The package's ``Contents``. The functions of a multifunction package share their weights
-    (``save_multifunction`` stores equal constants once), so each distinct compressed weight's dense form is
+def contents(path: Path, each_function: Callable[[str, list[compress.ShippedWeight]], None] | None = None) -> Contents:
+    """The package's ``Contents``, its functions' programs loaded one at a time; ``each_function(name, compressed)``
+    sees each function's compressed weights while its program is loaded.
+
+    coremltools loads every function's constants separately (the functions of a multifunction package share their
+    weights on disk, not once loaded), so a part's check holds one function's program, not three
+    (docs/benchmarks.md, "Where a part's packaging memory goes"). Each distinct compressed weight's dense form is
     decompressed once here for its digest and dropped; a ``ShippedWeight`` decompresses it again when a check
-    compares it. A part's check holds its program (coremltools loads each function's constants) and no dense copy."""
-    spec, program = _load_program(path)
-    names = [f.name for f in spec.description.functions]
-    found = Contents({n: _function_spec(n, program.functions[n]) for n in names}, {}, {}, {})
+    compares it."""
+    spec, weights_dir = _load_spec(path)
+    found = Contents({}, {}, {})
     digests: dict[str, str] = {}  # by fingerprint: the digest of its dense weight
-    for name in names:
-        operations = program.functions[name].operations
-        found.operation_types[name] = {op.op_type for op in operations}
-        found.weight_digests[name], found.compressed[name] = set(), []
-        for op in operations:
-            if _is_compressed_weight(op):
-                shipped = _shipped(op, digests)
-                found.compressed[name].append(shipped)
-                found.weight_digests[name].add(digests[shipped.fingerprint])
-            elif op.op_type == "const" and (value := _plain_constant(op)) is not None:
-                found.weight_digests[name].add(compress.digest(value))
+    for name in [f.name for f in spec.description.functions]:
+        compressed = _read_function(spec, weights_dir, name, found, digests)
+        if each_function is not None:
+            each_function(name, compressed)
+        del compressed  # its ops hold the function's program
+        gc.collect()  # the program's cycles, before the next function's program is loaded
     return found
+
+
+def _read_function(spec: Model_pb2.Model, weights_dir: str, name: str, found: Contents,
+                   digests: dict[str, str]) -> list[compress.ShippedWeight]:
+    """Function ``name``'s entries of ``found`` (loading its program alone), and its compressed weights."""
+    function = _load_function(spec, weights_dir, name)
+    found.specs[name] = _function_spec(name, function)
+    found.operation_types[name] = {op.op_type for op in function.operations}
+    found.weight_digests[name], compressed = set(), []
+    for op in function.operations:
+        if _is_compressed_weight(op):
+            shipped = _shipped(op, digests)
+            compressed.append(shipped)
+            found.weight_digests[name].add(digests[shipped.fingerprint])
+        elif op.op_type == "const" and (value := _plain_constant(op)) is not None:
+            found.weight_digests[name].add(compress.digest(value))
+    return compressed
 
 
 def function_constants(path: Path, function_name: str) -> dict[str, np.ndarray]:
@@ -365,7 +473,7 @@ def function_constants(path: Path, function_name: str) -> dict[str, np.ndarray]:
     constants = {}
     for op in program.functions[function_name].operations:
         if _is_compressed_weight(op):
-            constants[op.outputs[0].name] = _decompressed(op)
+            constants[op.outputs[0].name] = _shipped(op).dense
         elif op.op_type == "const" and (value := _plain_constant(op)) is not None:
             constants[op.outputs[0].name] = value
     return constants
@@ -379,8 +487,11 @@ def operation_types(path: Path) -> dict[str, set[str]]:
 
 def compressed_weights(path: Path) -> dict[str, list[compress.ShippedWeight]]:
     """Every compressed weight of every function, by function: its codes and tables as stored, and the dense
-    weight coremltools' own decompression makes of them."""
-    return contents(path).compressed
+    weight coremltools' own decompression makes of them (every function's program held: the checks of a large part
+    use ``contents``' ``each_function`` instead)."""
+    found: dict[str, list[compress.ShippedWeight]] = {}
+    contents(path, found.__setitem__)
+    return found
 
 
 def _plain_constant(op: Operation) -> np.ndarray | None:
@@ -406,9 +517,9 @@ def _codes_then_scales(op: Operation) -> Operation | None:
     return producer if producer is not None and producer.op_type == "constexpr_lut_to_dense" else None
 
 
-def _shipped(op: Operation, digests: dict[str, str]) -> compress.ShippedWeight:
+def _shipped(op: Operation, digests: dict[str, str] | None = None) -> compress.ShippedWeight:
     """The op's weight, its dense form decompressed when asked for; the digest of that dense form is added to
-    ``digests`` (by fingerprint) unless an op with the same codes and tables was read before."""
+    ``digests`` (by fingerprint, when given) unless an op with the same codes and tables was read before."""
     where = f"MIL op {op.name} ({op.op_type})"
     codes_op = _codes_then_scales(op)
     if codes_op is None:
@@ -422,28 +533,24 @@ def _shipped(op: Operation, digests: dict[str, str]) -> compress.ShippedWeight:
     if missing:
         raise PackageError(f"{where}: operands {missing} are not constants; it is not a weight compressed here")
     weight = reader(where, *(None if var is None else var.val for var in operands.values()))
-    key = compress.fingerprint(weight)
-    if key not in digests:
-        digests[key] = compress.digest(_decompressed(op))
-    return compress.ShippedWeight(where, weight, functools.partial(_decompressed, op), key)
+    rows, multiple = _decompress_rows(op)
+    shipped = compress.ShippedWeight(where, weight, rows, multiple, compress.fingerprint(weight))
+    if digests is not None and shipped.fingerprint not in digests:
+        digests[shipped.fingerprint] = shipped.digest()
+    return shipped
 
 
-def _decompressed(op: Operation) -> np.ndarray:
-    """The dense weight of a compressed-weight op by coremltools' own decompression, a block of rows at a time."""
+def _decompress_rows(op: Operation) -> tuple[Callable[[int, int], np.ndarray], int]:
+    """A compressed-weight op's rows ``start .. stop-1`` by coremltools' own decompression, and the multiple of rows
+    a range starts at (a lut4 table's group)."""
     decompress = type(op).decompress
     if op.op_type == "constexpr_lut_to_dense":
         indices, lut = op.indices.val, op.lut.val
         group = indices.shape[0] // lut.shape[0]
-        return compress.in_row_blocks(
-            lambda a, b: decompress(indices[a:b], lut[a // group : b // group], None), indices.shape[0], group
-        )
+        return lambda a, b: decompress(indices[a:b], lut[a // group : -(-b // group)], None), group
     scale = op.scale.val
     offset = None if op.offset is None else op.offset.val
-    return compress.in_row_blocks(
-        lambda a, b: decompress(_data_rows(op, a, b), scale[a:b], None if offset is None else offset[a:b]),
-        op.data.shape[0],
-        1,
-    )
+    return lambda a, b: decompress(_data_rows(op, a, b), scale[a:b], None if offset is None else offset[a:b]), 1
 
 
 def _data_rows(op: Operation, start: int, stop: int) -> np.ndarray:
@@ -466,12 +573,26 @@ _COMPRESSED_OPERANDS = {
 
 
 def _load_program(path: Path) -> tuple[Model_pb2.Model, Program]:
+    spec, weights_dir = _load_spec(path)
+    return spec, load_milproto(spec, specification_version=spec.specificationVersion, file_weights_dir=weights_dir)
+
+
+def _load_spec(path: Path) -> tuple[Model_pb2.Model, str]:
+    """A package's Model proto (the program's ops; the weights stay in its weight file) and its weights folder."""
     if not Path(path).is_dir():
         raise PackageError(f"no Core ML package at {path}; run the package step first")
     model = ct.models.MLModel(str(path), skip_model_load=True)
-    spec = model.get_spec()
-    program = load_milproto(spec, specification_version=spec.specificationVersion, file_weights_dir=model.weights_dir)
-    return spec, program
+    return model.get_spec(), model.weights_dir
+
+
+def _load_function(spec: Model_pb2.Model, weights_dir: str, name: str) -> Function:
+    """One function of a package's program, with its constants, without loading the others'."""
+    alone = Model_pb2.Model()
+    alone.CopyFrom(spec)
+    for other in [f for f in alone.mlProgram.functions if f != name]:
+        del alone.mlProgram.functions[other]
+    program = load_milproto(alone, specification_version=alone.specificationVersion, file_weights_dir=weights_dir)
+    return program.functions[name]
 
 
 def compile(path: Path, out_dir: Path) -> list[CompileRecord]:

@@ -11,14 +11,13 @@ serves every consumer, so every function of every package is built from the same
   ``WeightDequantizeModule`` (``coreai::constexpr_blockwise_shift_scale``, scale and uint4 zero point
   [O, I/G]), held as the ``packed`` child. coreai-torch stores the codes (and zero points) as packed ui4
   and the tables as they are; the dense ``weight`` is unused there and left out of the asset.
-- Core ML: ``add_coreml_compression`` registers coremltools' pre-compression buffers
-  (``_COREML_/weight/...``) on the backend's tracing copy. ``ct.convert`` then derives the codes from the
-  dense weight and emits ``constexpr_lut_to_dense`` / ``constexpr_blockwise_shift_scale`` with our tables.
-  The derived codes are ours: for lut4 it picks the first table entry nearest to each weight, and every
-  weight is exactly ``lut[code]`` (``_check_codes_are_first_entries`` refuses tables where an equal,
-  earlier entry would win); for affine4 it takes ``round(w / scale) + zero_point``, and ``w / scale``
-  is within 15 * 2**-11 of the integer ``code - zero_point`` (one fp16 rounding, or exact when subnormal),
-  so it rounds back to it whenever the scale is finite and non-zero (checked on construction).
+- Core ML: ``add_coreml_compression`` marks each quantized weight as compressed (coremltools'
+  ``_COREML_/weight/compression_type`` buffer) on the backend's tracing copy, where the weight itself is a
+  placeholder; during ``ct.convert`` the backend builds each marked weight's ``constexpr_lut_to_dense`` /
+  ``constexpr_blockwise_shift_scale`` from our codes and tables (``convert/backends/coreml.py``,
+  ``_weights_from_codes``): the same ops coremltools makes when it derives the codes from a dense weight
+  (measured: the packages are byte for byte those of the derivation), without a dense copy of any weight and
+  with any codes, a lut4 code at a later equal table entry included.
 
 exact2 (2-bit codes, an fp16 scale and a zero point per group of columns) takes the cheapest exact form of each:
 
@@ -27,13 +26,12 @@ exact2 (2-bit codes, an fp16 scale and a zero point per group of columns) takes 
   is (2, 4, 8)), a uniform zero point as one inline splat: measured 2.13 bits a weight at groups of 128
   (a per-group table through ``PalettizeModule``, lut [O, I/G, 4, 1], would take 2.50).
 - Core ML (coremltools 9, iOS18): ``constexpr_blockwise_shift_scale`` takes no 2-bit data (its ``SrcT`` is
-  int4, uint4, int8, uint8, fp16, fp32: ``mil/ops/defs/iOS18/compression.py``), and a 2-bit quantization buffer
-  is stored as uint4 (``frontend/_utils.py``, ``_construct_constexpr_dequant_op``). The pre-compression buffers
-  can carry it as palettization with one 4-entry fp16 table per group (``exact2_tables``, lut [O, I/G, 4, 1]:
-  each entry is bit for bit the weight of its code, and the entries differ, so the derived indices are the
-  codes), 2.5 bits a weight; a palettization scale cannot help, being divided into the weight per channel only
-  (``frontend/torch/converter.py``, ``_construct_palettization_op``). The backend's conversion pass
-  (``convert/backends/coreml.py``) then turns each such table back into its scale and zero point
+  int4, uint4, int8, uint8, fp16, fp32: ``mil/ops/defs/iOS18/compression.py``), and a 2-bit quantization
+  is stored as uint4 (``frontend/_utils.py``, ``_construct_constexpr_dequant_op``). The frontend's weight is
+  a palettization with one 4-entry fp16 table per group (``exact2_tables``, lut [O, I/G, 4, 1]: each entry is
+  bit for bit the weight of its code), 2.5 bits a weight; a palettization scale cannot help, being divided into
+  the weight per channel only (``frontend/torch/converter.py``, ``_construct_palettization_op``). The backend's
+  conversion pass (``convert/backends/coreml.py``) then turns each such table back into its scale and zero point
   (``exact2_parameters``, checked bit for bit) and ships ``constexpr_lut_to_dense`` of the uint2 codes through
   one int8 table ``[0, 1, 2, 3] - z`` into ``constexpr_blockwise_shift_scale`` with the fp16 scales (and int8
   zero points as its offset where they are not all ``z``): coremltools' own joint palettization + quantization
@@ -71,7 +69,8 @@ _ROW_BLOCK = 1024
 class QuantizedLinear(nn.Module):
     """An ``nn.Linear`` whose weight ships as a ``QuantizedWeight`` (see the module docstring for its forms).
 
-    ``weight`` (fp16 parameter, no grad) is the dequantized weight; ``packed`` holds the codes and tables;
+    ``weight`` (fp16 parameter, no grad) is the dequantized weight (a placeholder once released:
+    ``release_dense_weights``); ``packed`` holds the codes and tables;
     ``bias`` is the replaced linear's own. The input is computed on in its own dtype (the fp16 weight is
     cast to it, exactly).
     """
@@ -82,13 +81,14 @@ class QuantizedLinear(nn.Module):
         self.name = name
         self.method, self.group_size = quantized.method, quantized.group_size
         self.weight = nn.Parameter(quantized.dequantize(), requires_grad=False)
+        self.released = False  # release_dense_weights: the weight is a placeholder, computed from ``packed``
         self.bias = bias
         self.packed = _packed_module(quantized)
         self.rotation = _rotation_module(quantized, inverse=isinstance(self, QuantizedEmbedding))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch.export is the Core AI path (Core ML traces with torch.jit.trace): there the packed form ships
-        weight = self.packed() if torch.compiler.is_exporting() else self.weight
+        weight = self.packed() if torch.compiler.is_exporting() or self.released else self.weight
         if self.rotation is not None:
             x = self.rotation(x)
         return nn.functional.linear(x, weight.to(x.dtype), self.bias)
@@ -109,34 +109,12 @@ class QuantizedLinear(nn.Module):
         tensors = [*self.packed.buffers(), *rotation, *([] if self.bias is None else [self.bias])]
         return sum(t.nbytes if t.is_floating_point() else math.ceil(t.numel() * bits / 8) for t in tensors)
 
-    def coreml_compression(self) -> dict[str, torch.Tensor]:
-        """coremltools' ``_COREML_/weight/<key>`` buffers for this layer, by key.
-
-        Tables are cast to fp16: on the backend's fp32 tracing copy they are fp32 copies of fp16 values, so the
-        cast gives back the exact fp16 tables (and keeps the constexpr ops fp16).
-        """
-        quantized = self.quantized_weight()
-        if self.method == "exact2":
-            lut = exact2_tables(quantized.scale.to(torch.float16), quantized.zero_point)[..., None]
-            return {"compression_type": torch.tensor([_COREML_PALETTIZATION]), "lut": lut}
-        if self.method == "lut4":
-            _check_codes_are_first_entries(self.name, quantized)
-            lut = quantized.lut.to(torch.float16).reshape(-1, 1, ENTRIES, 1)
-            return {"compression_type": torch.tensor([_COREML_PALETTIZATION]), "lut": lut}
-        return {
-            "compression_type": torch.tensor([_COREML_QUANTIZATION]),
-            "quantization_n_bits": torch.tensor(BITS),
-            "quantization_scale": quantized.scale.to(torch.float16),
-            "zero_point": quantized.zero_point,
-        }
-
-
 class QuantizedEmbedding(QuantizedLinear):
     """An ``nn.Embedding`` whose table ships as a ``QuantizedWeight``: the same storage as ``QuantizedLinear``
     (the table is a [vocab, hidden] weight), read with a gather instead of a matmul."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        table = self.packed() if torch.compiler.is_exporting() else self.weight
+        table = self.packed() if torch.compiler.is_exporting() or self.released else self.weight
         rows = nn.functional.embedding(ids, table)
         return rows if self.rotation is None else self.rotation(rows)
 
@@ -177,6 +155,27 @@ def apply_quantized(core: nn.Module, weights: dict[str, QuantizedWeight]) -> Non
             core.set_submodule(path, layer)
 
 
+def release_dense_weights(module: nn.Module) -> None:
+    """Free the fp16 dense ``weight`` of every ``QuantizedLinear`` of ``module`` (2 bytes a weight of a part), once
+    its calls are recorded: the packages are made from codes and tables alone (Core AI exports ``packed``; Core ML
+    builds its ops from the codes, ``convert/backends/coreml.py``), and the checks compare the codes, the tables and
+    each format's decompression of them with ``QuantizedWeight.dequantize``. The parameter stays, a placeholder of
+    its shape (one zero, expanded); an eager forward afterwards computes the weight from ``packed``, the same
+    values, more slowly."""
+    for layer in module.modules():
+        if isinstance(layer, QuantizedLinear) and not layer.released:
+            placeholder = torch.zeros((), dtype=layer.weight.dtype).expand(layer.weight.shape)
+            layer.weight = nn.Parameter(placeholder, requires_grad=False)
+            layer.released = True
+
+
+def dense_weight_names(module: nn.Module) -> set[str]:
+    """The names of the ``QuantizedLinear`` dense weights among ``module.named_parameters()``: copies of what their
+    codes and tables hold, which the checks and the cache keys read from those instead."""
+    layers = {path for path, m in module.named_modules(remove_duplicate=False) if isinstance(m, QuantizedLinear)}
+    return {f"{path}.weight" for path in layers}
+
+
 def quantized_weights(module: nn.Module) -> dict[str, QuantizedWeight]:
     """Every ``QuantizedLinear`` of ``module`` by its (first) name, with the ``QuantizedWeight`` it ships."""
     return {name: m.quantized_weight() for name, m in module.named_modules() if isinstance(m, QuantizedLinear)}
@@ -194,31 +193,55 @@ def shipped_nbytes(module: nn.Module, skip: set[str]) -> int:
 
 
 def add_coreml_compression(module: nn.Module) -> None:
-    """Register coremltools' pre-compression buffers on every ``QuantizedLinear`` of ``module`` (the Core ML
-    backend's tracing copy, never the live modules: the buffers would travel into the Core AI export too)."""
+    """Mark the weight of every ``QuantizedLinear`` of ``module`` as compressed for coremltools (a
+    ``_COREML_/weight/compression_type`` buffer), on the Core ML backend's tracing copy, never the live modules (the
+    buffers would travel into the Core AI export too). The backend builds each marked weight's op from its codes and
+    tables (``convert/backends/coreml.py``, ``_weights_from_codes``)."""
     layers = [m for m in module.modules() if isinstance(m, QuantizedLinear)]
     for layer in layers:
-        for key, value in layer.coreml_compression().items():
-            layer.register_buffer(f"{COREML_PREFIX}/weight/{key}", value)
+        kind = _COREML_PALETTIZATION if layer.method in ("lut4", "exact2") else _COREML_QUANTIZATION
+        layer.register_buffer(f"{COREML_PREFIX}/weight/compression_type", torch.tensor([kind]))
     if layers:
         module.register_buffer(f"{COREML_PREFIX}/metadata_version", torch.tensor(1))
 
 
 @dataclass(frozen=True)
 class ShippedWeight:
-    """A compressed weight read back from a package: where it is, its codes and tables as stored, the dense weight
-    the format's own decompression makes of them (``dense``, computed each time it is asked for: a part's check
-    holding one dense copy of every weight peaked at 12 bytes a weight above its modules, docs/benchmarks.md), and
-    ``fingerprint(weight)`` (the checks match weights by it)."""
+    """A compressed weight read back from a package: where it is, its codes and tables as stored, the format's own
+    decompression of a range of its rows (``decompress_rows(start, stop)``, ``start`` a multiple of
+    ``row_multiple``), and ``fingerprint(weight)`` (the checks match weights by it). The dense weight is
+    computed when asked for, a block of rows at a time where it can be (``row_blocks``, ``digest``): a part's
+    check holding one dense copy of every weight peaked at 12 bytes a weight above its modules
+    (docs/benchmarks.md), and one whole dense copy of a 248320-row table is 2.5 GB."""
 
     where: str
     weight: QuantizedWeight
-    decompress: Callable[[], np.ndarray]
+    decompress_rows: Callable[[int, int], np.ndarray]
+    row_multiple: int
     fingerprint: str
+
+    def row_blocks(self) -> list[tuple[int, int]]:
+        """Row ranges of about 1024 rows (multiples of ``row_multiple``) covering the weight.
+
+        The formats' reference decompressions (coremltools', coreai-torch's) gather from a table repeated to
+        [rows, columns, 16]: 32 bytes per weight, which whole matrices of a large model would not fit."""
+        rows = self.weight.shape[0]
+        step = self.row_multiple * max(1, _ROW_BLOCK // self.row_multiple)
+        return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
     @property
     def dense(self) -> np.ndarray:
-        return self.decompress()
+        return np.concatenate([self.decompress_rows(a, b) for a, b in self.row_blocks()])
+
+    def digest(self) -> str:
+        """``digest`` of the dense weight, decompressed and hashed a block of rows at a time."""
+        hashed = None
+        for a, b in self.row_blocks():
+            block = np.ascontiguousarray(self.decompress_rows(a, b))
+            if hashed is None:
+                hashed = hashlib.sha256(f"{block.dtype}:{(self.weight.shape[0], *block.shape[1:])}:".encode())
+            hashed.update(block.view(np.uint8))
+        return hashed.hexdigest()
 
 
 def from_lut_to_dense(where: str, indices: np.ndarray, lut: np.ndarray) -> QuantizedWeight:
@@ -320,16 +343,6 @@ def exact2_parameters(tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return (scale, zero_point) if torch.equal(rebuilt.view(torch.int16), tables.view(torch.int16)) else None
 
 
-def in_row_blocks(decompress: Callable[[int, int], np.ndarray], rows: int, multiple: int) -> np.ndarray:
-    """``decompress(start, stop)`` over blocks of about 1024 rows (a multiple of ``multiple``), concatenated.
-
-    The formats' reference decompressions (coremltools', coreai-torch's) gather from a table repeated to
-    [rows, columns, 16]: 32 bytes per weight, which whole matrices of a large model would not fit.
-    """
-    step = multiple * max(1, _ROW_BLOCK // multiple)
-    return np.concatenate([decompress(start, min(start + step, rows)) for start in range(0, rows, step)])
-
-
 def difference(expected: QuantizedWeight, shipped: ShippedWeight) -> str | None:
     """How ``shipped`` differs from ``expected`` bit for bit (format, codes, tables, then the dense weight the
     format decompresses against ``expected.dequantize()``), or None."""
@@ -343,8 +356,18 @@ def difference(expected: QuantizedWeight, shipped: ShippedWeight) -> str | None:
         problem = _bitwise(getattr(expected, field), getattr(found, field), field)
         if problem:
             return f"{shipped.where}: {problem}"
-    problem = _bitwise(expected.dequantize(), torch.from_numpy(np.ascontiguousarray(shipped.dense)), "dense weight")
-    return f"{shipped.where}: {problem} (decompressed by the format's own op)" if problem else None
+    differing = 0
+    for a, b in shipped.row_blocks():  # a block of rows at a time: a whole table's two dense copies would be 5 GB
+        want = expected.rows(a, b).dequantize()
+        block = torch.from_numpy(np.ascontiguousarray(shipped.decompress_rows(a, b)))
+        if block.dtype != want.dtype or block.shape != want.shape:
+            return (f"{shipped.where}: dense weight rows {a}..{b - 1} are {block.dtype} {list(block.shape)}, expected "
+                    f"{want.dtype} {list(want.shape)}")
+        differing += _differing(want, block)
+    if differing:
+        return (f"{shipped.where}: dense weight: {differing} of {expected.codes.numel()} entries differ (decompressed "
+                "by the format's own op)")
+    return None
 
 
 def fingerprint(weight: QuantizedWeight) -> str:
@@ -369,9 +392,15 @@ def digest(array: np.ndarray) -> str:
 def _bitwise(expected: torch.Tensor, found: torch.Tensor, what: str) -> str | None:
     if found.dtype != expected.dtype or found.shape != expected.shape:
         return f"{what} is {found.dtype} {list(found.shape)}, expected {expected.dtype} {list(expected.shape)}"
-    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[expected.element_size()]
-    differing = int((found.contiguous().view(as_int) != expected.contiguous().view(as_int)).sum())
+    differing = _differing(expected, found)
     return f"{what}: {differing} of {expected.numel()} entries differ" if differing else None
+
+
+def _differing(expected: torch.Tensor, found: torch.Tensor) -> int:
+    """How many entries of two tensors of one dtype and shape differ bit for bit."""
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[expected.element_size()]
+    # count_nonzero: a bool tensor's sum() widens it to int64 first, 8 bytes a weight of a whole table's codes
+    return int(torch.count_nonzero(found.contiguous().view(as_int) != expected.contiguous().view(as_int)))
 
 
 def _validate(name: str, q: QuantizedWeight) -> None:
@@ -425,25 +454,6 @@ def _check_table(refuse: Callable[[str], None], field: str, tensor, dtype: torch
     if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape:
         got = "nothing" if not isinstance(tensor, torch.Tensor) else f"{tensor.dtype} {list(tensor.shape)}"
         refuse(f"{field} must be {dtype} {list(shape)}, got {got}")
-
-
-def _check_codes_are_first_entries(name: str, q: QuantizedWeight) -> None:
-    """Core ML re-derives each lut4 code as the first table entry equal to the weight; refuse codes pointing at
-    a later duplicate (they would ship changed, though the weight would not)."""
-    equal = q.lut[:, :, None] == q.lut[:, None, :]  # [groups, entry, other entry]
-    first = equal.to(torch.uint8).argmax(-1)  # the first entry equal to each entry
-    rows = torch.arange(q.shape[0]) // q.group_size
-    codes = q.codes.long()
-    moved = first[rows[:, None], codes] != codes
-    if bool(moved.any()):
-        row, column = (int(i) for i in moved.nonzero()[0])
-        code, group = int(codes[row, column]), row // q.group_size
-        raise PackageError(
-            f"quantized weight {name!r}: the table of rows {group * q.group_size}-{(group + 1) * q.group_size - 1} "
-            f"has entry {code} equal to its earlier entry {int(first[group, code])}, and code [{row}, {column}] is "
-            f"{code}; Core ML stores the first equal entry's index, so the codes would not ship as quantized: make "
-            "each group's table entries distinct"
-        )
 
 
 def _rotation_module(q: QuantizedWeight, inverse: bool) -> nn.Module | None:

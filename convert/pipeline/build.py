@@ -11,7 +11,7 @@ from pathlib import Path
 
 from convert.cache import BuildCache
 from convert.errors import GateError
-from convert.export.quantized import apply_quantized
+from convert.export.quantized import apply_quantized, release_dense_weights
 from convert.export.spec import SHIP_DTYPE
 from convert.inputs.sources import (
     file_records,
@@ -259,12 +259,14 @@ def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache,
 def _package_part(plan: Plan, result: QuantizeResult | None, index: int, out: Path, cache: BuildCache,
                   schedule: list, rows: list) -> tuple[list[dict], dict, list, list]:
     """Part ``index`` of a target above ``CHAINED_RUN_PARAMETERS`` alone: loaded, its calls of the short
-    ``schedule`` recorded from the previous part's ``rows``, packaged one format after the other (their packaging
-    memory in turn). What ``_package_piece`` returns, and the rows for the next part."""
+    ``schedule`` recorded from the previous part's ``rows``, its quantized linears' dense weights released, packaged
+    one format after the other (their packaging memory in turn). What ``_package_piece`` returns, and the rows for
+    the next part."""
     part = plan.parts[index]
     with stage(f"load part {part.name} ({index + 1} of {len(plan.parts)})"):
         piece = PartLoader(plan, result).load([part])[0]
         calls, rows = part_calls(piece, schedule, rows)
+    release_dense_weights(piece.core)  # packaged from codes and tables: 2 bytes a quantized weight less
     return *_package_piece(plan, part, piece, calls, out, cache, side_by_side=False), rows
 
 

@@ -32,6 +32,7 @@ import torch
 from convert import backends, progress
 from convert import cache as build_cache
 from convert.backends.base import CompileRecord
+from convert.export import quantized as compress
 from convert.processes import die_with_parent
 from convert.progress import stage
 from convert.verify import checks
@@ -100,11 +101,15 @@ def calls_digest(calls: list | None) -> str:
 
 
 def weights_digest(modules) -> str:
-    """sha256 of every parameter and buffer of the modules' core: names, dtypes, shapes and bytes."""
+    """sha256 of every parameter and buffer of the modules' core (a quantized linear's codes and tables, not its
+    dense weight, which they determine and which a part's packaging releases): names, dtypes, shapes and bytes."""
     digest = hashlib.sha256()
     core = modules.core
+    dense = compress.dense_weight_names(core)
     tensors = {**dict(core.named_parameters(remove_duplicate=False)), **dict(core.named_buffers())}
     for tensor_name, tensor in sorted(tensors.items()):
+        if tensor_name in dense:
+            continue
         digest.update(f"{tensor_name}:{tensor.dtype}:{list(tensor.shape)}".encode())
         digest.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

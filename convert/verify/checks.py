@@ -72,8 +72,10 @@ def check_package(name: str, path, modules, calls: list | None = None, every_fun
             check_specs(session.specs(), specs, path.name)
             run = run_coreai(session, modules) if calls is None else replay_coreai(session, calls)
             return {**run, **quantized, **forms}
-    found = backends.load(name).contents(path)  # one load of the program for every check below
-    quantized = quantized_constants(name, path, weights, every_function, found.compressed) if weights else {}
+    comparison = QuantizedComparison(path, weights, every_function) if weights else None
+    # one read of the package for every check below, a function's program at a time
+    found = backends.load(name).contents(path, comparison.function if comparison else None)
+    quantized = comparison.result() if comparison else {}
     forms = device_safe_forms(name, path, modules, found.operation_types)
     check_specs(found.specs, specs, path.name)
     return {**coreml_constants(path, modules, every_function, found.weight_digests), **quantized, **forms}
@@ -97,54 +99,69 @@ def device_safe_forms(name: str, path, modules, types: dict[str, set[str]] | Non
 
 def quantized_constants(name: str, path, weights: dict[str, QuantizedWeight], every_function: bool = True,
                         shipped: dict[str, list[compress.ShippedWeight]] | None = None) -> dict:
-    """Each quantized weight stored as quantized, bit for bit, in every function of the ``name`` package.
+    """Each quantized weight stored as quantized, bit for bit, in every function of the ``name`` package
+    (``QuantizedComparison``). ``shipped``: the package's compressed weights, when already read."""
+    shipped = backends.load(name).compressed_weights(path) if shipped is None else shipped
+    comparison = QuantizedComparison(path, weights, every_function)
+    for function, found in shipped.items():
+        comparison.function(function, found)
+    return comparison.result()
+
+
+class QuantizedComparison:
+    """Each quantized weight stored as quantized, bit for bit, in every function of a package, one function's
+    compressed weights at a time (``function``), then ``result``.
 
     Weights are found by content (codes and tables), so a weight stored under another name or shared by two
     layers still counts; one that is missing is reported with the closest stored weight and how it differs.
-    A drafter's functions use different weights (``context_update`` needs no lm_head): with
-    ``every_function=False`` each weight must be stored in some function, and every compressed weight any
-    function stores must be one of ``weights`` exactly. ``shipped``: the package's compressed weights, when already
-    read.
+    Functions share stored weights: a weight and its stored form are compared once. A drafter's functions use
+    different weights (``context_update`` needs no lm_head): with ``every_function=False`` each weight must be
+    stored in some function, and every compressed weight any function stores must be one of ``weights`` exactly.
     """
-    shipped = backends.load(name).compressed_weights(path) if shipped is None else shipped
-    if not every_function:
-        return _quantized_somewhere(path, weights, shipped)
-    fingerprints = {weight_name: compress.fingerprint(w) for weight_name, w in weights.items()}
-    compared: dict[tuple[str, int], str | None] = {}  # functions share stored weights: compare each pair once
-    for function, found in shipped.items():
+
+    def __init__(self, path, weights: dict[str, QuantizedWeight], every_function: bool = True):
+        self.path, self.weights, self.every_function = path, weights, every_function
+        self.fingerprints = {weight_name: compress.fingerprint(w) for weight_name, w in weights.items()}
+        self.by_fingerprint = {key: weight_name for weight_name, key in self.fingerprints.items()}
+        self.compared: dict[tuple[str, str], str | None] = {}
+        self.functions, self.seen, self.stored_count = 0, set(), 0
+
+    def function(self, function: str, found: list[compress.ShippedWeight]) -> None:
+        self.functions += 1
+        if not self.every_function:
+            return self._somewhere(function, found)
         stored = {s.fingerprint: s for s in found}
-        for weight_name, expected in weights.items():
-            match = stored.get(fingerprints[weight_name])
-            if match is None:
-                problem = _closest(expected, found)
-            else:
-                key = (weight_name, match.fingerprint)
-                if key not in compared:
-                    compared[key] = compress.difference(expected, match)
-                problem = compared[key]
+        for weight_name, expected in self.weights.items():
+            match = stored.get(self.fingerprints[weight_name])
+            problem = _closest(expected, found) if match is None else self._difference(weight_name, match)
             if problem:
-                raise PackageError(f"{path.name}: function {function}: quantized weight {weight_name} is not stored "
-                                   f"as quantized: {problem}")
-    return {"quantized_weights_compared": len(weights) * len(shipped), "quantized_bit_exact": True}
+                raise PackageError(f"{self.path.name}: function {function}: quantized weight {weight_name} is not "
+                                   f"stored as quantized: {problem}")
 
+    def _difference(self, weight_name: str, match: compress.ShippedWeight) -> str | None:
+        key = (weight_name, match.fingerprint)
+        if key not in self.compared:
+            self.compared[key] = compress.difference(self.weights[weight_name], match)
+        return self.compared[key]
 
-def _quantized_somewhere(path, weights: dict[str, QuantizedWeight], shipped: dict) -> dict:
-    expected = {compress.fingerprint(w): n for n, w in weights.items()}
-    seen, compared = set(), 0
-    for function, found in shipped.items():
+    def _somewhere(self, function: str, found: list[compress.ShippedWeight]) -> None:
         for stored in found:
-            name = expected.get(stored.fingerprint)
-            problem = None if name is None else compress.difference(weights[name], stored)
+            name = self.by_fingerprint.get(stored.fingerprint)
+            problem = None if name is None else self._difference(name, stored)
             if name is None or problem:
                 detail = problem or f"{stored.where}: no quantized weight has these codes and tables"
-                raise PackageError(f"{path.name}: function {function}: a stored {stored.weight.method} weight of shape "
-                                   f"{list(stored.weight.shape)} is none of the quantized weights ({detail})")
-            seen.add(name)
-            compared += 1
-    missing = sorted(set(weights) - seen)
-    if missing:
-        raise PackageError(f"{path.name}: quantized weight {missing[0]} is stored in no function")
-    return {"quantized_weights_compared": compared, "quantized_bit_exact": True}
+                raise PackageError(f"{self.path.name}: function {function}: a stored {stored.weight.method} weight of "
+                                   f"shape {list(stored.weight.shape)} is none of the quantized weights ({detail})")
+            self.seen.add(name)
+            self.stored_count += 1
+
+    def result(self) -> dict:
+        if self.every_function:
+            return {"quantized_weights_compared": len(self.weights) * self.functions, "quantized_bit_exact": True}
+        missing = sorted(set(self.weights) - self.seen)
+        if missing:
+            raise PackageError(f"{self.path.name}: quantized weight {missing[0]} is stored in no function")
+        return {"quantized_weights_compared": self.stored_count, "quantized_bit_exact": True}
 
 
 def _closest(expected: QuantizedWeight, found: list[compress.ShippedWeight]) -> str:
@@ -152,7 +169,7 @@ def _closest(expected: QuantizedWeight, found: list[compress.ShippedWeight]) -> 
     alike = [s for s in found if (s.weight.method, s.weight.shape) == (expected.method, expected.shape)]
     if not alike:
         return f"no {expected.method} weight of shape {list(expected.shape)} among the {len(found)} compressed ones"
-    closest = min(alike, key=lambda s: int((s.weight.codes != expected.codes).sum()))
+    closest = min(alike, key=lambda s: int(torch.count_nonzero(s.weight.codes != expected.codes)))
     return f"closest {compress.difference(expected, closest)}"
 
 
@@ -273,7 +290,8 @@ def coreml_constants(path, modules, every_function: bool = True, digests: dict[s
     a drafter's: in some function, as its functions use different weights). ``digests``: the package's weight
     digests by function (``coreml.Contents``), when already read."""
     digests = backends.load("coreml").contents(path).weight_digests if digests is None else digests
-    weights = {name: p for name, p in modules.core.named_parameters() if p.dim() == 2}
+    dense = compress.dense_weight_names(modules.core)  # quantized: compared as such (quantized_constants)
+    weights = {name: p for name, p in modules.core.named_parameters() if p.dim() == 2 and name not in dense}
     wanted = {compress.digest(p.detach().numpy()): name for name, p in weights.items()}
     stored_anywhere = set()
     for function in modules.functions:
