@@ -36,18 +36,18 @@ def test_dflash2_27b_plans_from_its_contract():
     # the measured cost model: 48 x 16.1 s + 16 x 13.4 s + 5.2 s + 3.7 s at 128 x 2048 tokens = 16.6 min
     assert "estimated quantize time (lut4-gptq, 128 x 2048 calibration tokens): 17 min on one H200" in out
     # parts under the default 2000 MB and packaged within the default 16 GB (convert/pipeline/partition.py's measured
-    # cost per weight, beside the build process's base): a vocabulary table's rows in 4 parts, 2 decoder layers (2 x
-    # ~383 M weights) a part
-    assert "parts: 40 (target.max_part_mb 2000, target.max_host_memory_gb 16), chained by the host" in out
-    # which bound chose them: 10 layers (10 x ~185 MB) fit the device's 2000 MB, but the host packages only 2
-    assert "layer chunks: 2 layers from the first, set by the host memory bound (the device's 2000 MB alone: 10; " \
-        "host memory alone: 2, packaging about 14 bytes a layer weight within 12.67 GiB)" in out
-    assert "tables: 4 parts each, set by the host memory bound (device alone: 1; host memory alone: 4" in out
-    assert "embed-1of4: embedding rows 0..62079: 151.68 MiB (packaging about 12.9 GB)" in out
-    assert "layers-4-5: layers 4..5, taps [5]: 368.38 MiB (packaging about 13.1 GB)" in out
-    assert "layers-62-63: layers 62..63: 362.36 MiB" in out
-    assert "head-4of4: norm + lm_head rows 186240..248319: 151.69 MiB" in out
-    assert "estimated peak host memory: 13.1 GB (target.max_host_memory_gb 16)" in out
+    # cost per weight, beside the build process's base): each vocabulary table whole, 7 decoder layers (7 x ~383 M
+    # weights) a part
+    assert "parts: 12 (target.max_part_mb 2000, target.max_host_memory_gb 16), chained by the host" in out
+    # which bound chose them: 10 layers (10 x ~185 MB) fit the device's 2000 MB, but the host packages 7
+    assert "layer chunks: 7 layers from the first, set by the host memory bound (the device's 2000 MB alone: 10; " \
+        "host memory alone: 7, packaging about 5 bytes a layer weight within 12.67 GiB)" in out
+    assert "tables: 1 part each, set by the device bound (device alone: 1; host memory alone: 1" in out
+    assert "embed: embedding rows 0..248319: 606.72 MiB (packaging about 11.3 GB)" in out
+    assert "layers-0-6: layers 0..6, taps [5]: 1.25 GiB (packaging about 15.8 GB)" in out
+    assert "layers-63-63: layers 63..63: 178.71 MiB" in out
+    assert "head: norm + lm_head rows 0..248319: 606.73 MiB" in out
+    assert "estimated peak host memory: 15.8 GB (target.max_host_memory_gb 16)" in out
 
 
 def test_bonsai2_27b_plans_the_exact_pack_from_its_contract():
@@ -62,7 +62,7 @@ def test_bonsai2_27b_plans_the_exact_pack_from_its_contract():
     assert "shipped weights: 6.70 GiB per format (2.14 bits a parameter; 50.10 GiB in fp16)" in out
     assert "rotations (block 1024, butterflies): 402 signed Hadamard transforms a token over 2,910,208 features: " \
         "34,922,496 additions and multiplications a token, 0.14% of the linears' 25,598,361,600 multiply-adds" in out
-    assert "parts: 40 (target.max_part_mb 2000" in out and "estimated quantize time" not in out
+    assert "parts: 12 (target.max_part_mb 2000" in out and "estimated quantize time" not in out
     assert "drafter dflash2 hf://ProCreations/Ternary-Bonsai-2-27B-DFlash2@4cfb6ad" in out
 
 

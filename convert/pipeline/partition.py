@@ -34,19 +34,21 @@ from convert.weights.stream import parameters_on_meta
 
 MB = 10**6
 GB = 10**9
-# Host memory of a build, measured (docs/benchmarks.md, "A build larger than memory"; sampled VmRSS): a process
-# holds about BASE_BYTES before it loads a part (torch, coremltools and transformers); above that, converting a part
-# to Core ML and checking it take up to PACKAGING_BYTES_PER_LAYER_WEIGHT bytes per weight of its decoder layers
-# (13.3 measured at the 27B width) and PACKAGING_BYTES_PER_TABLE_WEIGHT per weight of its embedding or head rows
-# (a 424M-weight embedding part at the 27B width peaked at 14.0 GiB in a process of its own: 32.6 above the base;
-# the fp16 and fp32 tracing copies, the MIL program's constants, the converter's passes). A parted target's stages
-# run in a process of their own (convert/processes.py) beside the build process, which holds its own base:
-# PARTED_BASE_BYTES. A whole target built in memory holds about WHOLE_BYTES_PER_PARAMETER per parameter (the
-# checkpoint, the fp16 modules, an fp32 copy, conversion).
+# Host memory of a build, measured (docs/benchmarks.md, "A build larger than memory" and "Where a part's packaging
+# memory goes"; sampled VmRSS): a process holds about BASE_BYTES before it loads a part (torch, coremltools and
+# transformers); above that, packaging a part (each format in turn: converted from the codes and tables alone, the
+# dense weights released, then checked one function's program at a time) takes up to
+# PACKAGING_BYTES_PER_LAYER_WEIGHT bytes per weight of its decoder layers (4.3 measured on a 4-layer part at the 27B
+# width, in Core ML's multifunction merge: every function's codes) and PACKAGING_BYTES_PER_TABLE_WEIGHT per weight of
+# its embedding or head rows (6.0 measured on a whole 248320-row head, in the Core AI runtime's load and first call;
+# Core ML's trace computes the one matrix from a placeholder: 5.2). A parted target's stages run in a process of
+# their own (convert/processes.py) beside the build process, which holds its own base: PARTED_BASE_BYTES. A whole
+# target built in memory holds about WHOLE_BYTES_PER_PARAMETER per parameter (the checkpoint, the fp16 modules, an
+# fp32 copy, conversion).
 BASE_BYTES = 1_200_000_000
 PARTED_BASE_BYTES = 2 * BASE_BYTES
-PACKAGING_BYTES_PER_LAYER_WEIGHT = 14
-PACKAGING_BYTES_PER_TABLE_WEIGHT = 33
+PACKAGING_BYTES_PER_LAYER_WEIGHT = 5
+PACKAGING_BYTES_PER_TABLE_WEIGHT = 7
 # the build's finish (the embedding and the lm_head loaded together for the identity hashes and the drafter interface,
 # in the build process alone): 9.2 GiB measured for the two 248320 x 5120 tables, about 3.7 bytes a table weight
 FINISH_BYTES_PER_TABLE_WEIGHT = 4
@@ -263,9 +265,13 @@ def bound_lines(target, vocab: int, sizes: Sizes) -> list[str]:
     return [f"  layer chunks: {min(device, host)} layers from the first, set by the {chunk} bound (the device's "
             f"{target.max_part_mb:g} MB alone: {device}; host memory alone: {host}, packaging about "
             f"{PACKAGING_BYTES_PER_LAYER_WEIGHT} bytes a layer weight within {size_text(room)})",
-            f"  tables: {max(table_device, table_host)} parts each, set by the {table} bound (device alone: "
+            f"  tables: {_parts(max(table_device, table_host))} each, set by the {table} bound (device alone: "
             f"{table_device}; host memory alone: {table_host}, about {PACKAGING_BYTES_PER_TABLE_WEIGHT} bytes a "
             "table weight)"]
+
+
+def _parts(count: int) -> str:
+    return f"{count} part" + ("s" if count != 1 else "")
 
 
 def _leading(costs, budget: int) -> int:
