@@ -89,27 +89,13 @@ def _wrap(owner, attribute: str, sampler: Sampler, name) -> None:
     setattr(owner, attribute, wrapped)
 
 
-def _stacked(blocks):
-    """One ``QuantizedWeight`` of consecutive row blocks' (their codes and tables stacked)."""
-    from quant.types import QuantizedWeight
-
-    first = blocks[0]
-    if len(blocks) == 1:
-        return first
-
-    def cat(field):
-        return None if getattr(first, field) is None else torch.cat([getattr(b, field) for b in blocks])
-
-    return QuantizedWeight(first.method, cat("codes"), first.group_size, scale=cat("scale"),
-                           zero_point=cat("zero_point"), lut=cat("lut"))
-
-
 def part_modules(layer_types: list[str], table: str | None, rows: int, method: str, seed: int = 0):
     """The export modules of the part, its weights' count."""
     from convert.export.quantized import apply_quantized
     from convert.inputs.recipe import Recipe
     from convert.models import qwen3_5
     from convert.models.part import Part
+    from convert.weights.quantize import concat_rows
     from convert.weights.shipped import part_modules as split
     from convert.weights.target import modules_over
     from quant.affine import quantize_affine
@@ -141,7 +127,7 @@ def part_modules(layer_types: list[str], table: str | None, rows: int, method: s
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.nn.Parameter):
             continue
-        wanted = name in ("embed_tokens", "lm_head") if table else name.startswith("layers.")
+        wanted = name == {"head": "lm_head", "embed": "embed_tokens"}[table] if table else name.startswith("layers.")
         quantize = weight.dim() == 2 and wanted and "in_proj_a" not in name and "in_proj_b" not in name
         blocks = []
         step = 16384  # rows a block (a multiple of lut4's groups): a table's fp32 draws stay 0.3 GB at a time
@@ -154,7 +140,7 @@ def part_modules(layer_types: list[str], table: str | None, rows: int, method: s
                 blocks.append(fit(weight[lo:lo + step].float(), group))
             del value
         if blocks:
-            quantized[name] = _stacked(blocks)
+            quantized[name] = concat_rows(blocks)
     apply_quantized(core, quantized)
     del quantized
     for p in core.parameters():

@@ -247,7 +247,7 @@ def test_core_ml_constants_are_the_quantizers_bit_for_bit_in_every_function(buil
     assert all(len(found) == len(built.weights) for found in shipped.values())
     result = checks.quantized_constants("coreml", path, built.weights)
     assert result == {"quantized_weights_compared": 3 * len(built.weights), "quantized_bit_exact": True}
-    # the build's dense check sees each QuantizedLinear.weight as coremltools decompresses it
+    # the build's plain-constant check: the weights that are not quantized (none here but the embedding) bit for bit
     assert checks.coreml_constants(path, built)["weights_bit_exact"] is True
 
 

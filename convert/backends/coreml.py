@@ -418,8 +418,9 @@ def _tensor_spec(function_name: str, name: str, tensor_type) -> TensorSpec:
 @dataclass
 class Contents:
     """What the build's checks read from a package: every function's spec, op types and the digest
-    (``compress.digest``) of every weight it holds (plain constants as stored, compressed weights as coremltools
-    decompresses them)."""
+    (``compress.digest``) of every plain (uncompressed) weight constant it holds. The compressed weights are compared
+    by the quantized check (``checks.QuantizedComparison``: codes, tables and their decompression), through
+    ``contents``' ``each_function``."""
 
     specs: dict[str, FunctionSpec]
     operation_types: dict[str, set[str]]
@@ -432,14 +433,12 @@ def contents(path: Path, each_function: Callable[[str, list[compress.ShippedWeig
 
     coremltools loads every function's constants separately (the functions of a multifunction package share their
     weights on disk, not once loaded), so a part's check holds one function's program, not three
-    (docs/benchmarks.md, "Where a part's packaging memory goes"). Each distinct compressed weight's dense form is
-    decompressed once here for its digest and dropped; a ``ShippedWeight`` decompresses it again when a check
-    compares it."""
+    (docs/benchmarks.md, "Where a part's packaging memory goes"). A ``ShippedWeight`` decompresses its weight, a
+    block of rows at a time, only when a check compares it."""
     spec, weights_dir = _load_spec(path)
     found = Contents({}, {}, {})
-    digests: dict[str, str] = {}  # by fingerprint: the digest of its dense weight
     for name in [f.name for f in spec.description.functions]:
-        compressed = _read_function(spec, weights_dir, name, found, digests)
+        compressed = _read_function(spec, weights_dir, name, found)
         if each_function is not None:
             each_function(name, compressed)
         del compressed  # its ops hold the function's program
@@ -447,8 +446,7 @@ def contents(path: Path, each_function: Callable[[str, list[compress.ShippedWeig
     return found
 
 
-def _read_function(spec: Model_pb2.Model, weights_dir: str, name: str, found: Contents,
-                   digests: dict[str, str]) -> list[compress.ShippedWeight]:
+def _read_function(spec: Model_pb2.Model, weights_dir: str, name: str, found: Contents) -> list[compress.ShippedWeight]:
     """Function ``name``'s entries of ``found`` (loading its program alone), and its compressed weights."""
     function = _load_function(spec, weights_dir, name)
     found.specs[name] = _function_spec(name, function)
@@ -456,9 +454,7 @@ def _read_function(spec: Model_pb2.Model, weights_dir: str, name: str, found: Co
     found.weight_digests[name], compressed = set(), []
     for op in function.operations:
         if _is_compressed_weight(op):
-            shipped = _shipped(op, digests)
-            compressed.append(shipped)
-            found.weight_digests[name].add(digests[shipped.fingerprint])
+            compressed.append(_shipped(op))
         elif op.op_type == "const" and (value := _plain_constant(op)) is not None:
             found.weight_digests[name].add(compress.digest(value))
     return compressed
@@ -517,9 +513,8 @@ def _codes_then_scales(op: Operation) -> Operation | None:
     return producer if producer is not None and producer.op_type == "constexpr_lut_to_dense" else None
 
 
-def _shipped(op: Operation, digests: dict[str, str] | None = None) -> compress.ShippedWeight:
-    """The op's weight, its dense form decompressed when asked for; the digest of that dense form is added to
-    ``digests`` (by fingerprint, when given) unless an op with the same codes and tables was read before."""
+def _shipped(op: Operation) -> compress.ShippedWeight:
+    """The op's weight: its codes and tables as stored, its dense form decompressed when asked for."""
     where = f"MIL op {op.name} ({op.op_type})"
     codes_op = _codes_then_scales(op)
     if codes_op is None:
@@ -534,10 +529,7 @@ def _shipped(op: Operation, digests: dict[str, str] | None = None) -> compress.S
         raise PackageError(f"{where}: operands {missing} are not constants; it is not a weight compressed here")
     weight = reader(where, *(None if var is None else var.val for var in operands.values()))
     rows, multiple = _decompress_rows(op)
-    shipped = compress.ShippedWeight(where, weight, rows, multiple, compress.fingerprint(weight))
-    if digests is not None and shipped.fingerprint not in digests:
-        digests[shipped.fingerprint] = shipped.digest()
-    return shipped
+    return compress.ShippedWeight(where, weight, rows, multiple, compress.fingerprint(weight))
 
 
 def _decompress_rows(op: Operation) -> tuple[Callable[[int, int], np.ndarray], int]:

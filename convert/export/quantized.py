@@ -210,7 +210,7 @@ class ShippedWeight:
     """A compressed weight read back from a package: where it is, its codes and tables as stored, the format's own
     decompression of a range of its rows (``decompress_rows(start, stop)``, ``start`` a multiple of
     ``row_multiple``), and ``fingerprint(weight)`` (the checks match weights by it). The dense weight is
-    computed when asked for, a block of rows at a time where it can be (``row_blocks``, ``digest``): a part's
+    computed when asked for, a block of rows at a time where it can be (``row_blocks``): a part's
     check holding one dense copy of every weight peaked at 12 bytes a weight above its modules
     (docs/benchmarks.md), and one whole dense copy of a 248320-row table is 2.5 GB."""
 
@@ -232,16 +232,6 @@ class ShippedWeight:
     @property
     def dense(self) -> np.ndarray:
         return np.concatenate([self.decompress_rows(a, b) for a, b in self.row_blocks()])
-
-    def digest(self) -> str:
-        """``digest`` of the dense weight, decompressed and hashed a block of rows at a time."""
-        hashed = None
-        for a, b in self.row_blocks():
-            block = np.ascontiguousarray(self.decompress_rows(a, b))
-            if hashed is None:
-                hashed = hashlib.sha256(f"{block.dtype}:{(self.weight.shape[0], *block.shape[1:])}:".encode())
-            hashed.update(block.view(np.uint8))
-        return hashed.hexdigest()
 
 
 def from_lut_to_dense(where: str, indices: np.ndarray, lut: np.ndarray) -> QuantizedWeight:

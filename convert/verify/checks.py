@@ -8,8 +8,8 @@
   must agree, except a near tie: a position where the torch logits of the two ids differ by less
   than ``NEAR_TIE_LOGITS``. Taps and logits, when the package returns them, must agree within
   ``FP16_OUTPUT_BOUND`` (relative to the largest magnitude).
-- Core ML (no runtime off macOS): every 2-D weight of the modules appears bit for bit among the
-  constants of every function of the ``.mlpackage`` (a compressed one as coremltools decompresses it).
+- Core ML (no runtime off macOS): every 2-D weight of the modules that is not quantized appears bit for bit among
+  the constants of every function of the ``.mlpackage`` (the quantized ones: below).
 - Quantized linears (``convert/export/quantized.py``), both formats: in every function, each ``QuantizedWeight``
   is stored compressed with its codes and tables bit for bit, and the format's own decompression of them
   equals ``QuantizedWeight.dequantize()`` bit for bit. The Core AI run above then shows the runtime
@@ -286,9 +286,10 @@ def _compare(function, p0, got, ref, stats: dict) -> None:
 
 
 def coreml_constants(path, modules, every_function: bool = True, digests: dict[str, set[str]] | None = None) -> dict:
-    """Every 2-D weight of the modules, bit for bit, in every function of the package (``every_function=False``,
-    a drafter's: in some function, as its functions use different weights). ``digests``: the package's weight
-    digests by function (``coreml.Contents``), when already read."""
+    """Every 2-D weight of the modules but the quantized linears' (compared by ``quantized_constants``), bit for bit,
+    in every function of the package (``every_function=False``, a drafter's: in some function, as its functions use
+    different weights). ``digests``: the package's weight digests by function (``coreml.Contents``), when already
+    read."""
     digests = backends.load("coreml").contents(path).weight_digests if digests is None else digests
     dense = compress.dense_weight_names(modules.core)  # quantized: compared as such (quantized_constants)
     weights = {name: p for name, p in modules.core.named_parameters() if p.dim() == 2 and name not in dense}
