@@ -244,9 +244,13 @@ class Part(Model):
 class DrafterInterface(Model):
     """What a target bundle ships for its drafter: the borrowed tensors as files, hashed."""
 
-    lm_head_file: FileEntry = Field(description="lm_head.safetensors: the lm_head exactly as the target computes it")
+    lm_head_file: FileEntry = Field(
+        description="lm_head.safetensors: the lm_head's weight as the target stores it (fp16; an exact pack's in its "
+        "rotated basis, the graph rotating the head's input)"
+    )
     embeddings_file: FileEntry = Field(
-        description="embeddings.safetensors: the fp16 embedding table the host reads anchor rows from"
+        description="embeddings.safetensors: the fp16 embedding rows as the target's lookups return them (an exact "
+        "pack's after their rotation), which the host reads anchor rows from"
     )
     hidden_output: bool = Field(description="the target functions return the final-norm hidden states")
 

@@ -205,3 +205,91 @@ def test_a_parted_build_gates_and_loads_the_same_from_the_packs_view(written, tm
         state_a, state_b = a.core.state_dict(), b.core.state_dict()
         assert state_a.keys() == state_b.keys()
         assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+
+
+def test_a_drafter_reads_the_rotated_tables_embedding_rows_not_its_stored_rows(written, tmp_path):
+    """An exact pack stores its embedding in the rotated basis (``W'``) and its lookups rotate each row: the anchor
+    rows a DFlash2 drafter is fed and ``embeddings.safetensors`` are the rows the target's lookups return, the
+    unfolded checkpoint's table (``S H W'``) to fp16 rounding, and not the stored ones."""
+    from safetensors.torch import load_file
+
+    from convert.export.functions import compute_copy
+    from convert.pipeline.build import shipped_modules
+    from convert.pipeline.drafter import anchor_table
+    from convert.pipeline.plan import make_plan
+    from convert.pipeline.record import _write_drafter_interface
+
+    (tmp_path / "r.yaml").write_text(RECIPE.replace("source: path:pack", f"source: path:{written / 'pack'}"))
+    plan = make_plan(tmp_path / "r.yaml", cache_root=tmp_path / "cache")
+    modules, _ = shipped_modules(plan)
+    rows = torch.from_numpy(anchor_table(modules))
+    unfolded = {}
+    for path in (written / "unfolded").glob("*.safetensors"):
+        unfolded.update(load_file(path))
+    logical = unfolded["model.language_model.embed_tokens.weight"]
+    assert rows.dtype == torch.float16 and rows.shape == logical.shape
+    torch.testing.assert_close(rows.float(), logical, rtol=2**-10, atol=2**-24)  # an fp16 rounding of W = S H W'
+    stored = modules.core.embed_tokens.weight
+    assert float((stored.float() - logical).abs().max()) > 100 * float((rows.float() - logical).abs().max())
+    ids = torch.tensor([[3, 17, 250]])
+    computed = compute_copy(modules, torch.float32).core.embed_tokens(ids)[0]  # how the gates and acceptance look up
+    assert torch.equal(rows[ids[0]], computed.to(torch.float16))
+    _write_drafter_interface(plan, modules, tmp_path)
+    assert torch.equal(load_file(tmp_path / "embeddings.safetensors")["weight"], rows)
+
+
+PAIR_RECIPE = """name: tiny-bonsai-pair
+target:
+  source: path:{pack}
+  graphs: {{prefill: 16, decode: 1, verify: 8}}
+  context: 128
+  taps: [0, 1]
+  quantization: {{method: exact}}
+  gate:
+    data: {{samples: 4, length: 64}}
+    greedy_tokens: 4
+drafter:
+  kind: dflash2
+  source: path:{drafter}
+  context_update: 16
+  ring: 64
+  mask_scale: 0.7
+  quantization:
+    method: lut4-gptq
+    calibration: {{samples: 2, length: 24, tokens: 16}}
+  accept: {{samples: 2, length: 24, tokens: 16}}
+backends: [coreai, coreml]
+"""
+
+
+@pytest.mark.slow
+def test_the_release_pairs_shape_builds_on_a_tiny_pack(written, tmp_path):
+    """The Bonsai release recipe's shape at a tiny size: an exact pack's target with a DFlash2 drafter quantized
+    lut4-gptq, both formats. The build exits 0 (the lossless acceptance and the pair check inside it), ``check-pair``
+    passes, and the drafter binds to the target's embedding rows as its lookups return them (the rotated table's)."""
+    from dflash2_checkpoints import tiny_config, write_drafter
+    from safetensors.torch import load_file
+
+    from manifests import identity
+
+    draft = {"target_layer_ids": [0, 1], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
+             "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
+    write_drafter(tmp_path / "drafter", config=tiny_config(hidden_size=128, vocab_size=320, dflash_config=draft))
+    recipe = tmp_path / "pair.yaml"
+    recipe.write_text(PAIR_RECIPE.format(pack=written / "pack", drafter=tmp_path / "drafter"))
+    out = tmp_path / "bundle"
+    result = CliRunner().invoke(main, ["build", str(recipe), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    check = CliRunner().invoke(main, ["check-pair", str(out / "drafter"), str(out / "target")])
+    assert check.exit_code == 0, check.output
+    drafter_manifest = json.loads((out / "drafter" / "manifest.json").read_text())
+    assert drafter_manifest["acceptance"]["lossless"] is True
+    assert drafter_manifest["quantization"]["method"] == "lut4-gptq"
+    rows = load_file(out / "target" / "embeddings.safetensors")["weight"]
+    unfolded = {}
+    for path in (written / "unfolded").glob("*.safetensors"):
+        unfolded.update(load_file(path))
+    torch.testing.assert_close(rows[3].float(), unfolded["model.language_model.embed_tokens.weight"][3],
+                               rtol=2**-10, atol=2**-24)
+    assert drafter_manifest["target"]["mask_row_sha256"] == identity.embedding_row_sha256(
+        out / "target" / "embeddings.safetensors", 3)

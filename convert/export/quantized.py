@@ -119,6 +119,21 @@ class QuantizedEmbedding(QuantizedLinear):
         return rows if self.rotation is None else self.rotation(rows)
 
 
+def embedding_rows(embedding: nn.Module, block_rows: int = 4096) -> torch.Tensor:
+    """An embedding's table as its lookups return the rows, fp16: the weight itself, or for a rotated (exact2) table,
+    whose stored rows ``W'`` are in the pack's rotated basis, each row after its rotation (``S H W'``: the unfolded
+    table) computed in fp32 a block of rows at a time and rounded to fp16. What a host feeds a drafter as a token's
+    embedding (the anchor, the mask row): the stored row would be another vector."""
+    if not isinstance(embedding, QuantizedEmbedding) or embedding.rotation is None:
+        return embedding.weight.detach()
+    quantized = embedding.quantized_weight()
+    rows = torch.empty(quantized.shape, dtype=torch.float16)
+    for lo in range(0, rows.shape[0], block_rows):
+        hi = min(lo + block_rows, rows.shape[0])
+        rows[lo:hi] = embedding.rotation(quantized.rows(lo, hi).dequantize().float()).to(torch.float16)
+    return rows
+
+
 def apply_quantized(core: nn.Module, weights: dict[str, QuantizedWeight]) -> None:
     """Swap each named ``nn.Linear`` (or ``nn.Embedding``) of ``core`` (names as in ``core.named_modules()``) for a
     ``QuantizedLinear`` (or ``QuantizedEmbedding``).

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from convert.errors import GateError, InputError
-from convert.export.quantized import QuantizedLinear, apply_quantized
+from convert.export.quantized import QuantizedLinear, apply_quantized, embedding_rows
 from convert.export.spec import FunctionSpec
 from convert.fp16 import like_the_runtime
 from convert.inputs import contract
@@ -99,7 +99,7 @@ def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, t
 def build_modules(plan: DrafterPlan, recipe: Recipe, target: TargetModules, dtype: torch.dtype):
     """Drafter export modules in ``dtype`` holding the target's shipped tables (quantized as the target's)."""
     core = target.core
-    lm_head, embed = core.lm_head.weight.detach(), core.embed_tokens.weight.detach()
+    lm_head, embed = core.lm_head.weight.detach(), torch.from_numpy(anchor_table(target))
     config, verify = plan.config, recipe.target.graphs.verify
     if plan.kind == "dflash2":
         _, tensors = dflash2.load_checkpoint(plan.snapshot.directory)
@@ -161,9 +161,10 @@ def quantize(modules, quant: DrafterQuantization, hessians: dict[str, torch.Tens
 
 
 def anchor_table(target_modules) -> np.ndarray:
-    """The target's embedding table exactly as shipped (fp16), which the host reads anchor rows from: a view of the
-    module's tensor, not a copy (at 27B it is 2.5 GB)."""
-    return target_modules.core.embed_tokens.weight.detach().numpy()
+    """The target's embedding rows as its lookups return them (fp16, ``export.quantized.embedding_rows``), which the
+    host reads anchor rows from: a view of the module's tensor, not a copy (at 27B it is 2.5 GB), unless the table is
+    rotated (an exact pack's), whose stored rows are in the rotated basis."""
+    return embedding_rows(target_modules.core.embed_tokens).numpy()
 
 
 def drivers(kind: str, target_modules, drafter_modules, embeddings: np.ndarray, functions=None):

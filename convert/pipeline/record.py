@@ -12,6 +12,7 @@ from importlib import metadata
 from pathlib import Path
 
 from convert import backends
+from convert.export.quantized import embedding_rows
 from convert.export.spec import SHIP_DTYPE, FunctionSpec
 from convert.inputs.sources import (
     file_records,
@@ -35,7 +36,9 @@ TOOLCHAIN_PACKAGES = ("torch", "coreai-core", "coreai-torch", "coremltools", "tr
 
 
 def _write_drafter_interface(plan: Plan, modules: TargetModules, out: Path) -> dict:
-    """lm_head.safetensors and embeddings.safetensors: the tables exactly as the target computes with them.
+    """lm_head.safetensors and embeddings.safetensors: the lm_head's weight as the target stores it, and the
+    embedding rows as its lookups return them (``export.quantized.embedding_rows``: for an exact pack's rotated
+    table, the rows after the rotation).
 
     Written for every target that can feed a drafter (a drafter in the recipe, taps or the hidden output): a
     runtime reads anchor embeddings from them, and a drafter's manifest binds to their hashes."""
@@ -43,7 +46,8 @@ def _write_drafter_interface(plan: Plan, modules: TargetModules, out: Path) -> d
 
     files = {}
     for key, filename, tensor in (("lm_head_file", identity.LM_HEAD_FILE, modules.core.lm_head.weight),
-                                  ("embeddings_file", identity.EMBEDDINGS_FILE, modules.core.embed_tokens.weight)):
+                                  ("embeddings_file", identity.EMBEDDINGS_FILE,
+                                   embedding_rows(modules.core.embed_tokens))):
         path = out / filename
         save_file({"weight": tensor.detach().to(SHIP_DTYPE).contiguous()}, str(path))
         files[key] = {"path": filename, "sha256": identity.file_sha256(path), "size": path.stat().st_size}
