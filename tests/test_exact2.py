@@ -30,10 +30,10 @@ from convert.backends import coreai, coreml
 from convert.errors import PackageError
 from convert.export import quantized as compress
 from convert.export.functions import FunctionModule
-from convert.export.quantized import QuantizedEmbedding, QuantizedLinear, apply_quantized
+from convert.export.quantized import CodesLinear, QuantizedEmbedding, QuantizedLinear, apply_quantized
 from convert.export.spec import FunctionSpec, TensorSpec
 from convert.verify import checks
-from quant.types import QuantizedWeight
+from quant.types import QuantizedWeight, Rotation
 
 VOCAB, HIDDEN, INNER, GROUP = 64, 384, 256, 128
 WEIGHT_BIN = "Data/com.apple.CoreML/weights/weight.bin"
@@ -282,3 +282,31 @@ def test_core_ml_refuses_a_2_bit_table_that_is_not_an_exact2_weights():
     spec = FunctionSpec("main", (TensorSpec("x", (1, GROUP), "float32"),), (TensorSpec("y", (1, 8), "float32"),))
     with pytest.raises(PackageError, match=r"MIL op lin\.weight.*: a 2-bit table \[1, 1, 4, 1\] .* that is not"):
         coreml.convert_function("main", module, spec)
+
+
+@pytest.mark.parametrize("method", ["exact2", "affine4", "lut4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_codes_linear_computes_a_quantized_linears_outputs_bit_for_bit(method, dtype):
+    # a matrix 5120 wide, as the 27B models' are: blocks of 204 rows and a tail of 4 joined to the last (lut4: 208)
+    # (under MIN_BLOCK_ROWS a GEMM sums in another order), each block's product the whole GEMM's rows bit for bit
+    rows, columns = 1024, 5120
+    generator = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, 3 if method == "exact2" else 16, (rows, columns), dtype=torch.uint8, generator=generator)
+    if method == "lut4":
+        quantized = QuantizedWeight("lut4", codes, 16, lut=torch.randn(rows // 16, 16, generator=generator).half())
+    else:
+        groups = (rows, columns // GROUP)
+        quantized = QuantizedWeight(method, codes, GROUP, scale=(torch.rand(groups, generator=generator) * 0.1).half(),
+                                    zero_point=torch.randint(0, 3 if method == "exact2" else 16, groups,
+                                                             dtype=torch.uint8, generator=generator))
+    if method == "exact2":
+        quantized = replace(quantized, rotation=Rotation(
+            torch.where(torch.rand(columns, generator=generator) < 0.5, -1.0, 1.0), 1024))
+    bias = nn.Parameter(torch.linspace(-1, 1, rows).half(), requires_grad=False)
+    dense, lean = QuantizedLinear("proj", quantized, bias).to(dtype), CodesLinear("proj", quantized, bias).to(dtype)
+    assert len(lean.row_blocks()) == 5 and lean.row_blocks()[-1] == ((832, 1024) if method == "lut4" else (816, 1024))
+    for width in (1, 8, 64):
+        x = torch.randn(1, width, columns, generator=generator).to(dtype)
+        assert torch.equal(as_bits(lean(x)), as_bits(dense(x))), width
+    assert torch.equal(as_bits(lean.dense_rows(8, 12, torch.float16)), as_bits(quantized.dequantize()[8:12]))
+    assert lean.words.numel() == rows * columns * (2 if method == "exact2" else 4) // 8  # the codes, bit-packed

@@ -7,6 +7,7 @@ malformed pack exits 2 with one line naming the tensor and leaves no bundle."""
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -263,20 +264,26 @@ backends: [coreai, coreml]
 
 
 @pytest.mark.slow
-def test_the_release_pairs_shape_builds_on_a_tiny_pack(written, tmp_path):
-    """The Bonsai release recipe's shape at a tiny size: an exact pack's target with a DFlash2 drafter quantized
-    lut4-gptq, both formats. The build exits 0 (the lossless acceptance and the pair check inside it), ``check-pair``
-    passes, and the drafter binds to the target's embedding rows as its lookups return them (the rotated table's)."""
+def test_the_release_pairs_shape_builds_on_a_tiny_pack(written, tmp_path, monkeypatch):
+    """The Bonsai release recipe's shape at a tiny size: an exact pack's target in parts with a DFlash2 drafter
+    quantized lut4-gptq, both formats. The build exits 0 (the lossless acceptance and the pair check inside it; the
+    drafter stage on the target's packed codes, its package borrowing the head from them), ``check-pair`` passes, and
+    the drafter binds to the target's embedding rows as its lookups return them (the rotated table's)."""
     from dflash2_checkpoints import tiny_config, write_drafter
     from safetensors.torch import load_file
 
+    from convert.pipeline import build
     from manifests import identity
 
     draft = {"target_layer_ids": [0, 1], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
              "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
     write_drafter(tmp_path / "drafter", config=tiny_config(hidden_size=128, vocab_size=320, dflash_config=draft))
     recipe = tmp_path / "pair.yaml"
-    recipe.write_text(PAIR_RECIPE.format(pack=written / "pack", drafter=tmp_path / "drafter"))
+    recipe.write_text(PAIR_RECIPE.format(pack=written / "pack", drafter=tmp_path / "drafter").replace(
+        "  context: 128\n", "  context: 128\n  max_part_mb: 0.06\n"))
+    # a tiny pack's packages are mostly their fixed overhead (0.2 MB each), over any limit that parts its 118 KB of
+    # weights: the size check is not what this test is about
+    monkeypatch.setattr(build, "_check_part_size", lambda entry, max_part_mb: None)
     out = tmp_path / "bundle"
     result = CliRunner().invoke(main, ["build", str(recipe), "-o", str(out)])
     assert result.exit_code == 0, result.output
@@ -285,6 +292,7 @@ def test_the_release_pairs_shape_builds_on_a_tiny_pack(written, tmp_path):
     drafter_manifest = json.loads((out / "drafter" / "manifest.json").read_text())
     assert drafter_manifest["acceptance"]["lossless"] is True
     assert drafter_manifest["quantization"]["method"] == "lut4-gptq"
+    assert len(json.loads((out / "target" / "manifest.json").read_text())["parts"]) > 1
     rows = load_file(out / "target" / "embeddings.safetensors")["weight"]
     unfolded = {}
     for path in (written / "unfolded").glob("*.safetensors"):
@@ -293,3 +301,57 @@ def test_the_release_pairs_shape_builds_on_a_tiny_pack(written, tmp_path):
                                rtol=2**-10, atol=2**-24)
     assert drafter_manifest["target"]["mask_row_sha256"] == identity.embedding_row_sha256(
         out / "target" / "embeddings.safetensors", 3)
+
+
+@pytest.mark.slow
+def test_a_lean_target_gives_the_drafter_stage_the_dense_targets_results(written, tmp_path):
+    """The drafter stage of a parted target runs it from its packed codes (``PartLoader.load(lean=True)``: each
+    quantized linear a ``CodesLinear``): the quantized drafter, its acceptance and A/B, the bytes each call reads and
+    the calls its package check replays are the dense target's, bit for bit, and the lean target holds its quantized
+    weights at their shipped bits (2 a weight and the scales here), the fp32 compute copy sharing them."""
+    from dflash2_checkpoints import tiny_config, write_drafter
+
+    from convert.export.functions import compute_copy
+    from convert.export.quantized import CodesLinear, packaged_from_codes, quantized_weights
+    from convert.models.part import Part
+    from convert.pipeline import drafter, drafter_build
+    from convert.pipeline.build import exact_result, shipped_modules
+    from convert.pipeline.plan import make_plan
+    from convert.weights.shipped import PartLoader
+
+    draft = {"target_layer_ids": [0, 1], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
+             "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
+    write_drafter(tmp_path / "drafter", config=tiny_config(hidden_size=128, vocab_size=320, dflash_config=draft))
+    (tmp_path / "pair.yaml").write_text(PAIR_RECIPE.format(pack=written / "pack", drafter=tmp_path / "drafter"))
+    plan = make_plan(tmp_path / "pair.yaml", cache_root=tmp_path / "cache")
+    dense, _ = shipped_modules(plan)
+    lean = PartLoader(plan, exact_result(plan)).load([Part.whole(plan.args)], lean=True)[0]
+    codes = [m for m in lean.core.modules() if isinstance(m, CodesLinear)]
+    assert len(codes) == 15 and {m.method for m in codes} == {"exact2"}
+    assert sum(m.words.nbytes for m in codes) * 4 == sum(m.shape[0] * m.shape[1] for m in codes)
+    lean32 = compute_copy(lean, torch.float32)
+    shared = {m.words.data_ptr() for m in lean32.core.modules() if isinstance(m, CodesLinear)}
+    assert shared == {m.words.data_ptr() for m in codes}
+
+    results = []
+    for target in (dense, lean):
+        target32 = compute_copy(target, torch.float32)
+        modules, fp16, record = drafter_build.shipped_drafter(plan, target, target32)
+        acceptance, ab = drafter_build.measure_held_out(plan, target, target32, modules, fp16,
+                                                        drafter_build.held_out_prompts(plan))
+        prompt = drafter_build.held_out_prompts(plan)[0][0][:24]
+        calls = drafter.recorded_calls("dflash2", target, modules, prompt, 4, drafter.anchor_table(target))
+        packaged_from_codes(modules.core)
+        results.append((modules, record, acceptance, ab, calls))
+    (dense_drafter, *dense_rest), (lean_drafter, *lean_rest) = results
+    record, acceptance, ab, calls = lean_rest
+    assert record == dense_rest[0] and ab == dense_rest[2]
+    assert json.dumps(acceptance, sort_keys=True, default=str) == json.dumps(dense_rest[1], sort_keys=True, default=str)
+    assert acceptance["economics"]["verify_cost"] > 0
+    assert len(calls) == len(dense_rest[3]) and all(
+        a[0] == b[0] and all(np.array_equal(a[2][k], b[2][k]) for k in a[2])
+        for a, b in zip(calls, dense_rest[3], strict=True))
+    mine, theirs = quantized_weights(lean_drafter.core), quantized_weights(dense_drafter.core)
+    assert mine.keys() == theirs.keys() and "lm_head" in mine
+    for name in mine:
+        assert torch.equal(mine[name].codes, theirs[name].codes), name

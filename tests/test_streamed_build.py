@@ -171,17 +171,20 @@ def test_a_drafter_stage_over_the_host_memory_budget_is_refused_by_name(tmp_path
     monkeypatch.setattr(planning, "WHOLE_BYTES_PER_PARAMETER", 100 * partition.WHOLE_BYTES_PER_PARAMETER)
     text = (ROOT / "recipes" / "tiny_qwen3_5_dflash2.yaml").read_text()
     text = text.replace("path:../fixtures", f"path:{ROOT / 'fixtures'}").replace(
-        "  context: 512\n", "  context: 512\n  max_part_mb: 3\n").replace(
+        "  context: 512\n", "  context: 512\n  max_part_mb: 3\n  quantization: {method: affine4}\n").replace(
         "data: {samples: 16, length: 256}", "data: {samples: 2, length: 64}")  # a gate small beside the target
     recipe = tmp_path / "pair.yaml"
     recipe.write_text(text)
     plan = make_plan(recipe)
     target_alone = partition.build_memory_bytes(plan.args, plan.recipe.target, plan.parts, plan.specs)
-    # the drafter stage runs the whole target, fp16 and fp32 (6 bytes a parameter), beside the drafter's build
-    assert plan.drafter_stage_bytes == partition.BASE_BYTES + 6 * plan.parameter_count + \
+    # the drafter stage holds the parted target as its packed codes (lean_target_bytes), beside the drafter's build
+    lean = partition.lean_target_bytes(plan.args, plan.recipe.target)
+    assert lean < 3 * plan.parameter_count  # affine4 codes and scales, not fp16 and fp32 (6 bytes a parameter)
+    assert plan.drafter_stage_bytes == partition.BASE_BYTES + lean + \
         planning.WHOLE_BYTES_PER_PARAMETER * plan.drafter.args.parameter_count > target_alone
     budget = (target_alone + plan.drafter_stage_bytes) / 2 / 1e9
     recipe.write_text(text.replace("  max_part_mb: 3\n", f"  max_part_mb: 3\n  max_host_memory_gb: {budget}\n"))
-    with pytest.raises(InputError, match=r"drafter: the drafter stage runs the whole target in memory .*over "
+    with pytest.raises(InputError, match=r"drafter: the drafter stage needs about \d+ GB \(the target, its quantized "
+                       r"weights as packed codes: \d+\.\d GB; the drafter's own build: \d+\.\d GB\), over "
                        r"target.max_host_memory_gb .*; build the target alone here"):
         make_plan(recipe)

@@ -43,6 +43,8 @@ The packages are read back into ``ShippedWeight``s (``from_lut_to_dense``, ``fro
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import math
 from collections.abc import Callable
@@ -119,24 +121,203 @@ class QuantizedEmbedding(QuantizedLinear):
         return rows if self.rotation is None else self.rotation(rows)
 
 
+class CodesLinear(nn.Module):
+    """A quantized linear (or embedding table) held only as it ships: its codes packed to their bits (exact2: four a
+    byte; lut4 and affine4: two), the group tables, the rotation and the bias. Each call computes the fp16 weight
+    (``QuantizedWeight.dequantize``, bit for bit the weight a ``QuantizedLinear`` holds) a block of rows at a time
+    (``dense_rows``, ``row_blocks``), so its outputs are a ``QuantizedLinear``'s computing in the same dtype, bit for
+    bit (each block's GEMM gives the whole one's rows from ``MIN_BLOCK_ROWS`` rows up: tests/test_exact2.py checks it
+    at the 27B width).
+
+    The drafter stage runs a parted target this way (``convert.weights.shipped.PartLoader.load(lean=True)``): it
+    runs the target for hours and never packages it, and at 27B the target's weights are 54 GB in fp16 with a 108 GB
+    fp32 compute copy beside them, where a 2-bit pack's codes are 6.8 GB. The shipped tensors never change dtype and
+    are never copied: ``.to(dtype)`` sets the dtype an embedding's rows are computed in (a linear computes in its
+    input's) and moves the rotation and the bias, and ``copy.deepcopy`` (``export.functions.compute_copy``) shares
+    them, so the fp16 modules and their fp32 compute copy hold one set."""
+
+    SHIPPED = ("words", "scale", "zero_point", "lut")
+
+    def __init__(self, name: str, quantized: QuantizedWeight, bias: nn.Parameter | None = None,
+                 embedding: bool = False):
+        super().__init__()
+        _validate(name, quantized)
+        self.name, self.embedding = name, embedding
+        self.method, self.group_size, self.shape = quantized.method, quantized.group_size, quantized.shape
+        self.bits = _CODE_BITS[quantized.method]
+        self.compute_dtype = torch.float16  # an embedding's rows (a linear computes in its input's dtype)
+        self.register_buffer("words", pack_codes(quantized.codes, self.bits, name))
+        for field in ("scale", "zero_point", "lut"):
+            self.register_buffer(field, getattr(quantized, field))
+        self.bias = bias
+        self.rotation = _rotation_module(quantized, inverse=embedding)
+
+    def __deepcopy__(self, memo):
+        for tensor in self._buffers.values():
+            memo[id(tensor)] = tensor  # shared by every copy: they never change
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        clone.__dict__ = copy.deepcopy(self.__dict__, memo)
+        return clone
+
+    def _apply(self, fn, recurse=True):
+        shipped = {name: self._buffers.pop(name) for name in self.SHIPPED}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers.update(shipped)
+        self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
+        return self
+
+    def quantized_weight(self, lo: int = 0, hi: int | None = None) -> QuantizedWeight:
+        """Rows ``lo .. hi-1`` (all by default) as a ``QuantizedWeight`` (codes unpacked; lut4 rows on whole tables)."""
+        hi = self.shape[0] if hi is None else hi
+        codes = unpack_codes(self.words[lo:hi], self.bits, self.shape[1])
+        rotation = self.rotation.rotation() if self.rotation is not None else None
+        if self.method == "lut4":
+            g = self.group_size
+            return QuantizedWeight("lut4", codes, g, lut=self.lut[lo // g : -(-hi // g)])
+        return QuantizedWeight(self.method, codes, self.group_size, scale=self.scale[lo:hi],
+                               zero_point=self.zero_point[lo:hi], rotation=rotation)
+
+    def dense_rows(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``lo .. hi-1`` of the fp16 weight (``quantized_weight(lo, hi).dequantize()``, bit for bit) in ``dtype``,
+        written into a reused workspace (valid until the next call): each packed byte's codes read from a 256-entry
+        table, the group tables broadcast, not repeated, and the arithmetic in fp32: ``(code - zero_point) * scale``
+        is exact there (a 4-bit integer times an 11-bit significand), so its one rounding to fp16 is the fp16
+        product's. At the 27B width this is 6x the speed of ``dequantize`` (``bench/lean_target.py``)."""
+        count = (hi - lo) * self.shape[1]
+        indices = _workspace("indices", count // (8 // self.bits), torch.int32)
+        indices.copy_(self.words[lo:hi].reshape(-1))
+        if self.method == "lut4":
+            g = self.group_size
+            codes = _workspace("codes", count, torch.int32).view(hi - lo, -1)
+            torch.index_select(_byte_codes(self.bits, torch.int32), 0, indices, out=codes.view(-1, 8 // self.bits))
+            first = torch.arange(lo, hi, dtype=torch.int32)[:, None] // g - lo // g  # each row's table
+            codes.add_(first * (1 << self.bits))
+            weight = _workspace("weight16", count, torch.float16)
+            torch.index_select(self.lut[lo // g : -(-hi // g)].reshape(-1), 0, codes.view(-1), out=weight)
+        else:
+            values = _workspace("values", count, torch.float32)
+            torch.index_select(_byte_codes(self.bits, torch.float32), 0, indices, out=values.view(-1, 8 // self.bits))
+            grouped = values.view(hi - lo, -1, self.group_size)
+            grouped.sub_(self.zero_point[lo:hi, :, None]).mul_(self.scale[lo:hi, :, None])
+            weight = _workspace("weight16", count, torch.float16)
+            weight.copy_(values)
+        if dtype == torch.float16:
+            return weight.view(hi - lo, self.shape[1])
+        dense = _workspace("dense", count, dtype)
+        dense.copy_(weight)
+        return dense.view(hi - lo, self.shape[1])
+
+    def row_blocks(self) -> list[tuple[int, int]]:
+        """Row ranges of about ``ROW_BLOCK_WEIGHTS`` weights (whole lut4 tables), none under ``MIN_BLOCK_ROWS`` rows
+        (a short tail joins the block before it): one block's dense copy at a time."""
+        step = max(MIN_BLOCK_ROWS, ROW_BLOCK_WEIGHTS // self.shape[1])
+        if self.method == "lut4":
+            step = self.group_size * -(-step // self.group_size)
+        starts = list(range(0, self.shape[0], step))
+        if len(starts) > 1 and self.shape[0] - starts[-1] < MIN_BLOCK_ROWS:
+            starts.pop()
+        return list(zip(starts, [*starts[1:], self.shape[0]], strict=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding:
+            return self._lookup(x)
+        if self.rotation is not None:
+            x = self.rotation(x)
+        blocks = [nn.functional.linear(x, self.dense_rows(lo, hi, x.dtype),
+                                       None if self.bias is None else self.bias[lo:hi])
+                  for lo, hi in self.row_blocks()]
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, -1)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).long()
+        codes = unpack_codes(self.words[flat], self.bits, self.shape[1])
+        if self.method == "lut4":
+            rows = self.lut[(flat // self.group_size)[:, None], codes.long()]
+        else:
+            rows = QuantizedWeight(self.method, codes, self.group_size, scale=self.scale[flat],
+                                   zero_point=self.zero_point[flat]).dequantize()
+        rows = rows.to(self.compute_dtype).reshape(*ids.shape, self.shape[1])
+        return rows if self.rotation is None else self.rotation(rows)
+
+    def shipped_nbytes(self) -> int:
+        """Bytes this layer takes in a package (``QuantizedLinear.shipped_nbytes``'s count)."""
+        rotation = [] if self.rotation is None else list(self.rotation.buffers())
+        tables = [t for t in (self.scale, self.lut) if t is not None]
+        zero_points = 0 if self.zero_point is None else math.ceil(self.zero_point.numel() * self.bits / 8)
+        bias = [] if self.bias is None else [self.bias]
+        return math.ceil(self.shape[0] * self.shape[1] * self.bits / 8) + zero_points + sum(
+            t.nbytes for t in [*tables, *rotation, *bias])
+
+
+def pack_codes(codes: torch.Tensor, bits: int, name: str = "weight") -> torch.Tensor:
+    """uint8 codes [rows, columns] below 2**bits -> uint8 [rows, columns * bits / 8], code k of each byte in bits
+    k*bits .. (k+1)*bits - 1."""
+    per = 8 // bits
+    rows, columns = codes.shape
+    if columns % per:
+        raise PackageError(f"quantized weight {name!r}: {columns} columns do not pack {per} codes a byte")
+    lanes = codes.reshape(rows, columns // per, per)
+    words = lanes[..., 0].clone()
+    for k in range(1, per):
+        words |= lanes[..., k] << (bits * k)
+    return words
+
+
+ROW_BLOCK_WEIGHTS = 1 << 20
+"""A ``CodesLinear``'s dense block: 4 MB in fp32 stays in cache and its workspace is reused (64 MB blocks ran at a
+sixth of the speed: each fresh block was a fresh mapping of memory, page-faulted in)."""
+MIN_BLOCK_ROWS = 16
+"""A block's fp32 product is the whole matrix's bit for bit only from this many rows up: a GEMM over 9 output rows or
+fewer sums in another order on this project's CPUs (16 and more matched at every width and shape tried)."""
+_WORKSPACES: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+
+def _workspace(role: str, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat buffer of ``count`` elements for ``role``, grown as needed and reused by every ``CodesLinear`` call."""
+    buffer = _WORKSPACES.get((role, dtype))
+    if buffer is None or buffer.numel() < count:
+        buffer = _WORKSPACES[role, dtype] = torch.empty(count, dtype=dtype)
+    return buffer[:count]
+
+
+@functools.cache
+def _byte_codes(bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8 / bits]: the codes a packed byte holds (``pack_codes``' order), in ``dtype``."""
+    return unpack_codes(torch.arange(256, dtype=torch.uint8)[:, None], bits, 8 // bits).to(dtype)
+
+
+def unpack_codes(words: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
+    """``pack_codes``' inverse: uint8 [rows, columns] codes."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    return ((words[..., None] >> shifts) & (2**bits - 1)).reshape(*words.shape[:-1], columns)
+
+
 def embedding_rows(embedding: nn.Module, block_rows: int = 4096) -> torch.Tensor:
     """An embedding's table as its lookups return the rows, fp16: the weight itself, or for a rotated (exact2) table,
     whose stored rows ``W'`` are in the pack's rotated basis, each row after its rotation (``S H W'``: the unfolded
     table) computed in fp32 a block of rows at a time and rounded to fp16. What a host feeds a drafter as a token's
     embedding (the anchor, the mask row): the stored row would be another vector."""
-    if not isinstance(embedding, QuantizedEmbedding) or embedding.rotation is None:
+    if isinstance(embedding, CodesLinear):
+        shape, block = embedding.shape, embedding.quantized_weight
+    elif isinstance(embedding, QuantizedEmbedding) and embedding.rotation is not None:
+        shape, block = embedding.weight.shape, embedding.quantized_weight().rows
+    else:
         return embedding.weight.detach()
-    quantized = embedding.quantized_weight()
-    rows = torch.empty(quantized.shape, dtype=torch.float16)
-    for lo in range(0, rows.shape[0], block_rows):
-        hi = min(lo + block_rows, rows.shape[0])
-        rows[lo:hi] = embedding.rotation(quantized.rows(lo, hi).dequantize().float()).to(torch.float16)
+    rows = torch.empty(shape, dtype=torch.float16)
+    for lo in range(0, shape[0], block_rows):
+        hi = min(lo + block_rows, shape[0])
+        dense = block(lo, hi).dequantize()
+        rows[lo:hi] = dense if embedding.rotation is None else embedding.rotation(dense.float()).to(torch.float16)
     return rows
 
 
-def apply_quantized(core: nn.Module, weights: dict[str, QuantizedWeight]) -> None:
+def apply_quantized(core: nn.Module, weights: dict[str, QuantizedWeight], codes_only: bool = False) -> None:
     """Swap each named ``nn.Linear`` (or ``nn.Embedding``) of ``core`` (names as in ``core.named_modules()``) for a
-    ``QuantizedLinear`` (or ``QuantizedEmbedding``).
+    ``QuantizedLinear`` (or ``QuantizedEmbedding``); ``codes_only``: for a ``CodesLinear``, which holds the packed codes
+    alone (a module that is run, never packaged).
 
     A linear module reachable under several names is swapped under all of them by one ``QuantizedLinear``;
     naming two of its aliases with different ``QuantizedWeight`` objects is refused. A linear whose weight is
@@ -162,12 +343,29 @@ def apply_quantized(core: nn.Module, weights: dict[str, QuantizedWeight]) -> Non
                 f"quantized weight {name!r} is {list(quantized.shape)} but the linear's weight is "
                 f"{list(linear.weight.shape)}; quantize the checkpoint tensor this module loads"
             )
-        if isinstance(linear, nn.Embedding):
+        if codes_only:
+            layer = CodesLinear(name, quantized, getattr(linear, "bias", None), isinstance(linear, nn.Embedding))
+        elif isinstance(linear, nn.Embedding):
             layer = QuantizedEmbedding(name, quantized)
         else:
             layer = QuantizedLinear(name, quantized, linear.bias)
         for path in paths:
             core.set_submodule(path, layer)
+
+
+def packaged_from_codes(core: nn.Module) -> None:
+    """Swap every ``CodesLinear`` of ``core`` (a drafter's tables borrowed from a lean target) for the
+    ``QuantizedLinear`` (or ``QuantizedEmbedding``) a package is made from, its dense weight released
+    (``release_dense_weights``): the same codes and tables, the same outputs."""
+    swapped: dict[int, QuantizedLinear] = {}
+    for path, module in list(core.named_modules(remove_duplicate=False)):
+        if isinstance(module, CodesLinear):
+            if id(module) not in swapped:
+                kind = QuantizedEmbedding if module.embedding else QuantizedLinear
+                layer = kind(module.name, module.quantized_weight(), module.bias)
+                release_dense_weights(layer)
+                swapped[id(module)] = layer
+            core.set_submodule(path, swapped[id(module)])
 
 
 def release_dense_weights(module: nn.Module) -> None:

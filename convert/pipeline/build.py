@@ -201,8 +201,8 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
         del tables
         whole = None
         if plan.drafter:
-            with stage("load the whole target for the drafter"):
-                whole = loader.load([Part.whole(plan.args)])[0]
+            with stage("load the whole target for the drafter stage, its quantized weights as packed codes"):
+                whole = loader.load([Part.whole(plan.args)], lean=True)[0]
     return manifest, whole
 
 

@@ -10,6 +10,7 @@ the target's shipped embedding row. The drafter's manifest binds it to that targ
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from convert.errors import GateError, InputError
-from convert.export.quantized import QuantizedLinear, apply_quantized, embedding_rows
+from convert.export.quantized import CodesLinear, QuantizedLinear, apply_quantized, embedding_rows
 from convert.export.spec import FunctionSpec
 from convert.fp16 import like_the_runtime
 from convert.inputs import contract
@@ -99,7 +100,7 @@ def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, t
 def build_modules(plan: DrafterPlan, recipe: Recipe, target: TargetModules, dtype: torch.dtype):
     """Drafter export modules in ``dtype`` holding the target's shipped tables (quantized as the target's)."""
     core = target.core
-    lm_head, embed = core.lm_head.weight.detach(), torch.from_numpy(anchor_table(target))
+    lm_head, embed = _head_weight(core.lm_head), torch.from_numpy(anchor_table(target))
     config, verify = plan.config, recipe.target.graphs.verify
     if plan.kind == "dflash2":
         _, tensors = dflash2.load_checkpoint(plan.snapshot.directory)
@@ -115,7 +116,18 @@ def build_modules(plan: DrafterPlan, recipe: Recipe, target: TargetModules, dtyp
                 if isinstance(getattr(core, name), QuantizedLinear) and hasattr(modules.core, name)}
     if borrowed:
         apply_quantized(modules.core, borrowed)
+    for name in BORROWED:  # a lean target's tables: the same modules (``packaged_from_codes`` before packaging)
+        if isinstance(getattr(core, name), CodesLinear) and hasattr(modules.core, name):
+            setattr(modules.core, name, getattr(core, name))
     return modules
+
+
+def _head_weight(head: torch.nn.Module) -> torch.Tensor:
+    """The target head's weight to build a drafter with: a placeholder of its shape (one zero, expanded) when the head
+    is a ``CodesLinear``, which the drafter then shares (``build_modules``)."""
+    if isinstance(head, CodesLinear):
+        return torch.zeros((), dtype=torch.float16).expand(head.shape)
+    return head.weight.detach()
 
 
 def calibration_hessians(kind: str, target_modules, drafter_modules, prompts: list[list[int]], tokens: int,
@@ -163,8 +175,15 @@ def quantize(modules, quant: DrafterQuantization, hessians: dict[str, torch.Tens
 def anchor_table(target_modules) -> np.ndarray:
     """The target's embedding rows as its lookups return them (fp16, ``export.quantized.embedding_rows``), which the
     host reads anchor rows from: a view of the module's tensor, not a copy (at 27B it is 2.5 GB), unless the table is
-    rotated (an exact pack's), whose stored rows are in the rotated basis."""
-    return embedding_rows(target_modules.core.embed_tokens).numpy()
+    rotated (an exact pack's, whose stored rows are in the rotated basis) or held as codes (a lean target): those
+    rows are computed once per module."""
+    embedding = target_modules.core.embed_tokens
+    if embedding not in _COMPUTED_ROWS:
+        _COMPUTED_ROWS[embedding] = embedding_rows(embedding)
+    return _COMPUTED_ROWS[embedding].numpy()
+
+
+_COMPUTED_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def drivers(kind: str, target_modules, drafter_modules, embeddings: np.ndarray, functions=None):

@@ -101,6 +101,30 @@ def piece_sizes(args, target) -> Sizes:
                  weight_bytes("lm_head") / vocab, align, args.hidden_size, layer_weights)
 
 
+def lean_target_bytes(args, target) -> int:
+    """Host memory of a target as the drafter stage of a parted build holds it (``PartLoader.load(lean=True)``, nothing
+    is read): each quantized matrix as its packed codes and tables (``matrix_bytes``) with a byte a group for its zero
+    points (``CodesLinear`` keeps them unpacked), shared by the fp16 modules and their fp32 compute copy; every other
+    parameter in fp16 and in fp32; and a quantized embedding's anchor rows in fp16 (``embedding_rows``)."""
+    with parameters_on_meta():
+        core = family_of(args).build_core(args, target)
+    quant = target.quantization
+    keep = kept_modules(core, quant) if quant.format else set()
+    total, seen = 0, set()
+    for name, module in core.named_modules():
+        for p in module.parameters(recurse=False):
+            if id(p) in seen:  # a tied table, held once
+                continue
+            seen.add(id(p))
+            if p.dim() == 2 and quant.format and name not in keep:
+                groups = 0 if quant.format == "lut4" else p.shape[0] * (p.shape[1] // quant.resolved_group_size)
+                total += matrix_bytes(quant.format, quant.resolved_group_size, tuple(p.shape)) + groups
+                total += 2 * p.numel() if name == "embed_tokens" else 0
+            else:
+                total += 6 * p.numel()
+    return total
+
+
 def matrix_bytes(method: str | None, group: int, shape: tuple[int, int]) -> int:
     """A 2-D weight's bytes in a package: 4-bit (exact2: 2-bit) codes and zero points, fp16 tables and scales; fp16
     unquantized."""

@@ -28,6 +28,7 @@ from convert.pipeline.partition import (
     BASE_BYTES,
     WHOLE_BYTES_PER_PARAMETER,
     build_memory_bytes,
+    lean_target_bytes,
     memory_line,
     plan_lines,
     plan_parts,
@@ -72,12 +73,24 @@ class Plan:
         return max(build_memory_bytes(self.args, self.recipe.target, self.parts, self.specs), self.drafter_stage_bytes)
 
     @property
+    def drafter_stage_target_bytes(self) -> int:
+        """The target as the drafter stage holds it (calibration, acceptance, the A/B): a whole target's modules in
+        fp16 and an fp32 copy; a parted target's quantized weights as packed codes (``lean_target_bytes``)."""
+        if self.parts[0].is_whole:
+            return 6 * self.parameter_count
+        return lean_target_bytes(self.args, self.recipe.target)
+
+    @property
     def drafter_stage_bytes(self) -> int:
-        """Host memory of the drafter stage (0 without a drafter): it runs the whole target, fp16 and an fp32 copy
-        (calibration, acceptance, the A/B), beside the drafter's own whole build."""
+        """Host memory of the drafter stage (0 without a drafter): the target as it holds it, beside the drafter's
+        own whole build."""
         if not self.drafter:
             return 0
-        return BASE_BYTES + 6 * self.parameter_count + WHOLE_BYTES_PER_PARAMETER * self.drafter.args.parameter_count
+        return BASE_BYTES + self.drafter_stage_target_bytes + self.drafter_own_bytes
+
+    @property
+    def drafter_own_bytes(self) -> int:
+        return WHOLE_BYTES_PER_PARAMETER * self.drafter.args.parameter_count
 
 
 def make_plan(recipe_path: Path, output: str | None = None, cache_root: Path | None = None) -> Plan:
@@ -114,8 +127,8 @@ def _check_host_memory(plan: Plan) -> None:
     if plan.parts[0].is_whole or plan.peak_memory_bytes <= budget:
         return
     if plan.drafter_stage_bytes > budget:
-        raise InputError(f"{plan.recipe_path}: drafter: the drafter stage runs the whole target in memory (fp16 and "
-                         f"an fp32 copy: about {plan.drafter_stage_bytes / 1e9:.0f} GB), over "
+        raise InputError(f"{plan.recipe_path}: drafter: the drafter stage needs about "
+                         f"{plan.drafter_stage_bytes / 1e9:.0f} GB ({_drafter_stage_parts(plan)}), over "
                          f"target.max_host_memory_gb {target.max_host_memory_gb:g}; build the target alone here (a "
                          "recipe without the drafter), or the pair on a machine with that memory and a "
                          "max_host_memory_gb to match")
@@ -124,6 +137,12 @@ def _check_host_memory(plan: Plan) -> None:
                      f"tokens needs about {plan.peak_memory_bytes / 1e9:.1f} GB of host memory (every window's "
                      f"states, the largest piece of the target in fp16 and fp32), over target.max_host_memory_gb "
                      f"{target.max_host_memory_gb:g}; lower samples or length, or raise max_host_memory_gb")
+
+
+def _drafter_stage_parts(plan: Plan) -> str:
+    held = " in fp16 and fp32" if plan.parts[0].is_whole else ", its quantized weights as packed codes"
+    return (f"the target{held}: {plan.drafter_stage_target_bytes / 1e9:.1f} GB; the drafter's own build: "
+            f"{plan.drafter_own_bytes / 1e9:.1f} GB")
 
 
 def describe_plan(plan: Plan) -> list[str]:
@@ -143,8 +162,8 @@ def describe_plan(plan: Plan) -> list[str]:
         f"  states: {plan.state_bytes / mib:.1f} MiB in all",
         *estimate_lines(args, recipe.target),
         memory_line(recipe.target, plan.peak_memory_bytes),
-        *([f"  estimated drafter stage: {plan.drafter_stage_bytes / 1e9:.1f} GB (it runs the whole target in "
-           "fp16 and fp32)"] if plan.drafter else []),
+        *([f"  estimated drafter stage: {plan.drafter_stage_bytes / 1e9:.1f} GB ({_drafter_stage_parts(plan)})"]
+          if plan.drafter else []),
     ]
     if plan.drafter:
         lines += describe_drafter(plan)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from convert.export.quantized import QuantizedLinear
+from convert.export.quantized import CodesLinear, QuantizedLinear
 from convert.export.spec import size_text
 from convert.runtime.host import ModuleFunctions
 
@@ -39,13 +39,19 @@ class Priced:
 
 def priced_tensors(compute, shipped) -> dict[int, Priced]:
     """By storage address of ``compute``'s tensors (a ``compute_copy`` of ``shipped``): weights at their shipped
-    bytes per element (``QuantizedLinear`` packed), states at their package dtype."""
+    bytes per element (``QuantizedLinear`` packed: its dense weight's elements priced at its codes and tables; a
+    ``CodesLinear``'s codes and tables read as they are, zero points at their code bits), states at their package
+    dtype. A bias and a rotation's signs are read, and priced, as themselves."""
     shipped_bytes = {}
     for name, module in shipped.core.named_modules():
+        prefix = f"{name}." if name else ""
         if isinstance(module, QuantizedLinear):
-            bias = 0 if module.bias is None else module.bias.nbytes
-            packed = (module.shipped_nbytes() - bias) / module.weight.numel()
-            shipped_bytes[f"{name}.weight" if name else "weight"] = packed
+            own = [module.bias] if module.bias is not None else []
+            own += list(module.rotation.buffers()) if module.rotation is not None else []
+            packed = (module.shipped_nbytes() - sum(t.nbytes for t in own)) / module.weight.numel()
+            shipped_bytes[f"{prefix}weight"] = packed
+        elif isinstance(module, CodesLinear) and module.zero_point is not None:
+            shipped_bytes[f"{prefix}zero_point"] = module.bits / 8
     for name, tensor in [*shipped.core.named_parameters(), *shipped.core.named_buffers()]:
         shipped_bytes.setdefault(name, tensor.element_size())
     priced = {}
@@ -66,6 +72,7 @@ class _ReadMeter(TorchDispatchMode):
         super().__init__()
         self.priced = priced
         self.masks: dict[int, torch.Tensor] = {}
+        self.whole: dict[int, int] = {}  # storages read whole: their elements (no mask: at 27B masks would be GBs)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -86,21 +93,28 @@ class _ReadMeter(TorchDispatchMode):
         if address not in self.priced:
             return
         elements = tensor.untyped_storage().nbytes() // tensor.element_size()
-        mask = self.masks.setdefault(address, torch.zeros(elements, dtype=torch.bool))
+        if address in self.whole:
+            return
         gather = func in _GATHERS and position == 0
         if not gather and tensor.numel() == elements and tensor.storage_offset() == 0 and 0 not in tensor.stride():
-            mask.fill_(True)  # the whole tensor (a permutation of its elements, e.g. a transposed weight)
+            self.whole[address] = elements  # the whole tensor (a permutation of its elements, e.g. a transposed weight)
+            self.masks.pop(address, None)
             return
+        mask = self.masks.setdefault(address, torch.zeros(elements, dtype=torch.bool))
         ids = torch.arange(elements).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
         if gather:  # the same gather over element ids: exactly the elements it reads
             ids = func(ids, *args[1:])
         mask[ids.reshape(-1)] = True
 
+    def elements_read(self, address: int) -> int:
+        """Elements of the storage at ``address`` the metered calls read (KeyError for one they never touched)."""
+        return self.whole[address] if address in self.whole else int(self.masks[address].sum())
+
     def bytes_read(self) -> dict[str, int]:
         read = {"weights": 0.0, "states": 0.0}
-        for address, mask in self.masks.items():
+        for address in [*self.masks, *self.whole]:
             priced = self.priced[address]
-            read[priced.kind] += int(mask.sum()) * priced.bytes_per_element
+            read[priced.kind] += self.elements_read(address) * priced.bytes_per_element
         return {kind: round(value) for kind, value in read.items()}
 
 

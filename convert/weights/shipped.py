@@ -34,21 +34,26 @@ class PartLoader:
         self.outline = modules_over(skeleton(plan.args, plan.recipe.target, SHIP_DTYPE, SHIP_DTYPE, "cpu"), plan.args,
                                     plan.recipe.target, SHIP_DTYPE)
 
-    def load(self, parts: list[Part], compute: torch.dtype | None = None) -> list[TargetModules]:
+    def load(self, parts: list[Part], compute: torch.dtype | None = None, lean: bool = False) -> list[TargetModules]:
         """The export modules of ``parts`` (one core shared by them), holding only those parts' weights;
-        ``compute``: as ``export.compute_copy`` in that dtype makes them (made in place)."""
+        ``compute``: as ``export.compute_copy`` in that dtype makes them (made in place). ``lean``: each quantized
+        linear a ``CodesLinear`` (its codes packed to their bits, the weight computed at each call), applied a module
+        at a time so that only one module's unpacked codes are held: modules that run (the drafter stage), never
+        packaged."""
         plan = self.plan
         release_free_memory()
         core = skeleton(plan.args, plan.recipe.target, SHIP_DTYPE, SHIP_DTYPE, "cpu")
         streamer = Streamer(core, self.reader, plan.layout, SHIP_DTYPE, SHIP_DTYPE, "cpu")
         prefixes = list(dict.fromkeys(p for part in parts for p in held_modules(part)))
         quantized = {}
-        if self.result is not None:
-            for prefix in prefixes:
-                quantized.update(self.result.unit(prefix))
-        skip = frozenset(f"{name}.weight" for name in quantized)  # never read: the quantized weight replaces it
         for prefix in prefixes:
-            streamer.fill(prefix, skip)
+            unit = self.result.unit(prefix) if self.result is not None else {}
+            streamer.fill(prefix, frozenset(f"{name}.weight" for name in unit))  # the quantized weight replaces it
+            if lean and unit:
+                apply_quantized(core, unit, codes_only=True)
+            else:
+                quantized.update(unit)
+            del unit
         if plan.args.tie_word_embeddings and {"embed_tokens", "lm_head"} <= set(prefixes):
             core.lm_head.weight = core.embed_tokens.weight  # one table, as the whole core holds it
         if quantized:
