@@ -11,6 +11,8 @@ the target's shipped embedding row. The drafter's manifest binds it to that targ
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,42 +132,109 @@ def _head_weight(head: torch.nn.Module) -> torch.Tensor:
     return head.weight.detach()
 
 
+HESSIAN_GROUP_BYTES = 2 << 30
+"""The drafter's Hessians held at once. At the 27B drafters' width its 47 linears' are 12.8 GB in all (five down_proj
+of 17408 features, 1.2 GB each, the fc of 25600, 2.6 GB), so they are taken a group of linears at a time: 6 groups,
+the fc alone."""
+
+
+def own_linears(core: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
+    """The drafter's own linears (the ones it quantizes), in module order."""
+    return [(name, module) for name, module in core.named_modules()
+            if name not in BORROWED and type(module) is torch.nn.Linear]
+
+
+def hessian_groups(core: torch.nn.Module, budget: int | None = None) -> list[list[str]]:
+    """The own linears in consecutive groups whose fp32 Hessians (features squared, 4 bytes each) stay within
+    ``budget`` (default ``HESSIAN_GROUP_BYTES``); a linear over it is a group alone."""
+    budget = HESSIAN_GROUP_BYTES if budget is None else budget
+    groups, held = [[]], 0
+    for name, module in own_linears(core):
+        size = 4 * module.in_features**2
+        if groups[-1] and held + size > budget:
+            groups.append([])
+            held = 0
+        groups[-1].append(name)
+        held += size
+    return [g for g in groups if g]
+
+
 def calibration_hessians(kind: str, target_modules, drafter_modules, prompts: list[list[int]], tokens: int,
-                         embeddings: np.ndarray) -> dict[str, torch.Tensor]:
-    """Input Hessians of the drafter's own linears over speculative decoding of ``prompts``: the drafter sees
-    exactly what it sees deployed (context rows from the target's taps or hidden states, draft blocks, accepted
-    rows). A chunk's padding rows repeat its last row and count again."""
-    accumulators, hooks = {}, []
-    for name, module in drafter_modules.core.named_modules():
-        if name in BORROWED or type(module) is not torch.nn.Linear:
-            continue
-        accumulators[name] = HessianAccumulator(module.in_features)
-        hooks.append(module.register_forward_hook(lambda _m, inputs, _out, acc=accumulators[name]: acc.add(inputs[0])))
-    try:
-        target, drafter = drivers(kind, target_modules, drafter_modules, embeddings)
+                         embeddings: np.ndarray) -> Iterator[dict[str, torch.Tensor]]:
+    """Input Hessians of the drafter's own linears over speculative decoding of ``prompts``, a group of linears at a
+    time (``hessian_groups``): the drafter sees exactly what it sees deployed (context rows from the target's taps or
+    hidden states, draft blocks, accepted rows). A chunk's padding rows repeat its last row and count again.
+
+    The speculative run (the target's calls) happens once, in this call, and takes the first group's Hessians; with
+    more groups its drafter calls are recorded and each later group's are taken by replaying them, from reset
+    states, through the drafter alone: the same calls on the same inputs, so the same Hessians bit for bit as in one
+    pass. Yields {linear name: Hessian} per group; a linear that saw no input is left out."""
+    groups = hessian_groups(drafter_modules.core)
+    recording = Recording(ModuleFunctions(drafter_modules)) if len(groups) > 1 else None
+    with _accumulating(drafter_modules.core, groups[0]) as accumulators:
+        target, drafter = drivers(kind, target_modules, drafter_modules, embeddings,
+                                  None if recording is None else (ModuleFunctions(target_modules), recording))
         for prompt in prompts:
             speculative.speculate(kind, target, drafter, prompt, tokens)
+    first = _hessians(accumulators)
+    if recording is None:
+        return iter([first])  # nothing to replay: the drafter's modules are not held on
+    return _replayed(first, groups[1:], drafter_modules, recording)
+
+
+def _replayed(first: dict, later: list[list[str]], drafter_modules, recording: Recording) -> Iterator[dict]:
+    yield first
+    del first
+    for group in later:
+        with _accumulating(drafter_modules.core, group) as accumulators:
+            for function, inputs, _ in recording.calls:
+                if function == "reset":
+                    drafter_modules.reset()
+                else:
+                    drafter_modules.call(function, **inputs)
+        yield _hessians(accumulators)
+
+
+def _hessians(accumulators: dict[str, HessianAccumulator]) -> dict[str, torch.Tensor]:
+    """The Hessians of ``accumulators`` (emptied as it goes: one sum and one Hessian of a linear held at a time)."""
+    return {name: accumulators.pop(name).hessian() for name in list(accumulators) if accumulators[name].count}
+
+
+@contextmanager
+def _accumulating(core: torch.nn.Module, names: list[str]) -> Iterator[dict[str, HessianAccumulator]]:
+    """Forward hooks feeding each named linear's inputs into its ``HessianAccumulator`` while the block runs."""
+    modules = dict(core.named_modules())
+    accumulators, hooks = {}, []
+    for name in names:
+        accumulators[name] = HessianAccumulator(modules[name].in_features)
+        hooks.append(modules[name].register_forward_hook(
+            lambda _m, inputs, _out, acc=accumulators[name]: acc.add(inputs[0])))
+    try:
+        yield accumulators
     finally:
         for hook in hooks:
             hook.remove()
-    return {name: acc.hessian() for name, acc in accumulators.items() if acc.count}
 
 
-def quantize(modules, quant: DrafterQuantization, hessians: dict[str, torch.Tensor] | None = None) -> dict:
-    """4-bit of the drafter's own linears (round to nearest, or GPTQ under ``hessians``); the borrowed tables
-    stay as the target ships them. Returns the manifest's quantization record."""
+def quantize(modules, quant: DrafterQuantization, hessians: Iterable[dict[str, torch.Tensor]] | None = None) -> dict:
+    """4-bit of the drafter's own linears (round to nearest, or GPTQ under ``hessians``: groups of {name: Hessian},
+    as ``calibration_hessians`` yields them, each dropped once its linears are quantized); the borrowed tables stay
+    as the target ships them. Returns the manifest's quantization record."""
     method, group = quant.format, quant.resolved_group_size
+    linears = dict(own_linears(modules.core))
     weights = {}
-    for name, module in modules.core.named_modules():
-        if name in BORROWED or type(module) is not torch.nn.Linear:
-            continue
-        weight = module.weight.detach().float()
-        if hessians is not None:
-            if name not in hessians:
-                raise InputError(f"drafter.quantization.calibration: linear {name} saw no calibration input")
-            weights[name] = gptq_quantize(weight, hessians[name], method, group, name=name)
-        else:
-            weights[name] = round_to_nearest(method, weight, group)
+    if hessians is None:
+        for name, module in linears.items():
+            weights[name] = round_to_nearest(method, module.weight.detach().float(), group)
+    else:
+        for taken in hessians:
+            for name in list(taken):
+                weights[name] = gptq_quantize(linears[name].weight.detach().float(), taken.pop(name), method, group,
+                                              name=name)
+        missing = [name for name in linears if name not in weights]
+        if missing:
+            raise InputError(f"drafter.quantization.calibration: linear {missing[0]} saw no calibration input")
+        weights = {name: weights[name] for name in linears}  # module order, as the record lists them
     apply_quantized(modules.core, weights)
     own = [p for n, p in modules.core.named_parameters() if not n.startswith(BORROWED)]
     bits_per_weight, layers = summary(weights, own)

@@ -70,7 +70,10 @@ def shipped_drafter(plan, target: TargetModules, target32: TargetModules):
                    f"{spec.tokens} generated ({spec.corpus})"):
             hessians = drafter.calibration_hessians(dplan.kind, target32, compute_copy(modules, torch.float32),
                                                     prompts, spec.tokens, drafter.anchor_table(target))
-    with stage(f"quantize drafter {quant.method} (groups of {quant.resolved_group_size})"):
+    replays = "" if hessians is None else (
+        f"; Hessians of {len(drafter.hessian_groups(modules.core))} groups of linears, all but the first by replaying "
+        "the calibration's drafter calls")
+    with stage(f"quantize drafter {quant.method} (groups of {quant.resolved_group_size}{replays})"):
         record = drafter.quantize(modules, quant, hessians)
     return modules, fp16, {**record, "calibration": calibration}
 

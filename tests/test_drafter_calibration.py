@@ -1,0 +1,58 @@
+"""A drafter's GPTQ calibration a group of linears at a time (convert/pipeline/drafter.py): the later groups' Hessians
+come from replaying the recorded drafter calls, and equal one pass's bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from convert.export.functions import compute_copy
+from convert.pipeline import drafter, drafter_build
+from convert.pipeline.build import shipped_modules
+from convert.pipeline.plan import make_plan
+
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny_qwen3_5_dflash2.yaml"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """The hybrid fixture target (fp32 compute copy), its trained DFlash2 drafter's fp16 modules and two short
+    calibration prompts."""
+    work = tmp_path_factory.mktemp("pair")
+    recipe = work / "pair.yaml"
+    recipe.write_text(RECIPE.read_text().replace("path:../fixtures", f"path:{RECIPE.parent.parent / 'fixtures'}"))
+    plan = make_plan(recipe, str(work / "out"))
+    target, _ = shipped_modules(plan)
+    modules = drafter.build_modules(plan.drafter, plan.recipe, target, torch.float16)
+    prompts, _ = drafter_build.text_prompts(plan, plan.drafter.config.quantization.calibration, "calibration")
+    return compute_copy(target, torch.float32), modules, [p[:24] for p in prompts[:2]], drafter.anchor_table(target)
+
+
+def _hessians(pair, monkeypatch, budget: int) -> list[dict[str, torch.Tensor]]:
+    target32, modules, prompts, anchors = pair
+    monkeypatch.setattr(drafter, "HESSIAN_GROUP_BYTES", budget)
+    return list(drafter.calibration_hessians("dflash2", target32, compute_copy(modules, torch.float32), prompts, 12,
+                                             anchors))
+
+
+def test_hessians_taken_a_linear_at_a_time_by_replay_equal_one_pass_bit_for_bit(pair, monkeypatch):
+    linears = [name for name, _ in drafter.own_linears(pair[1].core)]
+    one_pass = _hessians(pair, monkeypatch, 1 << 40)
+    replayed = _hessians(pair, monkeypatch, 1)  # every linear a group of its own: all but the first replayed
+    assert len(one_pass) == 1 and len(replayed) == len(linears) > 10
+    merged = {name: h for group in replayed for name, h in group.items()}
+    assert list(merged) == list(one_pass[0]) == linears
+    assert all(torch.equal(merged[name], one_pass[0][name]) for name in linears)
+
+
+def test_hessian_groups_stay_within_the_budget_and_a_larger_linear_is_alone(pair):
+    core = pair[1].core
+    sizes = {name: 4 * module.in_features**2 for name, module in drafter.own_linears(core)}
+    budget = 2 * max(sizes.values()) - 1  # two of the largest do not fit together
+    groups = drafter.hessian_groups(core, budget)
+    assert [name for group in groups for name in group] == list(sizes)
+    assert all(sum(sizes[n] for n in group) <= budget for group in groups)
+    assert drafter.hessian_groups(core, 1) == [[name] for name in sizes]
+    assert len(drafter.hessian_groups(core)) == 1  # the fixture's Hessians fit the default budget at once
