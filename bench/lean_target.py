@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
 
 import torch
@@ -130,17 +129,10 @@ def main() -> None:
         "estimated_call_s_at_64_layers": {str(w): round(s, 1) for w, s in call_64.items()},
         "phases": sampler.phases, "base_gib": round(sampler.base / 2**30, 2),
     }
-    for phase in sampler.phases:
-        print(f"  {phase['seconds']:7.1f} s  peak {phase['peak_gib']:6.2f} GiB  end {phase['end_gib']:6.2f} GiB  "
-              f"{phase['phase']}")
-    print(f"{weights / 1e9:.2f}G weights held as codes: {record['held_bytes_per_weight']} bytes a weight "
-          f"({record['held_gib']} GiB); compute copy shares them: {shared}; a target call at 64 layers: about "
-          f"{call_64[1]:.0f} s at width 1, {call_64[8]:.0f} s at width 8 ({torch.get_num_threads()} threads)")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(record, f, indent=2)
-            f.write("\n")
-
+    sampler.report(f"{weights / 1e9:.2f}G weights held as codes: {record['held_bytes_per_weight']} bytes a weight "
+                   f"({record['held_gib']} GiB); compute copy shares them: {shared}; a target call at 64 layers: about "
+                   f"{call_64[1]:.0f} s at width 1, {call_64[8]:.0f} s at width 8 ({torch.get_num_threads()} threads)",
+                   record, a.json)
 
 if __name__ == "__main__":
     main()

@@ -73,6 +73,17 @@ class Sampler:
                                 "start_gib": round(start / 2**30, 2), "peak_gib": round(self.peak / 2**30, 2),
                                 "end_gib": round(self._rss() / 2**30, 2)})
 
+    def report(self, summary: str, record: dict, path: str | None) -> None:
+        """Print each phase and ``summary``; write ``record`` as JSON to ``path`` when given."""
+        for phase in self.phases:
+            print(f"  {phase['seconds']:7.1f} s  peak {phase['peak_gib']:6.2f} GiB  end {phase['end_gib']:6.2f} GiB  "
+                  f"{phase['phase']}")
+        print(summary)
+        if path:
+            with open(path, "w") as f:
+                json.dump(record, f, indent=2)
+                f.write("\n")
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()

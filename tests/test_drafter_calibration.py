@@ -1,17 +1,21 @@
-"""A drafter's GPTQ calibration a group of linears at a time (convert/pipeline/drafter.py): the later groups' Hessians
-come from replaying the recorded drafter calls, and equal one pass's bit for bit."""
+"""The drafter stage's memory (convert/pipeline/drafter.py, drafter_build.py): GPTQ calibration a group of linears at a
+time, the later groups' Hessians from replaying the recorded drafter calls, equal to one pass's bit for bit; and fp32
+compute copies that share the fp16 weights (``compute_copy(share_weights=True)``), with the plain copies' outputs."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from convert.export.functions import compute_copy
+from convert.export.quantized import HalfLinear
 from convert.pipeline import drafter, drafter_build
 from convert.pipeline.build import shipped_modules
 from convert.pipeline.plan import make_plan
+from convert.runtime import speculative
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny_qwen3_5_dflash2.yaml"
 
@@ -56,3 +60,28 @@ def test_hessian_groups_stay_within_the_budget_and_a_larger_linear_is_alone(pair
     assert all(sum(sizes[n] for n in group) <= budget for group in groups)
     assert drafter.hessian_groups(core, 1) == [[name] for name in sizes]
     assert len(drafter.hessian_groups(core)) == 1  # the fixture's Hessians fit the default budget at once
+
+
+def _recorded_run(pair, modules) -> list:
+    target32, _, prompts, anchors = pair
+    target, driver = drafter.drivers("dflash2", target32, modules, anchors)
+    driver.functions = drafter.Recording(driver.functions)
+    speculative.speculate("dflash2", target, driver, prompts[0], 12)
+    return driver.functions.calls
+
+
+def test_a_weight_sharing_compute_copy_holds_no_second_weight_and_computes_the_copys_outputs(pair):
+    modules = pair[1]
+    shared = compute_copy(modules, torch.float32, share_weights=True)
+    originals = dict(drafter.own_linears(modules.core))
+    linears = drafter.own_linears(shared.core)
+    assert [name for name, _ in linears] == list(originals) and all(
+        isinstance(m, HalfLinear) and m.weight.dtype == torch.float16
+        and m.weight.data_ptr() == originals[name].weight.data_ptr() for name, m in linears)
+    assert all(p.dtype == torch.float16 for p in modules.core.parameters())  # the original stays as shipped
+    plain, sharing = _recorded_run(pair, compute_copy(modules, torch.float32)), _recorded_run(pair, shared)
+    assert len(plain) == len(sharing) >= 10
+    for (function, inputs, out), (function2, inputs2, out2) in zip(plain, sharing, strict=True):
+        assert function == function2 and inputs.keys() == inputs2.keys() and out.keys() == out2.keys()
+        assert all(np.array_equal(inputs[k], inputs2[k]) for k in inputs)
+        assert all(np.array_equal(out[k], out2[k]) for k in out), function

@@ -16,6 +16,7 @@ fp16 table per group, which both could also store, measured 2.50 and 2.51).
 
 from __future__ import annotations
 
+import copy
 import shutil
 from dataclasses import replace
 from types import SimpleNamespace
@@ -30,7 +31,7 @@ from convert.backends import coreai, coreml
 from convert.errors import PackageError
 from convert.export import quantized as compress
 from convert.export.functions import FunctionModule
-from convert.export.quantized import CodesLinear, QuantizedEmbedding, QuantizedLinear, apply_quantized
+from convert.export.quantized import CodesLinear, HalfLinear, QuantizedEmbedding, QuantizedLinear, apply_quantized
 from convert.export.spec import FunctionSpec, TensorSpec
 from convert.verify import checks
 from quant.types import QuantizedWeight, Rotation
@@ -310,3 +311,19 @@ def test_a_codes_linear_computes_a_quantized_linears_outputs_bit_for_bit(method,
         assert torch.equal(as_bits(lean(x)), as_bits(dense(x))), width
     assert torch.equal(as_bits(lean.dense_rows(8, 12, torch.float16)), as_bits(quantized.dequantize()[8:12]))
     assert lean.words.numel() == rows * columns * (2 if method == "exact2" else 4) // 8  # the codes, bit-packed
+
+
+def test_a_half_linear_computes_the_fp32_linears_outputs_bit_for_bit():
+    # the fp16 weight shared, upcast a block of rows at a time (5 blocks at this width) into a reused workspace
+    rows, columns = 1024, 5120
+    generator = torch.Generator().manual_seed(12)
+    weight = (torch.randn(rows, columns, generator=generator) * 0.02).half()
+    bias = nn.Parameter(torch.linspace(-1, 1, rows), requires_grad=False)
+    lean = HalfLinear(weight, bias)
+    dense = nn.Linear(columns, rows)
+    dense.weight.data, dense.bias.data = weight.float(), bias.data
+    assert len(compress.row_blocks(rows, columns)) == 5
+    for width in (1, 8, 64):
+        x = torch.randn(1, width, columns, generator=generator)
+        assert torch.equal(lean(x), dense(x)), width
+    assert lean.weight.data_ptr() == weight.data_ptr() and copy.deepcopy(lean).weight is lean.weight

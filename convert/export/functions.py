@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from convert.export.quantized import half_linears
 from convert.export.spec import FunctionSpec, TensorSpec
 
 
@@ -68,12 +69,19 @@ class ExportModules:
             state.zero_()
 
 
-def compute_copy(modules, dtype: torch.dtype, in_place: bool = False):
+def compute_copy(modules, dtype: torch.dtype, in_place: bool = False, share_weights: bool = False):
     """A copy of target or drafter modules (a ``core`` and ``functions`` of (FunctionModule, spec)) computing in
     ``dtype``: the weights as shipped, upcast exactly, fresh shared states, float specs retyped (so inputs are cast
     to ``dtype`` too). The gates and the acceptance runs compute in fp32 this way: fp16 torch on CPU is 3-7x slower.
-    ``in_place``: ``modules`` themselves become that copy (a streamed stage's piece: no second copy in memory)."""
-    new = modules if in_place else copy.deepcopy(modules)
+    ``in_place``: ``modules`` themselves become that copy (a streamed stage's piece: no second copy in memory).
+    ``share_weights``: the copy's linears hold the original's weights, upcast a block at a time at each call
+    (``export.quantized.HalfLinear``): the same outputs, no second copy of the linears' weights."""
+    if in_place:
+        new = modules
+    elif share_weights:
+        new = copy.deepcopy(modules, half_linears(modules.core))
+    else:
+        new = copy.deepcopy(modules)
     new.core.to(dtype)
     name = {torch.float32: "float32", torch.float16: "float16"}[dtype]
     specs = {}

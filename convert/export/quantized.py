@@ -211,15 +211,8 @@ class CodesLinear(nn.Module):
         return dense.view(hi - lo, self.shape[1])
 
     def row_blocks(self) -> list[tuple[int, int]]:
-        """Row ranges of about ``ROW_BLOCK_WEIGHTS`` weights (whole lut4 tables), none under ``MIN_BLOCK_ROWS`` rows
-        (a short tail joins the block before it): one block's dense copy at a time."""
-        step = max(MIN_BLOCK_ROWS, ROW_BLOCK_WEIGHTS // self.shape[1])
-        if self.method == "lut4":
-            step = self.group_size * -(-step // self.group_size)
-        starts = list(range(0, self.shape[0], step))
-        if len(starts) > 1 and self.shape[0] - starts[-1] < MIN_BLOCK_ROWS:
-            starts.pop()
-        return list(zip(starts, [*starts[1:], self.shape[0]], strict=True))
+        """``row_blocks`` of this weight (whole lut4 tables)."""
+        return row_blocks(*self.shape, self.group_size if self.method == "lut4" else 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embedding:
@@ -281,6 +274,75 @@ def _workspace(role: str, count: int, dtype: torch.dtype) -> torch.Tensor:
     if buffer is None or buffer.numel() < count:
         buffer = _WORKSPACES[role, dtype] = torch.empty(count, dtype=dtype)
     return buffer[:count]
+
+
+def row_blocks(rows: int, columns: int, multiple: int = 1) -> list[tuple[int, int]]:
+    """Row ranges of about ``ROW_BLOCK_WEIGHTS`` weights (a multiple of ``multiple`` rows), none under
+    ``MIN_BLOCK_ROWS`` rows (a short tail joins the block before it): one block's dense copy at a time."""
+    step = max(MIN_BLOCK_ROWS, ROW_BLOCK_WEIGHTS // columns)
+    step = multiple * -(-step // multiple)
+    starts = list(range(0, rows, step))
+    if len(starts) > 1 and rows - starts[-1] < MIN_BLOCK_ROWS:
+        starts.pop()
+    return list(zip(starts, [*starts[1:], rows], strict=True))
+
+
+class HalfLinear(nn.Module):
+    """A linear whose fp16 weight is shared with the module it was made from (``half_linears``) and that
+    computes in its input's dtype: the fp32 copies of a drafter (calibration, acceptance, the A/B) hold no second
+    copy of its weights (at 27B the drafter's are 3.85 GB in fp16, 7.7 in fp32, and the stage held three fp32 copies).
+    In fp32 each block of rows (``row_blocks``) is upcast into a reused workspace, so the outputs are those of the
+    fp32 weight bit for bit (tests/test_exact2.py checks the blocks at the 27B width)."""
+
+    def __init__(self, weight: torch.Tensor, bias: nn.Parameter | None, rotation: nn.Module | None = None):
+        super().__init__()
+        self.register_buffer("weight", weight.detach())
+        self.bias, self.rotation = bias, rotation
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def __deepcopy__(self, memo):
+        memo[id(self.weight)] = self.weight  # shared by every copy: it never changes
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        clone.__dict__ = copy.deepcopy(self.__dict__, memo)
+        return clone
+
+    def _apply(self, fn, recurse=True):
+        weight = self._buffers.pop("weight")
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers["weight"] = weight
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rotation is not None:
+            x = self.rotation(x)
+        if x.dtype == self.weight.dtype:
+            return nn.functional.linear(x, self.weight, self.bias)
+        blocks = []
+        for lo, hi in row_blocks(*self.weight.shape):
+            dense = _workspace("dense", (hi - lo) * self.weight.shape[1], x.dtype).view(hi - lo, -1)
+            dense.copy_(self.weight[lo:hi])
+            blocks.append(nn.functional.linear(x, dense, None if self.bias is None else self.bias[lo:hi]))
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, -1)
+
+
+def half_linears(core: nn.Module) -> dict[int, HalfLinear]:
+    """A ``HalfLinear`` over each ``nn.Linear`` and dense ``QuantizedLinear`` of ``core`` (its weight shared, its bias
+    and rotation copied), by the id of the module it stands for: the ``copy.deepcopy`` memo of a copy that holds no
+    second copy of them (``export.functions.compute_copy(share_weights=True)``). A linear whose weight is tied to
+    another module (a tied lm_head's embedding table) is left to be copied with it."""
+    tied = {id(p) for m in core.modules() if not _dense_linear(m) for p in m.parameters(recurse=False)}
+    return {id(m): HalfLinear(m.weight, copy.deepcopy(m.bias), copy.deepcopy(getattr(m, "rotation", None)))
+            for m in core.modules() if _dense_linear(m) and id(m.weight) not in tied}
+
+
+def _dense_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear or (type(module) is QuantizedLinear and not module.released)
 
 
 @functools.cache

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from convert.errors import GateError, InputError
-from convert.export.quantized import CodesLinear, QuantizedLinear, apply_quantized, embedding_rows
+from convert.export.quantized import CodesLinear, HalfLinear, QuantizedLinear, apply_quantized, embedding_rows
 from convert.export.spec import FunctionSpec
 from convert.fp16 import like_the_runtime
 from convert.inputs import contract
@@ -139,9 +139,10 @@ the fc alone."""
 
 
 def own_linears(core: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
-    """The drafter's own linears (the ones it quantizes), in module order."""
+    """The drafter's own linears (the ones it quantizes; in a weight-sharing compute copy, ``HalfLinear``s), in module
+    order."""
     return [(name, module) for name, module in core.named_modules()
-            if name not in BORROWED and type(module) is torch.nn.Linear]
+            if name not in BORROWED and type(module) in (torch.nn.Linear, HalfLinear)]
 
 
 def hessian_groups(core: torch.nn.Module, budget: int | None = None) -> list[list[str]]:

@@ -61,15 +61,16 @@ def shipped_drafter(plan, target: TargetModules, target32: TargetModules):
         modules = drafter.build_modules(dplan, plan.recipe, target, torch.float16)
     if quant.method == "none":
         return modules, None, None
-    fp16 = compute_copy(modules, torch.float16)
+    fp16 = compute_copy(modules, torch.float16, share_weights=True)  # the weights quantize() swaps out: no copy
     hessians, calibration = None, None
     if quant.uses_gptq:
         spec = quant.calibration
         prompts, calibration = text_prompts(plan, spec, "drafter.quantization.calibration.corpus")
         with stage(f"calibrate drafter: speculative decoding of {len(prompts)} x {spec.length} tokens + "
                    f"{spec.tokens} generated ({spec.corpus})"):
-            hessians = drafter.calibration_hessians(dplan.kind, target32, compute_copy(modules, torch.float32),
-                                                    prompts, spec.tokens, drafter.anchor_table(target))
+            hessians = drafter.calibration_hessians(
+                dplan.kind, target32, compute_copy(modules, torch.float32, share_weights=True), prompts, spec.tokens,
+                drafter.anchor_table(target))
     replays = "" if hessians is None else (
         f"; Hessians of {len(drafter.hessian_groups(modules.core))} groups of linears, all but the first by replaying "
         "the calibration's drafter calls")
@@ -88,7 +89,7 @@ def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_
     shipped). Bytes are a property of the graphs and are metered on the torch modules."""
     dplan, spec = plan.drafter, plan.drafter.config.accept
     embeddings = drafter.anchor_table(target)
-    drafter32 = compute_copy(modules, torch.float32)
+    drafter32 = compute_copy(modules, torch.float32, share_weights=True)
 
     def with_drafter(drafter_functions):
         return None if functions is None else (functions[0], drafter_functions)
@@ -108,7 +109,7 @@ def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_
     acceptance = {**stats, "economics": economics, "ngram": ngram}
     if fp16_modules is None:
         return acceptance, None
-    base32 = compute_copy(fp16_modules, torch.float32)
+    base32 = compute_copy(fp16_modules, torch.float32, share_weights=True)
     with stage("A/B: the fp16 drafter on the same prompts"):
         base_stats, base_runs = drafter.accept(dplan.kind, target32, base32, prompts, tokens, embeddings,
                                                references, with_drafter(ModuleFunctions(base32)))

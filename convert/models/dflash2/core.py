@@ -195,9 +195,15 @@ class DFlash2Core(DFlash2Weights):
             self.lm_head.weight.copy_(lm_head_weight.to(self.lm_head.weight.dtype))
             self.mask_embedding.copy_((mask_embedding.float() * mask_scale).to(self.mask_embedding.dtype))
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the core computes in: its norms' (a weight-sharing compute copy's linears keep fp16 weights,
+        ``export.functions.compute_copy``)."""
+        return self.norm.weight.dtype
+
     def context(self, taps, position_ids, ring_keys, ring_values, ring_laps):
         """Write the K/V of S context rows (``taps`` [1,S,T*H] at ``position_ids`` [1,S]) into the ring."""
-        dtype = self.fc.weight.dtype
+        dtype = self.compute_dtype
         positions = position_ids[0]
         laps = torch.div(positions, self.ring_rows, rounding_mode="floor") + 1  # int32 [S]
         slots = positions - (laps - 1) * self.ring_rows  # position mod R (coreai-torch has no aten.remainder)
@@ -217,7 +223,7 @@ class DFlash2Core(DFlash2Weights):
 
     def draft(self, anchor_embedding, anchor_id, position_ids, ring_keys, ring_values, ring_laps):
         """Draft ``draft_width - 1`` ids after the anchor at p0 = ``position_ids[0, 0]`` (positions p0..p0+S-1)."""
-        args, dtype = self.args, self.fc.weight.dtype
+        args, dtype = self.args, self.compute_dtype
         positions = position_ids[0]
         index = positions.long()
         cos, sin = self.rope_cos[index].to(dtype), self.rope_sin[index].to(dtype)

@@ -37,6 +37,12 @@ class MTPHead(nn.Module):
         if args.zero_centred_norm:
             zero_centre_norms(self.layers)
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the core computes in: its norms' (a weight-sharing compute copy's linears keep fp16 weights,
+        ``export.functions.compute_copy``)."""
+        return self.norm.weight.dtype
+
     def load_weights(self, head: HeadWeights, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
         own = dict(self.named_parameters(remove_duplicate=False))
         with torch.no_grad():
@@ -79,7 +85,7 @@ class MTPCore(MTPHead):
 
     def decoder(self, x, position_ids, key_cache, value_cache):
         """The head's decoder layers over rows x [S, H] at ``position_ids`` [1, S] int32, writing their cache rows."""
-        dtype = self.fc.weight.dtype
+        dtype = self.compute_dtype
         positions = position_ids[0].long()
         cos, sin = self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
         rows = self.cache_rows[None, :]

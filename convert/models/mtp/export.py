@@ -53,7 +53,7 @@ class MTPModules(ExportModules):
     def call(self, name: str, input_ids, hidden, position_ids) -> dict[str, torch.Tensor]:
         """Run function ``name`` in torch on the shared states; returns every core output, logits included."""
         module, spec = self.functions[name]
-        dtype = self.core.fc.weight.dtype
+        dtype = self.core.compute_dtype
         ids = torch.as_tensor(input_ids, dtype=torch.int32).reshape(1, -1)
         hid = torch.as_tensor(hidden).to(dtype).reshape(1, -1, self.core.args.hidden_size)
         pos = torch.as_tensor(position_ids, dtype=torch.int32).reshape(1, -1)
