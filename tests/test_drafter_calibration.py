@@ -4,6 +4,7 @@ compute copies that share the fp16 weights (``compute_copy(share_weights=True)``
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from convert.export.functions import compute_copy
-from convert.export.quantized import HalfLinear
+from convert.export.quantized import CodesLinear, HalfLinear, packaged_from_codes, quantized_weights
+from convert.inputs.recipe import DrafterQuantization
 from convert.pipeline import drafter, drafter_build
 from convert.pipeline.build import shipped_modules
 from convert.pipeline.plan import make_plan
@@ -85,3 +87,48 @@ def test_a_weight_sharing_compute_copy_holds_no_second_weight_and_computes_the_c
         assert function == function2 and inputs.keys() == inputs2.keys() and out.keys() == out2.keys()
         assert all(np.array_equal(inputs[k], inputs2[k]) for k in inputs)
         assert all(np.array_equal(out[k], out2[k]) for k in out), function
+
+
+def test_a_quantized_drafter_runs_from_its_codes_as_its_packaged_layers_do(pair):
+    target32, modules, _, _ = pair
+    lean = copy.deepcopy(modules)
+    record = drafter.quantize(lean, DrafterQuantization(method="lut4"))
+    own = [name for name, _ in drafter.own_linears(modules.core)]
+    codes = {name: m for name, m in lean.core.named_modules() if isinstance(m, CodesLinear)}
+    assert list(codes) == own and 4.0 < record["bits_per_weight"] < 16.0
+    assert sum(m.words.nbytes for m in codes.values()) * 2 == sum(m.shape[0] * m.shape[1] for m in codes.values())
+    packaged = copy.deepcopy(lean)
+    packaged_from_codes(packaged.core)  # released QuantizedLinears: the weight computed from what the package holds
+    assert set(quantized_weights(packaged.core)) == set(own)
+    from_codes = _recorded_run(pair, compute_copy(lean, torch.float32, share_weights=True))
+    from_package = _recorded_run(pair, compute_copy(packaged, torch.float32))
+    assert len(from_codes) == len(from_package) >= 10
+    for (function, _, out), (_, _, out2) in zip(from_codes, from_package, strict=True):
+        assert all(np.array_equal(out[k], out2[k]) for k in out), function
+
+
+def test_a_lean_tables_anchor_rows_are_computed_when_read_and_a_plain_table_is_not_copied():
+    from types import SimpleNamespace
+
+    from convert.export.quantized import embedding_rows
+    from quant.types import QuantizedWeight, Rotation
+
+    generator = torch.Generator().manual_seed(3)
+    rows, columns = 1000, 256
+    quantized = QuantizedWeight(
+        "exact2", torch.randint(0, 3, (rows, columns), dtype=torch.uint8, generator=generator), 128,
+        scale=(torch.rand(rows, 2, generator=generator) * 0.02).half(),
+        zero_point=torch.ones(rows, 2, dtype=torch.uint8),
+        rotation=Rotation(torch.where(torch.rand(columns, generator=generator) < 0.5, -1.0, 1.0), 128))
+    lean = CodesLinear("embed_tokens", quantized, embedding=True)
+    table = drafter.anchor_table(SimpleNamespace(core=SimpleNamespace(embed_tokens=lean)))
+    assert isinstance(table, drafter.AnchorRows) and table.shape == (rows, columns)
+    whole = np.asarray(table)
+    assert whole.dtype == np.float16 and np.array_equal(whole, embedding_rows(lean).numpy())
+    assert all(np.array_equal(table[i], whole[i]) for i in (0, 1, 517, rows - 1))
+    assert not np.array_equal(whole[5], quantized.dequantize()[5].numpy())  # the rows after their rotation
+    with pytest.raises(IndexError, match="token id 1000 is outside the embedding's 1000 rows"):
+        table[rows]
+    plain = torch.nn.Embedding(rows, columns).half()
+    view = drafter.anchor_table(SimpleNamespace(core=SimpleNamespace(embed_tokens=plain)))
+    assert isinstance(view, np.ndarray) and np.shares_memory(view, plain.weight.detach().numpy())

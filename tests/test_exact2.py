@@ -31,6 +31,7 @@ from convert.backends import coreai, coreml
 from convert.errors import PackageError
 from convert.export import quantized as compress
 from convert.export.functions import FunctionModule
+from convert.export.hadamard import SignedHadamard
 from convert.export.quantized import CodesLinear, HalfLinear, QuantizedEmbedding, QuantizedLinear, apply_quantized
 from convert.export.spec import FunctionSpec, TensorSpec
 from convert.verify import checks
@@ -327,3 +328,15 @@ def test_a_half_linear_computes_the_fp32_linears_outputs_bit_for_bit():
         x = torch.randn(1, width, columns, generator=generator)
         assert torch.equal(lean(x), dense(x)), width
     assert lean.weight.data_ptr() == weight.data_ptr() and copy.deepcopy(lean).weight is lean.weight
+
+
+def test_a_codes_tables_rows_are_the_quantized_tables_rows_after_their_rotation():
+    # embedding_rows: each row S H W' computed in fp32 and rounded once, from the codes or from the dense table
+    quantized = replace(seeded_exact2((4096, HIDDEN), 13), rotation=Rotation(
+        torch.where(torch.rand(HIDDEN, generator=torch.Generator().manual_seed(14)) < 0.5, -1.0, 1.0), 128))
+    from_codes = compress.embedding_rows(CodesLinear("embed", quantized, embedding=True))
+    from_table = compress.embedding_rows(QuantizedEmbedding("embed", quantized))
+    assert torch.equal(as_bits(from_codes), as_bits(from_table))
+    stored = quantized.dequantize()
+    rotated = SignedHadamard(quantized.rotation.signs, 128, inverse=True)(stored[:3].float()).half()
+    assert torch.equal(as_bits(from_codes[:3]), as_bits(rotated)) and not torch.equal(from_codes[:3], stored[:3])

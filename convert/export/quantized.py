@@ -357,22 +357,29 @@ def unpack_codes(words: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
     return ((words[..., None] >> shifts) & (2**bits - 1)).reshape(*words.shape[:-1], columns)
 
 
-def embedding_rows(embedding: nn.Module, block_rows: int = 4096) -> torch.Tensor:
-    """An embedding's table as its lookups return the rows, fp16: the weight itself, or for a rotated (exact2) table,
-    whose stored rows ``W'`` are in the pack's rotated basis, each row after its rotation (``S H W'``: the unfolded
-    table) computed in fp32 a block of rows at a time and rounded to fp16. What a host feeds a drafter as a token's
-    embedding (the anchor, the mask row): the stored row would be another vector."""
+def embedding_rows(embedding: nn.Module, lo: int = 0, hi: int | None = None, block_rows: int = 4096) -> torch.Tensor:
+    """Rows ``lo .. hi-1`` (all by default) of an embedding's table as its lookups return them, fp16: the weight
+    itself, or for a rotated (exact2) table, whose stored rows ``W'`` are in the pack's rotated basis, each row after
+    its rotation (``S H W'``: the unfolded table) computed in fp32 a block of rows at a time and rounded to fp16 (each
+    row's value is the same whichever block it is computed in). What a host feeds a drafter as a token's embedding
+    (the anchor, the mask row): the stored row would be another vector."""
+    hi = (embedding.shape if isinstance(embedding, CodesLinear) else embedding.weight.shape)[0] if hi is None else hi
     if isinstance(embedding, CodesLinear):
-        shape, block = embedding.shape, embedding.quantized_weight
+        columns = embedding.shape[1]
+        blocks = row_blocks(hi - lo, columns)
+        dense = functools.partial(embedding.dense_rows, dtype=torch.float32)
     elif isinstance(embedding, QuantizedEmbedding) and embedding.rotation is not None:
-        shape, block = embedding.weight.shape, embedding.quantized_weight().rows
+        columns, shipped = embedding.weight.shape[1], embedding.quantized_weight()
+        blocks = [(a, min(a + block_rows, hi - lo)) for a in range(0, hi - lo, block_rows)]
+
+        def dense(a: int, b: int) -> torch.Tensor:
+            return shipped.rows(a, b).dequantize().float()
     else:
-        return embedding.weight.detach()
-    rows = torch.empty(shape, dtype=torch.float16)
-    for lo in range(0, shape[0], block_rows):
-        hi = min(lo + block_rows, shape[0])
-        dense = block(lo, hi).dequantize()
-        rows[lo:hi] = dense if embedding.rotation is None else embedding.rotation(dense.float()).to(torch.float16)
+        return embedding.weight.detach()[lo:hi]
+    rows = torch.empty(hi - lo, columns, dtype=torch.float16)
+    for a, b in blocks:
+        block = dense(lo + a, lo + b)
+        rows[a:b] = block if embedding.rotation is None else embedding.rotation(block).to(torch.float16)
     return rows
 
 

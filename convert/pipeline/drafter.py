@@ -10,7 +10,6 @@ the target's shipped embedding row. The drafter's manifest binds it to that targ
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -102,17 +101,18 @@ def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, t
 def build_modules(plan: DrafterPlan, recipe: Recipe, target: TargetModules, dtype: torch.dtype):
     """Drafter export modules in ``dtype`` holding the target's shipped tables (quantized as the target's)."""
     core = target.core
-    lm_head, embed = _head_weight(core.lm_head), torch.from_numpy(anchor_table(target))
+    lm_head, table = _head_weight(core.lm_head), anchor_table(target)
     config, verify = plan.config, recipe.target.graphs.verify
     if plan.kind == "dflash2":
         _, tensors = dflash2.load_checkpoint(plan.snapshot.directory)
         modules = dflash2.build_modules(
-            plan.args, tensors, lm_head, embed[plan.args.mask_token_id], dtype, max_positions=recipe.target.context,
+            plan.args, tensors, lm_head, torch.from_numpy(table[plan.args.mask_token_id]), dtype,
+            max_positions=recipe.target.context,
             ring_rows=config.ring, update_width=config.context_update, append_width=config.context_append,
             mask_scale=config.mask_scale, draft_width=verify)
     else:
         head = mtp.load_head(plan.snapshot.directory, plan.args)
-        tables = {"model.embed_tokens.weight": embed, "lm_head.weight": lm_head}
+        tables = {"model.embed_tokens.weight": torch.from_numpy(np.asarray(table)), "lm_head.weight": lm_head}
         modules = mtp.build_modules(plan.args, head, tables, recipe.target.context, verify - 1, dtype)
     borrowed = {name: getattr(core, name).quantized_weight() for name in BORROWED
                 if isinstance(getattr(core, name), QuantizedLinear) and hasattr(modules.core, name)}
@@ -220,7 +220,10 @@ def _accumulating(core: torch.nn.Module, names: list[str]) -> Iterator[dict[str,
 def quantize(modules, quant: DrafterQuantization, hessians: Iterable[dict[str, torch.Tensor]] | None = None) -> dict:
     """4-bit of the drafter's own linears (round to nearest, or GPTQ under ``hessians``: groups of {name: Hessian},
     as ``calibration_hessians`` yields them, each dropped once its linears are quantized); the borrowed tables stay
-    as the target ships them. Returns the manifest's quantization record."""
+    as the target ships them. The linears become ``CodesLinear``s (their codes packed, the weight computed at each
+    call: at the 27B drafters' size 0.5 bytes a weight where a dense copy beside the codes held 3), until
+    ``export.quantized.packaged_from_codes`` makes them the layers a package is made from. Returns the manifest's
+    quantization record."""
     method, group = quant.format, quant.resolved_group_size
     linears = dict(own_linears(modules.core))
     weights = {}
@@ -236,24 +239,40 @@ def quantize(modules, quant: DrafterQuantization, hessians: Iterable[dict[str, t
         if missing:
             raise InputError(f"drafter.quantization.calibration: linear {missing[0]} saw no calibration input")
         weights = {name: weights[name] for name in linears}  # module order, as the record lists them
-    apply_quantized(modules.core, weights)
     own = [p for n, p in modules.core.named_parameters() if not n.startswith(BORROWED)]
     bits_per_weight, layers = summary(weights, own)
+    apply_quantized(modules.core, weights, codes_only=True)
     return {"method": quant.method, "group_size": group, "bits_per_weight": bits_per_weight, "layers": layers}
 
 
-def anchor_table(target_modules) -> np.ndarray:
+def anchor_table(target_modules) -> np.ndarray | AnchorRows:
     """The target's embedding rows as its lookups return them (fp16, ``export.quantized.embedding_rows``), which the
-    host reads anchor rows from: a view of the module's tensor, not a copy (at 27B it is 2.5 GB), unless the table is
-    rotated (an exact pack's, whose stored rows are in the rotated basis) or held as codes (a lean target): those
-    rows are computed once per module."""
+    host reads anchor rows from: a view of the module's tensor (no copy: at 27B it is 2.5 GB), or for a table whose
+    stored rows are not those (an exact pack's, in the rotated basis) or that is held as codes (a lean target), an
+    ``AnchorRows`` computing each row when read."""
     embedding = target_modules.core.embed_tokens
-    if embedding not in _COMPUTED_ROWS:
-        _COMPUTED_ROWS[embedding] = embedding_rows(embedding)
-    return _COMPUTED_ROWS[embedding].numpy()
+    if isinstance(embedding, CodesLinear) or getattr(embedding, "rotation", None) is not None:
+        return AnchorRows(embedding)
+    return embedding.weight.detach().numpy()
 
 
-_COMPUTED_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class AnchorRows:
+    """An embedding's rows as its lookups return them, each computed when read (``table[token]``: one row,
+    ``export.quantized.embedding_rows``), the whole table only through ``np.asarray`` (an MTP head's own copy)."""
+
+    def __init__(self, embedding: torch.nn.Module):
+        self.embedding = embedding
+        self.shape = tuple(embedding.shape if isinstance(embedding, CodesLinear) else embedding.weight.shape)
+
+    def __getitem__(self, token) -> np.ndarray:
+        token = int(token)
+        if not 0 <= token < self.shape[0]:
+            raise IndexError(f"token id {token} is outside the embedding's {self.shape[0]} rows")
+        return embedding_rows(self.embedding, token, token + 1)[0].numpy()
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        rows = embedding_rows(self.embedding).numpy()
+        return rows if dtype is None else rows.astype(dtype)
 
 
 def drivers(kind: str, target_modules, drafter_modules, embeddings: np.ndarray, functions=None):

@@ -180,7 +180,7 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
         console.print(format_ab(ab))
     prompt = held_out[0][0][:CHECK_PROMPT_TOKENS]
     calls = drafter.recorded_calls(dplan.kind, target, modules, prompt, CHECK_GENERATED, drafter.anchor_table(target))
-    packaged_from_codes(modules.core)  # tables borrowed from a lean target's codes, as a package is made from them
+    packaged_from_codes(modules.core)  # its quantized linears and a lean target's tables, as a package is made
     packages = []
     method = dplan.config.quantization.method
     stem = f"{dplan.kind}_{'fp16' if method == 'none' else method}"  # as forge names it: dflash2_lut4.aimodel

@@ -105,7 +105,8 @@ def lean_target_bytes(args, target) -> int:
     """Host memory of a target as the drafter stage of a parted build holds it (``PartLoader.load(lean=True)``, nothing
     is read): each quantized matrix as its packed codes and tables (``matrix_bytes``) with a byte a group for its zero
     points (``CodesLinear`` keeps them unpacked), shared by the fp16 modules and their fp32 compute copy; every other
-    parameter in fp16 and in fp32; and a quantized embedding's anchor rows in fp16 (``embedding_rows``)."""
+    parameter in fp16 and in fp32. A quantized embedding's anchor rows are computed when read
+    (``pipeline.drafter.AnchorRows``), not held."""
     with parameters_on_meta():
         core = family_of(args).build_core(args, target)
     quant = target.quantization
@@ -119,7 +120,6 @@ def lean_target_bytes(args, target) -> int:
             if p.dim() == 2 and quant.format and name not in keep:
                 groups = 0 if quant.format == "lut4" else p.shape[0] * (p.shape[1] // quant.resolved_group_size)
                 total += matrix_bytes(quant.format, quant.resolved_group_size, tuple(p.shape)) + groups
-                total += 2 * p.numel() if name == "embed_tokens" else 0
             else:
                 total += 6 * p.numel()
     return total
