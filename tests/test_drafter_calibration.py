@@ -132,3 +132,15 @@ def test_a_lean_tables_anchor_rows_are_computed_when_read_and_a_plain_table_is_n
     plain = torch.nn.Embedding(rows, columns).half()
     view = drafter.anchor_table(SimpleNamespace(core=SimpleNamespace(embed_tokens=plain)))
     assert isinstance(view, np.ndarray) and np.shares_memory(view, plain.weight.detach().numpy())
+
+
+def test_a_linear_that_saw_no_calibration_input_is_refused_by_name(pair):
+    from convert.errors import InputError
+
+    lean = copy.deepcopy(pair[1])
+    linears = drafter.own_linears(lean.core)
+    hessians = [{name: torch.eye(m.in_features) for name, m in linears[:3]},
+                {name: torch.eye(m.in_features) for name, m in linears[4:]}]
+    with pytest.raises(InputError, match=rf"drafter.quantization.calibration: linear {linears[3][0]} saw no "
+                       "calibration input"):
+        drafter.quantize(lean, DrafterQuantization(method="lut4-gptq"), iter(hessians))

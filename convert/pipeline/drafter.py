@@ -33,6 +33,7 @@ from convert.runtime.host import ModuleFunctions, TargetDriver, module_driver
 from convert.weights.quantize import round_to_nearest, summary
 from convert.weights.target import TargetModules
 from quant.gptq import HessianAccumulator, gptq_quantize
+from quant.types import QuantizedWeight
 
 MTP_HIDDEN_CONVENTION = "target final-norm output at position t (what its lm_head reads), vLLM's convention"
 BORROWED = ("lm_head", "embed_tokens")  # the target's tables inside a drafter core: never quantized on their own
@@ -220,28 +221,27 @@ def _accumulating(core: torch.nn.Module, names: list[str]) -> Iterator[dict[str,
 def quantize(modules, quant: DrafterQuantization, hessians: Iterable[dict[str, torch.Tensor]] | None = None) -> dict:
     """4-bit of the drafter's own linears (round to nearest, or GPTQ under ``hessians``: groups of {name: Hessian},
     as ``calibration_hessians`` yields them, each dropped once its linears are quantized); the borrowed tables stay
-    as the target ships them. The linears become ``CodesLinear``s (their codes packed, the weight computed at each
-    call: at the 27B drafters' size 0.5 bytes a weight where a dense copy beside the codes held 3), until
+    as the target ships them. Each linear becomes a ``CodesLinear`` as soon as it is quantized (its codes packed, the
+    weight computed at each call: at the 27B drafters' size 0.5 bytes a weight, where the unpacked codes of every
+    linear held until the end were 1 and a dense copy beside them 2 more), until
     ``export.quantized.packaged_from_codes`` makes them the layers a package is made from. Returns the manifest's
     quantization record."""
     method, group = quant.format, quant.resolved_group_size
     linears = dict(own_linears(modules.core))
-    weights = {}
-    if hessians is None:
-        for name, module in linears.items():
-            weights[name] = round_to_nearest(method, module.weight.detach().float(), group)
-    else:
-        for taken in hessians:
-            for name in list(taken):
-                weights[name] = gptq_quantize(linears[name].weight.detach().float(), taken.pop(name), method, group,
-                                              name=name)
-        missing = [name for name in linears if name not in weights]
-        if missing:
-            raise InputError(f"drafter.quantization.calibration: linear {missing[0]} saw no calibration input")
-        weights = {name: weights[name] for name in linears}  # module order, as the record lists them
     own = [p for n, p in modules.core.named_parameters() if not n.startswith(BORROWED)]
-    bits_per_weight, layers = summary(weights, own)
-    apply_quantized(modules.core, weights, codes_only=True)
+
+    def quantized() -> Iterator[tuple[str, QuantizedWeight]]:
+        for taken in ({name: None for name in linears},) if hessians is None else hessians:
+            for name in list(taken):
+                weight, hessian = linears.pop(name).weight.detach().float(), taken.pop(name)
+                result = (round_to_nearest(method, weight, group) if hessian is None
+                          else gptq_quantize(weight, hessian, method, group, name=name))
+                apply_quantized(modules.core, {name: result}, codes_only=True)
+                yield name, result
+
+    bits_per_weight, layers = summary(quantized(), own)  # one linear's unpacked codes held at a time
+    if linears:
+        raise InputError(f"drafter.quantization.calibration: linear {next(iter(linears))} saw no calibration input")
     return {"method": quant.method, "group_size": group, "bits_per_weight": bits_per_weight, "layers": layers}
 
 
