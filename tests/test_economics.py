@@ -50,6 +50,22 @@ def test_a_matmul_reads_the_whole_weight_and_a_slice_only_its_elements():
     assert read == {"weights": 0, "states": 4 * 3 * 4}
 
 
+def test_blocks_of_rows_are_counted_as_spans_and_other_views_in_a_mask():
+    weight = torch.randn(64, 8)
+    address = weight.untyped_storage().data_ptr()
+    with _ReadMeter({address: Priced("weights", 2)}) as meter:
+        for lo in range(0, 48, 16):  # F.linear reads each block transposed: rows lo..lo+15 in another order
+            torch.nn.functional.linear(torch.randn(1, 8), weight[lo : lo + 16])
+        weight[40:56].sum()  # overlaps the last block by 8 rows
+        torch.index_select(weight, 0, torch.tensor([60, 60]))
+    assert address not in meter.masks and meter.elements_read(address) == 57 * 8
+    assert meter.bytes_read()["weights"] == 57 * 8 * 2
+    with _ReadMeter({address: Priced("weights", 2)}) as meter:
+        weight[:16].sum()
+        weight[:, 2:5].sum()  # strided: a mask, counted once with the span
+    assert address in meter.masks and meter.elements_read(address) == 16 * 8 + 48 * 3
+
+
 def test_a_write_is_not_a_read():
     state = torch.zeros(4, 10)
 

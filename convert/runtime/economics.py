@@ -66,13 +66,17 @@ def priced_tensors(compute, shipped) -> dict[int, Priced]:
 
 
 class _ReadMeter(TorchDispatchMode):
-    """Marks the elements of priced tensors that the ops of one call read."""
+    """Marks the elements of priced tensors that the ops of one call read: a read of a whole storage, or of a dense
+    range of it (a block of rows, in any order of its elements) or of gathered rows, as element spans; any other view
+    or gather in a mask of the storage's elements. At 27B a mask per sliced weight would be GBs (the codes a target
+    reads a block of rows at a time are 6.8G elements)."""
 
     def __init__(self, priced: dict[int, Priced]):
         super().__init__()
         self.priced = priced
         self.masks: dict[int, torch.Tensor] = {}
-        self.whole: dict[int, int] = {}  # storages read whole: their elements (no mask: at 27B masks would be GBs)
+        self.spans: dict[int, list[tuple[int, int]]] = {}
+        self.whole: dict[int, int] = {}  # storages read whole: their elements
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -90,15 +94,21 @@ class _ReadMeter(TorchDispatchMode):
 
     def _read(self, func, position: int, tensor: torch.Tensor, args) -> None:
         address = tensor.untyped_storage().data_ptr()
-        if address not in self.priced:
+        if address not in self.priced or address in self.whole:
             return
         elements = tensor.untyped_storage().nbytes() // tensor.element_size()
-        if address in self.whole:
-            return
         gather = func in _GATHERS and position == 0
         if not gather and tensor.numel() == elements and tensor.storage_offset() == 0 and 0 not in tensor.stride():
             self.whole[address] = elements  # the whole tensor (a permutation of its elements, e.g. a transposed weight)
             self.masks.pop(address, None)
+            self.spans.pop(address, None)
+            return
+        spans = _gathered_row_spans(func, tensor, args) if gather else _dense_span(tensor)
+        if spans is not None:
+            held = self.spans.setdefault(address, [])
+            held.extend(spans)
+            if len(held) > 4096:
+                held[:] = _merged(held)
             return
         mask = self.masks.setdefault(address, torch.zeros(elements, dtype=torch.bool))
         ids = torch.arange(elements).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
@@ -108,14 +118,67 @@ class _ReadMeter(TorchDispatchMode):
 
     def elements_read(self, address: int) -> int:
         """Elements of the storage at ``address`` the metered calls read (KeyError for one they never touched)."""
-        return self.whole[address] if address in self.whole else int(self.masks[address].sum())
+        if address in self.whole:
+            return self.whole[address]
+        spans = _merged(self.spans.get(address, []))
+        if address not in self.masks:
+            if not spans:
+                raise KeyError(address)
+            return sum(end - start for start, end in spans)
+        mask = self.masks[address].clone()
+        for start, end in spans:
+            mask[start:end] = True
+        return int(mask.sum())
 
     def bytes_read(self) -> dict[str, int]:
         read = {"weights": 0.0, "states": 0.0}
-        for address in [*self.masks, *self.whole]:
+        for address in {*self.masks, *self.spans, *self.whole}:
             priced = self.priced[address]
             read[priced.kind] += self.elements_read(address) * priced.bytes_per_element
         return {kind: round(value) for kind, value in read.items()}
+
+
+def _dense_span(tensor: torch.Tensor) -> list[tuple[int, int]] | None:
+    """The one element span a view reads when its elements are a dense range of its storage in some order (a block
+    of rows, or its transpose), else None."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return None
+        expected *= size
+    start = tensor.storage_offset()
+    return [(start, start + tensor.numel())]
+
+
+def _gathered_row_spans(func, tensor: torch.Tensor, args) -> list[tuple[int, int]] | None:
+    """The rows a gather along the first dim of a row-major 2-D tensor reads, as element spans, else None."""
+    if func is torch.ops.aten.embedding.default:
+        rows = args[1]
+    elif func is torch.ops.aten.index_select.default and args[1] == 0:
+        rows = args[2]
+    elif (func is torch.ops.aten.index.Tensor and len(args[1]) == 1 and args[1][0] is not None
+          and args[1][0].dtype in (torch.int32, torch.int64)):
+        rows = args[1][0]
+    else:
+        return None
+    if tensor.dim() != 2 or tensor.stride() != (tensor.shape[1], 1):
+        return None
+    width, start = tensor.shape[1], tensor.storage_offset()
+    read = (rows.reshape(-1) % tensor.shape[0]).unique().tolist()
+    return [(start + r * width, start + (r + 1) * width) for r in read]
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Disjoint spans covering the same elements."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 class MeteredFunctions(ModuleFunctions):
