@@ -177,8 +177,8 @@ def test_a_drafter_stage_over_the_host_memory_budget_is_refused_by_name(tmp_path
     recipe.write_text(text)
     plan = make_plan(recipe)
     target_alone = partition.build_memory_bytes(plan.args, plan.recipe.target, plan.parts, plan.specs)
-    # the drafter stage holds the parted target as its packed codes (lean_target_bytes), beside the drafter's build
-    lean = partition.lean_target_bytes(plan.args, plan.recipe.target)
+    # the drafter stage holds the parted target as its packed codes (held_target_bytes), beside the drafter's build
+    lean = partition.held_target_bytes(plan.args, plan.recipe.target, lean=True)
     assert lean < 3 * plan.parameter_count  # affine4 codes and scales, not fp16 and fp32 (6 bytes a parameter)
     assert plan.drafter_stage_bytes == partition.BASE_BYTES + lean + \
         planning.WHOLE_BYTES_PER_PARAMETER * plan.drafter.args.parameter_count > target_alone

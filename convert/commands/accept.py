@@ -50,7 +50,7 @@ def run_accept(recipe_path: Path, bundle: Path | None, runtime: str, tokens: int
         plan.drafter.config = config
         plan.recipe = plan.recipe.model_copy(update={"drafter": config})
     target, _ = shipped_modules(plan)
-    target32 = compute_copy(target, torch.float32)
+    target32 = compute_copy(target, torch.float32, share_weights=True)
     modules, fp16_modules, _ = shipped_drafter(plan, target, target32)
     if runtime == "torch":
         acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules, held_out_prompts(plan))

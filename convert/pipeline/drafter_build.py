@@ -170,7 +170,7 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
     out.mkdir()
     with stage("hash drafter source files"):
         source_files = file_records(dplan.snapshot.directory)
-    target32 = compute_copy(target, torch.float32)
+    target32 = compute_copy(target, torch.float32, share_weights=True)
     modules, fp16_modules, quantization = shipped_drafter(plan, target, target32)
     held_out = held_out_prompts(plan)
     acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules, held_out)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from torch import nn
+
 from convert.errors import InputError
 from convert.export.spec import FunctionSpec, size_text
 from convert.models import family_of
@@ -101,27 +103,41 @@ def piece_sizes(args, target) -> Sizes:
                  weight_bytes("lm_head") / vocab, align, args.hidden_size, layer_weights)
 
 
-def lean_target_bytes(args, target) -> int:
-    """Host memory of a target as the drafter stage of a parted build holds it (``PartLoader.load(lean=True)``, nothing
-    is read): each quantized matrix as its packed codes and tables (``matrix_bytes``) with a byte a group for its zero
-    points (``CodesLinear`` keeps them unpacked), shared by the fp16 modules and their fp32 compute copy; every other
-    parameter in fp16 and in fp32. A quantized embedding's anchor rows are computed when read
-    (``pipeline.drafter.AnchorRows``), not held."""
+def held_target_bytes(args, target, lean: bool) -> int:
+    """Host memory of a target as the drafter stage holds it with its fp32 compute copy (nothing is read).
+
+    ``lean`` (a parted build: ``PartLoader.load(lean=True)``): each quantized matrix as its packed codes and tables
+    (``matrix_bytes``) with a byte a group for its zero points (``CodesLinear`` keeps them unpacked), shared by the
+    fp16 modules and the copy; a quantized embedding's anchor rows are computed when read (``AnchorRows``).
+    Otherwise (a whole build) each quantized linear as a ``QuantizedLinear``: its fp16 weight, its codes unpacked (a
+    byte each) and tables, shared by the copy, and a quantized embedding both in fp16 and again in fp32.
+    Either way an unquantized linear's fp16 weight is shared by the copy (``compute_copy(share_weights=True)``) and
+    every other parameter is held in fp16 and in fp32."""
     with parameters_on_meta():
         core = family_of(args).build_core(args, target)
     quant = target.quantization
     keep = kept_modules(core, quant) if quant.format else set()
+    holders: dict[int, int] = {}
+    for module in core.modules():
+        for p in module.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
     total, seen = 0, set()
     for name, module in core.named_modules():
         for p in module.parameters(recurse=False):
             if id(p) in seen:  # a tied table, held once
                 continue
             seen.add(id(p))
+            linear = isinstance(module, nn.Linear) and holders[id(p)] == 1
             if p.dim() == 2 and quant.format and name not in keep:
+                shipped = matrix_bytes(quant.format, quant.resolved_group_size, tuple(p.shape))
                 groups = 0 if quant.format == "lut4" else p.shape[0] * (p.shape[1] // quant.resolved_group_size)
-                total += matrix_bytes(quant.format, quant.resolved_group_size, tuple(p.shape)) + groups
+                tables = shipped - math.ceil(p.numel() * (2 if quant.format == "exact2" else 4) / 8) + groups
+                if lean:
+                    total += shipped + groups
+                else:
+                    total += (3 if linear else 8) * p.numel() + (1 if linear else 2) * tables
             else:
-                total += 6 * p.numel()
+                total += (2 if linear else 6) * p.numel()
     return total
 
 

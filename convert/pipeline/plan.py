@@ -28,7 +28,7 @@ from convert.pipeline.partition import (
     BASE_BYTES,
     WHOLE_BYTES_PER_PARAMETER,
     build_memory_bytes,
-    lean_target_bytes,
+    held_target_bytes,
     memory_line,
     plan_lines,
     plan_parts,
@@ -74,11 +74,9 @@ class Plan:
 
     @property
     def drafter_stage_target_bytes(self) -> int:
-        """The target as the drafter stage holds it (calibration, acceptance, the A/B): a whole target's modules in
-        fp16 and an fp32 copy; a parted target's quantized weights as packed codes (``lean_target_bytes``)."""
-        if self.parts[0].is_whole:
-            return 6 * self.parameter_count
-        return lean_target_bytes(self.args, self.recipe.target)
+        """The target as the drafter stage holds it with its fp32 compute copy (calibration, acceptance, the A/B): a
+        whole target's modules, a parted target's quantized weights as packed codes (``held_target_bytes``)."""
+        return held_target_bytes(self.args, self.recipe.target, lean=not self.parts[0].is_whole)
 
     @property
     def drafter_stage_bytes(self) -> int:
@@ -140,7 +138,7 @@ def _check_host_memory(plan: Plan) -> None:
 
 
 def _drafter_stage_parts(plan: Plan) -> str:
-    held = " in fp16 and fp32" if plan.parts[0].is_whole else ", its quantized weights as packed codes"
+    held = " with its fp32 compute copy" if plan.parts[0].is_whole else ", its quantized weights as packed codes"
     return (f"the target{held}: {plan.drafter_stage_target_bytes / 1e9:.1f} GB; the drafter's own build: "
             f"{plan.drafter_own_bytes / 1e9:.1f} GB")
 
