@@ -274,7 +274,8 @@ def test_the_release_pairs_shape_builds_on_a_tiny_pack(written, tmp_path, monkey
     from dflash2_checkpoints import tiny_config, write_drafter
     from safetensors.torch import load_file
 
-    from convert.pipeline import build
+    from convert.pipeline import build, drafter_build
+    from convert.pipeline.drafter_build import build_drafter, package_formats
     from manifests import identity
 
     draft = {"target_layer_ids": [0, 1], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
@@ -286,9 +287,23 @@ def test_the_release_pairs_shape_builds_on_a_tiny_pack(written, tmp_path, monkey
     # a tiny pack's packages are mostly their fixed overhead (0.2 MB each), over any limit that parts its 118 KB of
     # weights: the size check is not what this test is about
     monkeypatch.setattr(build, "_check_part_size", lambda entry, max_part_mb: None)
+    # the drafter is packaged after the target's decoder layers are dropped: record how many it held then
+    targets, layers_when_packaged = [], []
+
+    def spy_build_drafter(plan, target, *args, **kwargs):
+        targets.append(target)
+        return build_drafter(plan, target, *args, **kwargs)
+
+    def spy_package_formats(*args, **kwargs):
+        layers_when_packaged.append(len(targets[0].core.layers))
+        return package_formats(*args, **kwargs)
+
+    monkeypatch.setattr(build, "build_drafter", spy_build_drafter)
+    monkeypatch.setattr(drafter_build, "package_formats", spy_package_formats)
     out = tmp_path / "bundle"
     result = CliRunner().invoke(main, ["build", str(recipe), "-o", str(out)])
     assert result.exit_code == 0, result.output
+    assert layers_when_packaged == [0]
     check = CliRunner().invoke(main, ["check-pair", str(out / "drafter"), str(out / "target")])
     assert check.exit_code == 0, check.output
     drafter_manifest = json.loads((out / "drafter" / "manifest.json").read_text())

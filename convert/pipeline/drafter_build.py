@@ -165,7 +165,9 @@ def format_ab(ab: dict) -> str:
 
 def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target_dir: Path, out: Path, cache=None):
     """The drafter's bundle in ``out``: its modules quantized as the recipe says, acceptance measured, packages (from
-    the build ``cache`` when given: their keys hold the calls their check replays) and manifest."""
+    the build ``cache`` when given: their keys hold the calls their check replays) and manifest. ``target`` is spent:
+    once the drafter's check calls are recorded, its decoder layers are dropped (at 27B, 7.5 GB of codes the
+    packaging does not read; the tables the drafter borrows are its own layers by then)."""
     dplan = plan.drafter
     out.mkdir()
     with stage("hash drafter source files"):
@@ -181,6 +183,8 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
     prompt = held_out[0][0][:CHECK_PROMPT_TOKENS]
     calls = drafter.recorded_calls(dplan.kind, target, modules, prompt, CHECK_GENERATED, drafter.anchor_table(target))
     packaged_from_codes(modules.core)  # its quantized linears and a lean target's tables, as a package is made
+    del fp16_modules  # the A/B's reference (the drafter's fp16 weights) is not packaged
+    target.core.layers = torch.nn.ModuleList()
     packages = []
     method = dplan.config.quantization.method
     stem = f"{dplan.kind}_{'fp16' if method == 'none' else method}"  # as forge names it: dflash2_lut4.aimodel
