@@ -65,12 +65,21 @@ def test_hessian_groups_stay_within_the_budget_and_a_larger_linear_is_alone(pair
     assert len(drafter.hessian_groups(core)) == 1  # the fixture's Hessians fit the default budget at once
 
 
-def _recorded_run(pair, modules) -> list:
+def _recorded_run(pair, modules, outputs: bool = True) -> list:
     target32, _, prompts, anchors = pair
     target, driver = drafter.drivers("dflash2", target32, modules, anchors)
-    driver.functions = drafter.Recording(driver.functions)
+    driver.functions = drafter.Recording(driver.functions, outputs)
     speculative.speculate("dflash2", target, driver, prompts[0], 12)
     return driver.functions.calls
+
+
+def test_a_calibrations_recording_keeps_the_inputs_and_not_the_outputs(pair):
+    # what calibration_hessians replays: a draft call's outputs hold its fp32 logits, 7 MB at the 27B vocabulary
+    with_outputs = _recorded_run(pair, compute_copy(pair[1], torch.float32, share_weights=True))
+    inputs_only = _recorded_run(pair, compute_copy(pair[1], torch.float32, share_weights=True), outputs=False)
+    assert [c[0] for c in inputs_only] == [c[0] for c in with_outputs] and all(c[2] == {} for c in inputs_only)
+    assert any("logits" in c[2] for c in with_outputs)
+    assert all(np.array_equal(a[1][k], b[1][k]) for a, b in zip(with_outputs, inputs_only, strict=True) for k in a[1])
 
 
 def test_a_weight_sharing_compute_copy_holds_no_second_weight_and_computes_the_copys_outputs(pair):

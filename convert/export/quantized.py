@@ -121,7 +121,38 @@ class QuantizedEmbedding(QuantizedLinear):
         return rows if self.rotation is None else self.rotation(rows)
 
 
-class CodesLinear(nn.Module):
+class _SharedTensors(nn.Module):
+    """A module whose ``SHARED`` buffers (the weight as shipped) every ``copy.deepcopy`` shares and ``.to(dtype)``
+    leaves as they are: a compute copy in another dtype holds no second copy of them."""
+
+    SHARED: tuple[str, ...] = ()
+
+    def __deepcopy__(self, memo):
+        for name in self.SHARED:
+            if self._buffers.get(name) is not None:
+                memo[id(self._buffers[name])] = self._buffers[name]  # shared by every copy: they never change
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        clone.__dict__ = copy.deepcopy(self.__dict__, memo)
+        return clone
+
+    def _apply(self, fn, recurse=True):
+        shared = {name: self._buffers.pop(name) for name in self.SHARED}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers.update(shared)
+        return self
+
+
+def _blocked_linear(x: torch.Tensor, blocks: list[tuple[int, int]], rows: Callable[[int, int], torch.Tensor],
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` times a weight whose rows ``lo .. hi-1`` ``rows(lo, hi)`` makes, one block of ``blocks`` at a time."""
+    out = [nn.functional.linear(x, rows(lo, hi), None if bias is None else bias[lo:hi]) for lo, hi in blocks]
+    return out[0] if len(out) == 1 else torch.cat(out, -1)
+
+
+class CodesLinear(_SharedTensors):
     """A quantized linear (or embedding table) held only as it ships: its codes packed to their bits (exact2: four a
     byte; lut4 and affine4: two), the group tables, the rotation and the bias. Each call computes the fp16 weight
     (``QuantizedWeight.dequantize``, bit for bit the weight a ``QuantizedLinear`` holds) a block of rows at a time
@@ -136,7 +167,7 @@ class CodesLinear(nn.Module):
     input's) and moves the rotation and the bias, and ``copy.deepcopy`` (``export.functions.compute_copy``) shares
     them, so the fp16 modules and their fp32 compute copy hold one set."""
 
-    SHIPPED = ("words", "scale", "zero_point", "lut")
+    SHARED = ("words", "scale", "zero_point", "lut")
 
     def __init__(self, name: str, quantized: QuantizedWeight, bias: nn.Parameter | None = None,
                  embedding: bool = False):
@@ -152,20 +183,8 @@ class CodesLinear(nn.Module):
         self.bias = bias
         self.rotation = _rotation_module(quantized, inverse=embedding)
 
-    def __deepcopy__(self, memo):
-        for tensor in self._buffers.values():
-            memo[id(tensor)] = tensor  # shared by every copy: they never change
-        clone = self.__class__.__new__(self.__class__)
-        memo[id(self)] = clone
-        clone.__dict__ = copy.deepcopy(self.__dict__, memo)
-        return clone
-
     def _apply(self, fn, recurse=True):
-        shipped = {name: self._buffers.pop(name) for name in self.SHIPPED}
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            self._buffers.update(shipped)
+        super()._apply(fn, recurse)
         self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
         return self
 
@@ -219,10 +238,7 @@ class CodesLinear(nn.Module):
             return self._lookup(x)
         if self.rotation is not None:
             x = self.rotation(x)
-        blocks = [nn.functional.linear(x, self.dense_rows(lo, hi, x.dtype),
-                                       None if self.bias is None else self.bias[lo:hi])
-                  for lo, hi in self.row_blocks()]
-        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, -1)
+        return _blocked_linear(x, self.row_blocks(), functools.partial(self.dense_rows, dtype=x.dtype), self.bias)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).long()
@@ -287,12 +303,14 @@ def row_blocks(rows: int, columns: int, multiple: int = 1) -> list[tuple[int, in
     return list(zip(starts, [*starts[1:], rows], strict=True))
 
 
-class HalfLinear(nn.Module):
+class HalfLinear(_SharedTensors):
     """A linear whose fp16 weight is shared with the module it was made from (``half_linears``) and that
     computes in its input's dtype: the fp32 copies of a drafter (calibration, acceptance, the A/B) hold no second
     copy of its weights (at 27B the drafter's are 3.85 GB in fp16, 7.7 in fp32, and the stage held three fp32 copies).
     In fp32 each block of rows (``row_blocks``) is upcast into a reused workspace, so the outputs are those of the
     fp32 weight bit for bit (tests/test_exact2.py checks the blocks at the 27B width)."""
+
+    SHARED = ("weight",)
 
     def __init__(self, weight: torch.Tensor, bias: nn.Parameter | None, rotation: nn.Module | None = None):
         super().__init__()
@@ -303,32 +321,17 @@ class HalfLinear(nn.Module):
     def in_features(self) -> int:
         return self.weight.shape[1]
 
-    def __deepcopy__(self, memo):
-        memo[id(self.weight)] = self.weight  # shared by every copy: it never changes
-        clone = self.__class__.__new__(self.__class__)
-        memo[id(self)] = clone
-        clone.__dict__ = copy.deepcopy(self.__dict__, memo)
-        return clone
-
-    def _apply(self, fn, recurse=True):
-        weight = self._buffers.pop("weight")
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            self._buffers["weight"] = weight
-        return self
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rotation is not None:
             x = self.rotation(x)
         if x.dtype == self.weight.dtype:
             return nn.functional.linear(x, self.weight, self.bias)
-        blocks = []
-        for lo, hi in row_blocks(*self.weight.shape):
+
+        def upcast(lo: int, hi: int) -> torch.Tensor:
             dense = _workspace("dense", (hi - lo) * self.weight.shape[1], x.dtype).view(hi - lo, -1)
-            dense.copy_(self.weight[lo:hi])
-            blocks.append(nn.functional.linear(x, dense, None if self.bias is None else self.bias[lo:hi]))
-        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, -1)
+            return dense.copy_(self.weight[lo:hi])
+
+        return _blocked_linear(x, row_blocks(*self.weight.shape), upcast, self.bias)
 
 
 def half_linears(core: nn.Module) -> dict[int, HalfLinear]:
@@ -357,13 +360,18 @@ def unpack_codes(words: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
     return ((words[..., None] >> shifts) & (2**bits - 1)).reshape(*words.shape[:-1], columns)
 
 
+def table_shape(embedding: nn.Module) -> tuple[int, int]:
+    """[rows, columns] of an embedding's table, held as codes (``CodesLinear``) or as a weight."""
+    return tuple(embedding.shape if isinstance(embedding, CodesLinear) else embedding.weight.shape)
+
+
 def embedding_rows(embedding: nn.Module, lo: int = 0, hi: int | None = None, block_rows: int = 4096) -> torch.Tensor:
     """Rows ``lo .. hi-1`` (all by default) of an embedding's table as its lookups return them, fp16: the weight
     itself, or for a rotated (exact2) table, whose stored rows ``W'`` are in the pack's rotated basis, each row after
     its rotation (``S H W'``: the unfolded table) computed in fp32 a block of rows at a time and rounded to fp16 (each
     row's value is the same whichever block it is computed in). What a host feeds a drafter as a token's embedding
     (the anchor, the mask row): the stored row would be another vector."""
-    hi = (embedding.shape if isinstance(embedding, CodesLinear) else embedding.weight.shape)[0] if hi is None else hi
+    hi = table_shape(embedding)[0] if hi is None else hi
     if isinstance(embedding, CodesLinear):
         columns = embedding.shape[1]
         blocks = row_blocks(hi - lo, columns)

@@ -19,7 +19,14 @@ import numpy as np
 import torch
 
 from convert.errors import GateError, InputError
-from convert.export.quantized import CodesLinear, HalfLinear, QuantizedLinear, apply_quantized, embedding_rows
+from convert.export.quantized import (
+    CodesLinear,
+    HalfLinear,
+    QuantizedLinear,
+    apply_quantized,
+    embedding_rows,
+    table_shape,
+)
 from convert.export.spec import FunctionSpec
 from convert.fp16 import like_the_runtime
 from convert.inputs import contract
@@ -172,7 +179,7 @@ def calibration_hessians(kind: str, target_modules, drafter_modules, prompts: li
     states, through the drafter alone: the same calls on the same inputs, so the same Hessians bit for bit as in one
     pass. Yields {linear name: Hessian} per group; a linear that saw no input is left out."""
     groups = hessian_groups(drafter_modules.core)
-    recording = Recording(ModuleFunctions(drafter_modules)) if len(groups) > 1 else None
+    recording = Recording(ModuleFunctions(drafter_modules), outputs=False) if len(groups) > 1 else None
     with _accumulating(drafter_modules.core, groups[0]) as accumulators:
         target, drafter = drivers(kind, target_modules, drafter_modules, embeddings,
                                   None if recording is None else (ModuleFunctions(target_modules), recording))
@@ -262,7 +269,7 @@ class AnchorRows:
 
     def __init__(self, embedding: torch.nn.Module):
         self.embedding = embedding
-        self.shape = tuple(embedding.shape if isinstance(embedding, CodesLinear) else embedding.weight.shape)
+        self.shape = table_shape(embedding)
 
     def __getitem__(self, token) -> np.ndarray:
         token = int(token)
@@ -341,10 +348,12 @@ def ab_verdict(ab: dict, max_p: float) -> dict:
 
 
 class Recording:
-    """A ``speculative.Functions`` that records every call with its outputs (the package check replays them)."""
+    """A ``speculative.Functions`` that records every call with its outputs (the package check replays them), or
+    without them (``outputs=False``: a calibration's replays need the inputs alone, and a draft call's outputs hold its
+    fp32 logits, 7 MB at the 27B vocabulary)."""
 
-    def __init__(self, functions: ModuleFunctions):
-        self.functions, self.calls = functions, []
+    def __init__(self, functions: ModuleFunctions, outputs: bool = True):
+        self.functions, self.calls, self.outputs = functions, [], outputs
 
     def reset(self) -> None:
         self.functions.reset()
@@ -352,7 +361,7 @@ class Recording:
 
     def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = self.functions.call(function, inputs)
-        self.calls.append((function, {k: np.array(v) for k, v in inputs.items()}, out))
+        self.calls.append((function, {k: np.array(v) for k, v in inputs.items()}, out if self.outputs else {}))
         return out
 
 
