@@ -62,6 +62,17 @@ def ternary(name: str, shape: tuple[int, int], generator: torch.Generator) -> Qu
                            rotation=Rotation(signs, BLOCK))
 
 
+def codes_layers(kinds: list[str], generator: torch.Generator) -> nn.ModuleList:
+    """The quantized matrices of a decoder layer of each of ``kinds``, each a ``CodesLinear`` of ``ternary`` codes."""
+    layers = nn.ModuleList()
+    for i, kind in enumerate(kinds):
+        layer = nn.ModuleDict()
+        for name, shape in layer_shapes(kind).items():
+            layer[name.replace(".", "_")] = CodesLinear(f"layers.{i}.{name}", ternary(name, shape, generator))
+        layers.append(layer)
+    return layers
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -78,12 +89,7 @@ def main() -> None:
     with sampler.phase("build the CodesLinears (each matrix's codes made, packed, the unpacked codes dropped)"):
         target.embed_tokens = CodesLinear("embed_tokens", ternary("embed_tokens", (vocab, hidden), generator),
                                           embedding=True)
-        target.layers = nn.ModuleList()
-        for i, kind in enumerate(kinds):
-            layer = nn.ModuleDict()
-            for name, shape in layer_shapes(kind).items():
-                layer[name.replace(".", "_")] = CodesLinear(f"layers.{i}.{name}", ternary(name, shape, generator))
-            target.layers.append(layer)
+        target.layers = codes_layers(kinds, generator)
         target.lm_head = CodesLinear("lm_head", ternary("lm_head", (vocab, hidden), generator))
     held = sampler.phases[-1]["end_gib"] * 2**30 - sampler.base
     matrices = [m for m in target.modules() if isinstance(m, CodesLinear)]

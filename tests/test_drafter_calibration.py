@@ -177,3 +177,27 @@ def test_the_plans_whole_target_bytes_are_the_storages_the_drafter_stage_holds(t
     assert abs(estimate - held) < 0.01 * held, (estimate, held)
     assert estimate == plan.drafter_stage_target_bytes
     assert 6 * plan.parameter_count > 1.5 * held  # the earlier formula: 79.3 MB
+
+
+def test_prompts_run_in_sessions_give_the_runs_and_hessians_of_one_prompt_at_a_time(pair, monkeypatch):
+    """``over_prompts``: three prompts over two sessions in step (the first session takes the third prompt when done),
+    the target and drafter sharing their weights (every linear meets the other session's); greedy references, the
+    speculative runs and the calibration's Hessians equal those of one prompt at a time, bit for bit."""
+    target32, modules, prompts, anchors = pair
+    prompts = [*prompts, prompts[0][5:29]]
+    target = compute_copy(target32, torch.float32, share_weights=True)
+    drafter32 = compute_copy(modules, torch.float32, share_weights=True)
+    one = drafter.greedy_references(target, prompts, 10)
+    two = drafter.greedy_references(target, prompts, 10, sessions=2)
+    assert [ids for ids, _ in one] == [ids for ids, _ in two]
+    assert all(np.array_equal(a, b) for (_, la), (_, lb) in zip(one, two, strict=True)
+               for a, b in zip(la, lb, strict=True))
+    stats1, runs1 = drafter.accept("dflash2", target, drafter32, prompts, 10, anchors, one)
+    stats2, runs2 = drafter.accept("dflash2", target, drafter32, prompts, 10, anchors, one, sessions=2)
+    assert stats1 == stats2 and stats1["rounds"] >= 6
+    assert [(r.output, r.rounds) for r in runs1] == [(r.output, r.rounds) for r in runs2]
+    monkeypatch.setattr(drafter, "HESSIAN_GROUP_BYTES", 1 << 40)  # one group: taken live in one session
+    live = list(drafter.calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors))
+    replayed = list(drafter.calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors, sessions=2))
+    assert len(live) == len(replayed) == 1 and list(live[0]) == list(replayed[0])
+    assert all(torch.equal(live[0][name], replayed[0][name]) for name in live[0])

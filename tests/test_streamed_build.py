@@ -4,6 +4,7 @@ gate's candidate computes what the whole candidate computes."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -180,11 +181,16 @@ def test_a_drafter_stage_over_the_host_memory_budget_is_refused_by_name(tmp_path
     # the drafter stage holds the parted target as its packed codes (held_target_bytes), beside the drafter's build
     lean = partition.held_target_bytes(plan.args, plan.recipe.target, lean=True)
     assert lean < 3 * plan.parameter_count  # affine4 codes and scales, not fp16 and fp32 (6 bytes a parameter)
-    assert plan.drafter_stage_bytes == partition.BASE_BYTES + lean + \
+    assert plan.drafter_base_bytes == partition.BASE_BYTES + lean + \
         planning.WHOLE_BYTES_PER_PARAMETER * plan.drafter.args.parameter_count > target_alone
+    # and the sessions it runs prompts in: each the fp32 states of the target and the drafter
+    states = [*plan.specs[0].states, *plan.drafter.specs[0].states]
+    assert plan.drafter_session_bytes == sum(4 * math.prod(s.shape) for s in states)
+    assert plan.drafter_stage_bytes == plan.drafter_base_bytes + plan.drafter_sessions * plan.drafter_session_bytes
     budget = (target_alone + plan.drafter_stage_bytes) / 2 / 1e9
     recipe.write_text(text.replace("  max_part_mb: 3\n", f"  max_part_mb: 3\n  max_host_memory_gb: {budget}\n"))
     with pytest.raises(InputError, match=r"drafter: the drafter stage needs about \d+ GB \(the target, its quantized "
-                       r"weights as packed codes: \d+\.\d GB; the drafter's own build: \d+\.\d GB\), over "
+                       r"weights as packed codes: \d+\.\d GB; the drafter's own build: \d+\.\d GB; 1 session of "
+                       r"prompts run at once, its states \d+\.\d\d GB\), over "
                        r"target.max_host_memory_gb .*; build the target alone here"):
         make_plan(recipe)

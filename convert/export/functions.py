@@ -10,6 +10,7 @@ prefill call followed by decode calls carries the cache exactly as a runtime car
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,17 @@ class ExportModules:
         """Zero the states (a fresh runtime session)."""
         for state in self.states().values():
             state.zero_()
+
+    def session(self):
+        """These modules over the same core with zeroed states of their own: another runtime session, which
+        ``export.lockstep.in_step`` runs beside this one."""
+        states = {name: torch.zeros_like(state) for name, state in self.states().items()}
+        functions = {}
+        for name, (module, spec) in self.functions.items():
+            clone = copy.copy(module)  # the same core and constants; its own buffer table for the new states
+            clone._buffers = {**module._buffers, **{s.name: states[s.name] for s in spec.states}}
+            functions[name] = (clone, spec)
+        return dataclasses.replace(self, functions=functions)
 
 
 def compute_copy(modules, dtype: torch.dtype, in_place: bool = False, share_weights: bool = False):

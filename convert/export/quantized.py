@@ -56,6 +56,7 @@ from torch import nn
 
 from convert.errors import PackageError
 from convert.export.hadamard import SignedHadamard
+from convert.export.lockstep import blocked_linear
 from quant.types import QuantizedWeight
 
 BITS = 4
@@ -145,13 +146,6 @@ class _SharedTensors(nn.Module):
         return self
 
 
-def _blocked_linear(x: torch.Tensor, blocks: list[tuple[int, int]], rows: Callable[[int, int], torch.Tensor],
-                    bias: torch.Tensor | None) -> torch.Tensor:
-    """``x`` times a weight whose rows ``lo .. hi-1`` ``rows(lo, hi)`` makes, one block of ``blocks`` at a time."""
-    out = [nn.functional.linear(x, rows(lo, hi), None if bias is None else bias[lo:hi]) for lo, hi in blocks]
-    return out[0] if len(out) == 1 else torch.cat(out, -1)
-
-
 class CodesLinear(_SharedTensors):
     """A quantized linear (or embedding table) held only as it ships: its codes packed to their bits (exact2: four a
     byte; lut4 and affine4: two), the group tables, the rotation and the bias. Each call computes the fp16 weight
@@ -238,7 +232,7 @@ class CodesLinear(_SharedTensors):
             return self._lookup(x)
         if self.rotation is not None:
             x = self.rotation(x)
-        return _blocked_linear(x, self.row_blocks(), functools.partial(self.dense_rows, dtype=x.dtype), self.bias)
+        return blocked_linear(self, x, self.row_blocks(), functools.partial(self.dense_rows, dtype=x.dtype), self.bias)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).long()
@@ -331,7 +325,7 @@ class HalfLinear(_SharedTensors):
             dense = _workspace("dense", (hi - lo) * self.weight.shape[1], x.dtype).view(hi - lo, -1)
             return dense.copy_(self.weight[lo:hi])
 
-        return _blocked_linear(x, row_blocks(*self.weight.shape), upcast, self.bias)
+        return blocked_linear(self, x, row_blocks(*self.weight.shape), upcast, self.bias)
 
 
 def half_linears(core: nn.Module) -> dict[int, HalfLinear]:

@@ -10,15 +10,19 @@ the target's shipped embedding row. The drafter's manifest binds it to that targ
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import functools
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from convert.errors import GateError, InputError
+from convert.export.lockstep import in_step
 from convert.export.quantized import (
     CodesLinear,
     HalfLinear,
@@ -42,6 +46,10 @@ from convert.weights.target import TargetModules
 from quant.gptq import HessianAccumulator, gptq_quantize
 from quant.types import QuantizedWeight
 
+T = TypeVar("T")
+MAX_SESSIONS = 8
+"""Prompts the drafter stage runs at once at most (``over_prompts``; the plan takes fewer when memory is short): each
+block of a weight is made once for all of them, and past a few sessions their products are most of the work."""
 MTP_HIDDEN_CONVENTION = "target final-norm output at position t (what its lm_head reads), vLLM's convention"
 BORROWED = ("lm_head", "embed_tokens")  # the target's tables inside a drafter core: never quantized on their own
 
@@ -169,39 +177,81 @@ def hessian_groups(core: torch.nn.Module, budget: int | None = None) -> list[lis
 
 
 def calibration_hessians(kind: str, target_modules, drafter_modules, prompts: list[list[int]], tokens: int,
-                         embeddings: np.ndarray) -> Iterator[dict[str, torch.Tensor]]:
+                         embeddings: np.ndarray, sessions: int = 1) -> Iterator[dict[str, torch.Tensor]]:
     """Input Hessians of the drafter's own linears over speculative decoding of ``prompts``, a group of linears at a
     time (``hessian_groups``): the drafter sees exactly what it sees deployed (context rows from the target's taps or
     hidden states, draft blocks, accepted rows). A chunk's padding rows repeat its last row and count again.
 
-    The speculative run (the target's calls) happens once, in this call, and takes the first group's Hessians; with
-    more groups its drafter calls are recorded and each later group's are taken by replaying them, from reset
-    states, through the drafter alone: the same calls on the same inputs, so the same Hessians bit for bit as in one
-    pass. Yields {linear name: Hessian} per group; a linear that saw no input is left out."""
+    The speculative run (the target's calls) happens once, in this call, over ``sessions`` prompts at a time
+    (``over_prompts``). Run one prompt at a time, it takes the first group's Hessians as the calls happen; otherwise
+    (or with more groups) the drafter's calls are recorded, prompt by prompt, and the Hessians are taken by replaying
+    them in prompt order, from reset states, through the drafter alone: the same calls on the same inputs in the same
+    order, so the same Hessians bit for bit, however many sessions ran them. Yields {linear name: Hessian} per group; a
+    linear that saw no input is left out."""
     groups = hessian_groups(drafter_modules.core)
-    recording = Recording(ModuleFunctions(drafter_modules), outputs=False) if len(groups) > 1 else None
+    live = min(sessions, len(prompts)) <= 1  # hooks see the calls as they happen only when one session makes them
+    record = len(groups) > 1 or not live
+
+    def run(target, drafter, index: int) -> Recording | None:
+        recording = Recording(ModuleFunctions(drafter), outputs=False) if record else None
+        drives = drivers(kind, target, drafter, embeddings,
+                         None if recording is None else (ModuleFunctions(target), recording))
+        speculative.speculate(kind, *drives, prompts[index], tokens)
+        return recording
+
+    if not live:
+        recordings = over_prompts(run, len(prompts), sessions, target_modules, drafter_modules)
+        return _replayed(None, groups, drafter_modules, recordings)
     with _accumulating(drafter_modules.core, groups[0]) as accumulators:
-        target, drafter = drivers(kind, target_modules, drafter_modules, embeddings,
-                                  None if recording is None else (ModuleFunctions(target_modules), recording))
-        for prompt in prompts:
-            speculative.speculate(kind, target, drafter, prompt, tokens)
+        recordings = over_prompts(run, len(prompts), 1, target_modules, drafter_modules)
     first = _hessians(accumulators)
-    if recording is None:
+    if not record:
         return iter([first])  # nothing to replay: the drafter's modules are not held on
-    return _replayed(first, groups[1:], drafter_modules, recording)
+    return _replayed(first, groups[1:], drafter_modules, recordings)
 
 
-def _replayed(first: dict, later: list[list[str]], drafter_modules, recording: Recording) -> Iterator[dict]:
-    yield first
-    del first
+def _replayed(first: dict | None, later: list[list[str]], drafter_modules,
+              recordings: list[Recording]) -> Iterator[dict]:
+    if first is not None:
+        yield first
+        del first
     for group in later:
         with _accumulating(drafter_modules.core, group) as accumulators:
-            for function, inputs, _ in recording.calls:
-                if function == "reset":
-                    drafter_modules.reset()
-                else:
-                    drafter_modules.call(function, **inputs)
+            for recording in recordings:
+                for function, inputs, _ in recording.calls:
+                    if function == "reset":
+                        drafter_modules.reset()
+                    else:
+                        drafter_modules.call(function, **inputs)
         yield _hessians(accumulators)
+
+
+def over_prompts(run: Callable[[object, object, int], T], prompts: int, sessions: int, target_modules,
+                 drafter_modules=None) -> list[T]:
+    """``run(target, drafter, index)`` for every prompt index, in prompt order of results, over ``sessions`` prompts at
+    a time: each session its own states over the shared modules (``ExportModules.session``; the first session the
+    modules themselves), taking the next prompt when it is done with one, all run in step (``export.lockstep.in_step``:
+    a weight's block made once for every session, each session's outputs those it computes alone). Each prompt's run
+    starts from reset states, so which session runs it changes nothing."""
+    count = max(1, min(sessions, prompts))
+    if count == 1:
+        return [run(target_modules, drafter_modules, i) for i in range(prompts)]
+    results: list = [None] * prompts
+    taken, lock = iter(range(prompts)), threading.Lock()
+
+    def session(target, drafter) -> None:
+        while True:
+            with lock:
+                index = next(taken, None)
+            if index is None:
+                return
+            results[index] = run(target, drafter, index)
+
+    pairs = [(target_modules, drafter_modules)] + [
+        (target_modules.session(), None if drafter_modules is None else drafter_modules.session())
+        for _ in range(count - 1)]
+    in_step([functools.partial(session, *pair) for pair in pairs])
+    return results
 
 
 def _hessians(accumulators: dict[str, HessianAccumulator]) -> dict[str, torch.Tensor]:
@@ -295,24 +345,30 @@ def drivers(kind: str, target_modules, drafter_modules, embeddings: np.ndarray, 
     return target, speculative.NGramDrafter()
 
 
-def greedy_references(target_modules, prompts: list[list[int]], tokens: int) -> list[tuple[list[int], list]]:
-    """Plain greedy decoding of each prompt (ids and the logits each was chosen from): the lossless reference."""
-    target = module_driver(target_modules)
-    return [target.greedy(prompt, tokens) for prompt in prompts]
+def greedy_references(target_modules, prompts: list[list[int]], tokens: int,
+                      sessions: int = 1) -> list[tuple[list[int], list]]:
+    """Plain greedy decoding of each prompt (ids and the logits each was chosen from): the lossless reference;
+    ``sessions`` prompts at a time (``over_prompts``)."""
+    return over_prompts(lambda target, _, i: module_driver(target).greedy(prompts[i], tokens), len(prompts), sessions,
+                        target_modules)
 
 
 def accept(kind: str, target_modules, drafter_modules, prompts: list[list[int]], tokens: int,
-           embeddings: np.ndarray, references: list,
-           functions: tuple | None = None) -> tuple[dict, list[speculative.PromptRun]]:
+           embeddings: np.ndarray, references: list, functions: tuple | None = None,
+           sessions: int = 1) -> tuple[dict, list[speculative.PromptRun]]:
     """Speculative decoding over ``prompts`` and the lossless check against ``references`` (plain greedy of
-    the same target: ``greedy_references`` of these prompts); on ``functions`` (see ``drivers``) when given."""
-    target, drafter = drivers(kind, target_modules, drafter_modules, embeddings, functions)
+    the same target: ``greedy_references`` of these prompts); on ``functions`` (see ``drivers``) when given, else on
+    the modules, ``sessions`` prompts at a time (``over_prompts``)."""
+    def run(target, drafter, index: int):
+        return speculative.speculate(kind, *drivers(kind, target, drafter, embeddings, functions), prompts[index],
+                                     tokens)
+
+    results = over_prompts(run, len(prompts), 1 if functions else sessions, target_modules, drafter_modules)
     runs = []
-    for prompt, (greedy_ids, greedy_logits) in zip(prompts, references, strict=True):
-        run, spec_logits = speculative.speculate(kind, target, drafter, prompt, tokens)
-        speculative.check_lossless(run, greedy_ids, spec_logits, greedy_logits, NEAR_TIE_LOGITS)
-        runs.append(run)
-    width = target.widths["verify"]
+    for (run_, spec_logits), (greedy_ids, greedy_logits) in zip(results, references, strict=True):
+        speculative.check_lossless(run_, greedy_ids, spec_logits, greedy_logits, NEAR_TIE_LOGITS)
+        runs.append(run_)
+    width = target_modules.widths["verify"]
     stats = speculative.ngram_stats(runs, width) if kind == "ngram" else speculative.acceptance_stats(runs, width)
     return stats, runs
 

@@ -70,7 +70,7 @@ def shipped_drafter(plan, target: TargetModules, target32: TargetModules):
                    f"{spec.tokens} generated ({spec.corpus})"):
             hessians = drafter.calibration_hessians(
                 dplan.kind, target32, compute_copy(modules, torch.float32, share_weights=True), prompts, spec.tokens,
-                drafter.anchor_table(target))
+                drafter.anchor_table(target), plan.drafter_sessions)
     replays = "" if hessians is None else (
         f"; Hessians of {len(drafter.hessian_groups(modules.core))} groups of linears, all but the first by replaying "
         "the calibration's drafter calls")
@@ -87,7 +87,7 @@ def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_
     target upcast) unless ``functions`` (the target's and the drafter's, e.g. Core AI sessions of the packages)
     are given; the fp16 drafter of the A/B then runs as torch modules against that target (no fp16 package is
     shipped). Bytes are a property of the graphs and are metered on the torch modules."""
-    dplan, spec = plan.drafter, plan.drafter.config.accept
+    dplan, spec, sessions = plan.drafter, plan.drafter.config.accept, plan.drafter_sessions
     embeddings = drafter.anchor_table(target)
     drafter32 = compute_copy(modules, torch.float32, share_weights=True)
 
@@ -96,14 +96,14 @@ def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_
 
     with stage(f"accept: {len(prompts)} prompts x {tokens} tokens, speculative vs greedy"):
         stats, runs = drafter.accept(dplan.kind, target32, drafter32, prompts, tokens, embeddings, references,
-                                     functions)
+                                     functions, sessions)
     drafter.raise_if_lossy(stats, runs)
     with stage("economics: bytes read per call (one metered run)"):
         economics = drafter.economics(dplan.kind, target, target32, modules, drafter32, prompts[0], tokens,
                                       embeddings, stats["tokens_per_round"])
     with stage("n-gram baseline: prompt lookup on the same prompts and target (no package)"):
         ngram, ngram_runs = drafter.accept("ngram", target32, None, prompts, tokens, embeddings, references,
-                                           with_drafter(None))
+                                           with_drafter(None), sessions)
     drafter.raise_if_lossy(ngram, ngram_runs)
     ngram["predicted_speedup"] = ngram_speedup(ngram, economics["verify_cost"])
     acceptance = {**stats, "economics": economics, "ngram": ngram}
@@ -112,7 +112,7 @@ def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_
     base32 = compute_copy(fp16_modules, torch.float32, share_weights=True)
     with stage("A/B: the fp16 drafter on the same prompts"):
         base_stats, base_runs = drafter.accept(dplan.kind, target32, base32, prompts, tokens, embeddings,
-                                               references, with_drafter(ModuleFunctions(base32)))
+                                               references, with_drafter(ModuleFunctions(base32)), sessions)
     ab = drafter.ab_verdict(paired_ab(base_runs, runs), spec.max_p_value)
     ab["fp16_tokens_per_round"] = base_stats["tokens_per_round"]
     if ab["significant_loss"]:
@@ -129,7 +129,7 @@ def measure_held_out(plan, target: TargetModules, target32: TargetModules, modul
     same modules."""
     (prompts, data), tokens = held_out, plan.drafter.config.accept.tokens
     with stage(f"plain greedy decoding: {len(prompts)} held-out prompts x {tokens} tokens"):
-        references = drafter.greedy_references(target32, prompts, tokens)
+        references = drafter.greedy_references(target32, prompts, tokens, plan.drafter_sessions)
     acceptance, ab = measure(plan, target, target32, modules, fp16_modules, prompts, tokens, references)
     return {"data": data, **acceptance}, ab
 

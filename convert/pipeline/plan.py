@@ -4,6 +4,7 @@ parts, memory, the drafter's plan), refused before any weight is read when it ca
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -23,7 +24,7 @@ from convert.inputs.sources import Snapshot, resolve
 from convert.models import dflash2, family_for, family_of, mtp
 from convert.models.layout import Layout
 from convert.models.part import Part
-from convert.pipeline.drafter import DrafterPlan, plan_drafter
+from convert.pipeline.drafter import MAX_SESSIONS, DrafterPlan, plan_drafter
 from convert.pipeline.partition import (
     BASE_BYTES,
     WHOLE_BYTES_PER_PARAMETER,
@@ -81,14 +82,35 @@ class Plan:
     @property
     def drafter_stage_bytes(self) -> int:
         """Host memory of the drafter stage (0 without a drafter): the target as it holds it, beside the drafter's
-        own whole build."""
+        own whole build and the sessions it runs prompts in (``drafter_sessions``)."""
         if not self.drafter:
             return 0
+        return self.drafter_base_bytes + self.drafter_sessions * self.drafter_session_bytes
+
+    @property
+    def drafter_base_bytes(self) -> int:
+        """The drafter stage without its sessions: the target as it holds it, the drafter's own build."""
         return BASE_BYTES + self.drafter_stage_target_bytes + self.drafter_own_bytes
 
     @property
     def drafter_own_bytes(self) -> int:
         return WHOLE_BYTES_PER_PARAMETER * self.drafter.args.parameter_count
+
+    @property
+    def drafter_session_bytes(self) -> int:
+        """One session of the drafter stage: the states of the target's and the drafter's fp32 compute copies (every
+        state counted at 4 bytes an element)."""
+        states = [*self.specs[0].states, *self.drafter.specs[0].states]
+        return sum(4 * math.prod(s.shape) for s in states)
+
+    @property
+    def drafter_sessions(self) -> int:
+        """Prompts the drafter stage runs at once (``convert.pipeline.drafter.over_prompts``): as many sessions as
+        ``target.max_host_memory_gb`` holds beside the rest of the stage, at least one, at most
+        ``drafter.MAX_SESSIONS`` (each block of a weight is made once for all of them:
+        ``bench/sessions_in_step.py``)."""
+        room = self.recipe.target.max_host_memory_gb * 1e9 - self.drafter_base_bytes
+        return int(min(MAX_SESSIONS, max(1, room // self.drafter_session_bytes)))
 
 
 def make_plan(recipe_path: Path, output: str | None = None, cache_root: Path | None = None) -> Plan:
@@ -139,8 +161,10 @@ def _check_host_memory(plan: Plan) -> None:
 
 def _drafter_stage_parts(plan: Plan) -> str:
     held = " with its fp32 compute copy" if plan.parts[0].is_whole else ", its quantized weights as packed codes"
+    sessions = plan.drafter_sessions
     return (f"the target{held}: {plan.drafter_stage_target_bytes / 1e9:.1f} GB; the drafter's own build: "
-            f"{plan.drafter_own_bytes / 1e9:.1f} GB")
+            f"{plan.drafter_own_bytes / 1e9:.1f} GB; {sessions} session{'s' if sessions > 1 else ''} of prompts run at "
+            f"once, {'their' if sessions > 1 else 'its'} states {sessions * plan.drafter_session_bytes / 1e9:.2f} GB")
 
 
 def describe_plan(plan: Plan) -> list[str]:
