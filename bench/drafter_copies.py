@@ -22,12 +22,11 @@ from bench.lean_target import ternary
 from bench.part_memory import Sampler
 from bench.release_rehearsal import drafter_config
 from bench.scale import _machine
-from convert.export.functions import compute_copy
+from convert.export.functions import compute_copy, parameters_on_meta
 from convert.export.quantized import CodesLinear, HalfLinear
 from convert.models.dflash2 import DFlash2Args
 from convert.models.dflash2.core import DFlash2Core
 from convert.models.dflash2.export import ENTRIES, DrafterFunction, DrafterModules, function_specs
-from convert.weights.stream import parameters_on_meta
 
 RING, UPDATE, APPEND, CONTEXT = 2048, 64, 8, 4096
 

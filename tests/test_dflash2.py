@@ -40,7 +40,7 @@ def drafter(tmp_path: Path, layout: str = "plain", **config_overrides):
 
 
 def modules(args, tensors, target, dtype=torch.float32):
-    return D.build_modules(args, tensors, target["lm_head"], target["embed_tokens"][args.mask_token_id], dtype,
+    return D.build_modules(args, dict(tensors), target["lm_head"], target["embed_tokens"][args.mask_token_id], dtype,
                            MAX_POSITIONS, ring_rows=RING, update_width=UPDATE, append_width=APPEND, logits=True)
 
 
@@ -148,6 +148,27 @@ def edit_main_file(directory: Path, edit) -> None:
     tensors = load_file(path)
     edit(tensors)
     save_file(tensors, str(path))
+
+
+def test_modules_take_each_tensor_as_cast_and_share_a_head_in_their_dtype(tmp_path, target):
+    """``build_modules`` fills a core made with its parameters on meta: each checkpoint tensor is taken out of the dict
+    as it is cast (its own memory map let go), and the target's head is shared when in the modules' dtype (at 27B a
+    core made in fp32 first and a copied head held 12.2 GiB at the peak: docs/benchmarks.md)."""
+    model, args, tensors = drafter(tmp_path)
+    expected = {k: v.half() for k, v in model.drafter_state().items()}
+    head = target["lm_head"].half()
+    modules = D.build_modules(args, tensors, head, target["embed_tokens"][args.mask_token_id], torch.float16,
+                              MAX_POSITIONS, ring_rows=RING, update_width=UPDATE, append_width=APPEND)
+    assert tensors == {}
+    state = modules.core.drafter_state()
+    assert sorted(state) == sorted(expected) and all(torch.equal(state[k], expected[k]) for k in expected)
+    assert all(p.device.type == "cpu" and p.dtype == torch.float16 for p in modules.core.parameters())
+    assert modules.core.lm_head.weight.data_ptr() == head.data_ptr()
+    in_fp32 = D.build_modules(args, dict(drafter(tmp_path / "again")[2]), head,
+                              target["embed_tokens"][args.mask_token_id], torch.float32, MAX_POSITIONS,
+                              ring_rows=RING, update_width=UPDATE, append_width=APPEND)
+    assert in_fp32.core.lm_head.weight.data_ptr() != head.data_ptr()
+    assert torch.equal(in_fp32.core.lm_head.weight, head.float())
 
 
 @pytest.mark.parametrize(

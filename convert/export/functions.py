@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,8 @@ from torch import nn
 
 from convert.export.quantized import half_linears
 from convert.export.spec import FunctionSpec, TensorSpec
+
+META = torch.device("meta")
 
 
 class FunctionModule(nn.Module):
@@ -113,3 +117,21 @@ def compute_copy(modules, dtype: torch.dtype, in_place: bool = False, share_weig
 
 def _retype(tensor: TensorSpec, dtype_name: str) -> TensorSpec:
     return tensor if tensor.dtype == "int32" else TensorSpec(tensor.name, tensor.shape, dtype_name)
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory) and keep real buffers. A parameter
+    assigned twice (a tied lm_head) stays one object."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device != META:
+            param = nn.Parameter(param.to(META), requires_grad=False)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register

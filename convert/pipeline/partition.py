@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from convert.errors import InputError
+from convert.export.functions import parameters_on_meta
 from convert.export.spec import FunctionSpec, size_text
 from convert.models import family_of
 from convert.models.part import ROW_ALIGN, Part
 from convert.weights.quantize import kept_modules
-from convert.weights.stream import parameters_on_meta
 
 MB = 10**6
 GB = 10**9

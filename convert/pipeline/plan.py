@@ -14,6 +14,7 @@ from torch import nn
 
 from convert import fields
 from convert.errors import InputError, SourceUnavailable
+from convert.export.functions import parameters_on_meta
 from convert.export.spec import SHIP_DTYPE, FunctionSpec, function_lines, size_lines
 from convert.inputs import contract
 from convert.inputs.checkpoint import checkpoint_shapes
@@ -36,7 +37,6 @@ from convert.pipeline.partition import (
     shipped_line,
 )
 from convert.weights.quantize import estimate_lines, kept_modules
-from convert.weights.stream import parameters_on_meta
 from convert.weights.target import function_specs
 
 

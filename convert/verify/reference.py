@@ -29,11 +29,12 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 
+from convert.export.functions import META
 from convert.inputs.checkpoint import checkpoint_shapes, open_checkpoint
 from convert.inputs.sources import read_json
 from convert.models import family_for
 from convert.progress import steps
-from convert.weights.stream import META, release_free_memory
+from convert.weights.stream import release_free_memory
 
 
 @dataclass

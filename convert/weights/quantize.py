@@ -35,6 +35,7 @@ from torch import nn
 
 from convert import cache as build_cache
 from convert.errors import InputError
+from convert.export.functions import parameters_on_meta
 from convert.export.spec import SHIP_DTYPE
 from convert.inputs.prism import PackedModule, core_name, exact_weight, read_pack_once
 from convert.inputs.recipe import Quantization
@@ -42,7 +43,7 @@ from convert.inputs.sources import CheckpointReader
 from convert.models import family_of
 from convert.models.layout import Layout
 from convert.progress import console, steps
-from convert.weights.stream import Streamer, checkpoint_key, parameters_on_meta, skeleton
+from convert.weights.stream import Streamer, checkpoint_key, skeleton
 from manifests import identity
 from quant.affine import quantize_affine
 from quant.calibrate import (

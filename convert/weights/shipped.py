@@ -14,14 +14,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from convert.export.functions import compute_copy
+from convert.export.functions import compute_copy, parameters_on_meta
 from convert.export.quantized import QuantizedEmbedding, QuantizedLinear, apply_quantized
 from convert.export.spec import SHIP_DTYPE
 from convert.inputs.checkpoint import open_checkpoint
 from convert.models import family_of
 from convert.models.part import Part
 from convert.weights.quantize import QuantizeResult
-from convert.weights.stream import Streamer, parameters_on_meta, release_free_memory, skeleton
+from convert.weights.stream import Streamer, release_free_memory, skeleton
 from convert.weights.target import TargetModules, modules_over
 
 

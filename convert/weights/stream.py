@@ -8,35 +8,13 @@ of the fp16 modules would hold them. Peak memory is one module's weights, whatev
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 
+from convert.export.functions import META, parameters_on_meta
 from convert.inputs.checkpoint import Reader
 from convert.models import family_of
 from convert.models.layout import Layout
-
-META = torch.device("meta")
-
-
-@contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Modules built inside get their parameters on the meta device (no memory) and keep real buffers. A parameter
-    assigned twice (a tied lm_head) stays one object."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device != META:
-            param = nn.Parameter(param.to(META), requires_grad=False)
-        register(module, name, param)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 def skeleton(args, target, ship_dtype: torch.dtype, work_dtype: torch.dtype, device: torch.device | str) -> nn.Module:

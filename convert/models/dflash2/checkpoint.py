@@ -67,7 +67,8 @@ def checkpoint_files(directory: Path) -> list[Path]:
 
 
 def load_checkpoint(directory: Path) -> tuple[DFlash2Args, dict[str, torch.Tensor]]:
-    """Read config and tensors of a drafter checkpoint (safetensors only): canonical key -> tensor as stored."""
+    """Read config and tensors of a drafter checkpoint (safetensors only): canonical key -> tensor as stored, each
+    memory-mapped on its own (its pages held while it is, not while every tensor of its file is)."""
     directory = Path(directory)
     config_path = directory / "config.json"
     args = DFlash2Args.from_config(read_json(config_path), str(config_path))
@@ -75,9 +76,7 @@ def load_checkpoint(directory: Path) -> tuple[DFlash2Args, dict[str, torch.Tenso
     mapping = sanitize({f.name: check_safetensors(f) for f in files}, args)
     by_name = {f.name: f for f in files}
     tensors: dict[str, torch.Tensor] = {}
-    for file in sorted({file for file, _ in mapping.values()}):
+    for canonical, (file, key) in sorted(mapping.items(), key=lambda item: item[1]):
         with safe_open(str(by_name[file]), framework="pt") as handle:
-            for canonical, (source_file, key) in mapping.items():
-                if source_file == file:
-                    tensors[canonical] = handle.get_tensor(key)
+            tensors[canonical] = handle.get_tensor(key)
     return args, tensors

@@ -143,14 +143,20 @@ class DFlash2Weights(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (args.rope_theta**exponents), persistent=False)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Fill every parameter from canonical keys (as ``load_checkpoint`` returns them)."""
-        own = {k: v for k, v in self.state_dict().items() if k in expected_shapes(self.args)}
-        missing = sorted(set(expected_shapes(self.args)) - set(tensors))
+        """Fill every parameter from canonical keys (as ``load_checkpoint`` returns them), each tensor taken out of
+        ``tensors`` as it is cast to its parameter's dtype and set in its place. A core built with its parameters on
+        meta (``export.build_modules``) gets them here, and a checkpoint's memory-mapped tensor is let go once cast: at
+        the 27B drafters' size, a core made in fp32 first beside the checkpoint's pages held 12.2 GiB at the peak
+        (``bench/drafter_load.py``)."""
+        keys = expected_shapes(self.args)
+        missing = sorted(set(keys) - set(tensors))
         if missing:
             raise InputError(f"drafter weights: tensor {missing[0]!r} is missing")
-        with torch.no_grad():
-            for key, param in own.items():
-                param.copy_(tensors[key].to(param.dtype))
+        for key in keys:
+            owner, _, name = key.rpartition(".")
+            module = self.get_submodule(owner)
+            value = tensors.pop(key).to(module._parameters[name].dtype, copy=True)
+            module._parameters[name] = nn.Parameter(value, requires_grad=False)
 
     def drafter_state(self) -> dict[str, torch.Tensor]:
         """The parameters by canonical key (what a checkpoint stores)."""
@@ -190,9 +196,11 @@ class DFlash2Core(DFlash2Weights):
         self.register_buffer("kv_head_index", torch.arange(args.num_key_value_heads)[:, None], persistent=False)
 
     def set_target(self, lm_head_weight: torch.Tensor, mask_embedding: torch.Tensor, mask_scale: float = 1.0) -> None:
-        """Borrow the target's ``lm_head`` [vocab, H] and mask row [H] (scaled in fp32, then cast)."""
+        """Borrow the target's ``lm_head`` [vocab, H] (its tensor itself when it is in this core's dtype, not a copy: at
+        27B a head is 2.5 GB in fp16) and mask row [H] (scaled in fp32, then cast)."""
+        dtype = self.lm_head.weight.dtype
+        self.lm_head.weight = nn.Parameter(lm_head_weight.detach().to(dtype), requires_grad=False)
         with torch.no_grad():
-            self.lm_head.weight.copy_(lm_head_weight.to(self.lm_head.weight.dtype))
             self.mask_embedding.copy_((mask_embedding.float() * mask_scale).to(self.mask_embedding.dtype))
 
     @property

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from convert.errors import InputError
-from convert.export.functions import ExportModules, FunctionModule
+from convert.export.functions import ExportModules, FunctionModule, parameters_on_meta
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.dflash2.config import DFlash2Args
 from convert.models.dflash2.core import DFlash2Core
@@ -83,8 +83,9 @@ def build_modules(args: DFlash2Args, tensors: dict[str, torch.Tensor], lm_head_w
                   mask_embedding: torch.Tensor, dtype: torch.dtype, max_positions: int, ring_rows: int = 2048,
                   update_width: int = 64, append_width: int = 8, mask_scale: float = 1.0,
                   draft_width: int | None = None, logits: bool = False) -> DrafterModules:
-    """Export modules in ``dtype`` over one core (drafter ``tensors`` by canonical key, the target's ``lm_head``
-    weight [vocab, H] and raw mask row [H], scaled here by ``mask_scale``) and one set of ring states.
+    """Export modules in ``dtype`` over one core (drafter ``tensors`` by canonical key, each taken out of the dict as
+    it is set; the target's ``lm_head`` weight [vocab, H], shared when it is in ``dtype``, and raw mask row [H], scaled
+    here by ``mask_scale``) and one set of ring states.
 
     ``max_positions`` sizes the fp32 RoPE tables: context rows and block anchors must sit below it (a block
     starting at ``max_positions - 1`` still fits). ``logits`` adds the [1, S-1, vocab] logits output to ``draft``.
@@ -94,8 +95,11 @@ def build_modules(args: DFlash2Args, tensors: dict[str, torch.Tensor], lm_head_w
         if tuple(tensor.shape) != shape:
             raise InputError(f"the target's {name} is {list(tensor.shape)}; this drafter needs {list(shape)}")
     specs = function_specs(args, update_width, append_width, ring_rows, dtype, draft_width, logits)
-    # the fp32 RoPE tables are cast with the core: the same values as a lookup in fp32 followed by the cast
-    core = DFlash2Core(args, ring_rows, max_positions, draft_width).to(dtype).eval()
+    # the parameters on meta until the checkpoint's fill them (no core made in fp32 first); the fp32 RoPE tables are
+    # cast with the core: the same values as a lookup in fp32 followed by the cast
+    with parameters_on_meta():
+        core = DFlash2Core(args, ring_rows, max_positions, draft_width)
+    core = core.to(dtype).eval()
     core.load_weights(tensors)
     core.set_target(lm_head_weight, mask_embedding, mask_scale)
     for p in core.parameters():
