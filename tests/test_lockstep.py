@@ -97,3 +97,29 @@ def test_one_call_runs_alone_in_this_thread():
     here = []
     assert in_step([lambda: here.append(threading.current_thread()) or 7]) == [7]
     assert here == [threading.main_thread()]
+
+
+def test_rows_made_outside_a_meeting_in_several_sessions_at_once_are_each_sessions_own():
+    """An anchor row (``embedding_rows`` of a table held as codes) is made in a session's own thread, outside any
+    meeting, while other sessions make theirs: each thread writes workspaces of its own (one shared set mixed rows)."""
+    from convert.export.quantized import embedding_rows
+
+    generator = torch.Generator().manual_seed(1)
+    quantized = QuantizedWeight("affine4", torch.randint(0, 16, (6000, COLUMNS), dtype=torch.uint8,
+                                                          generator=generator), 64,
+                                scale=(torch.rand(6000, COLUMNS // 64, generator=generator) * 0.01).half(),
+                                zero_point=torch.randint(0, 16, (6000, COLUMNS // 64), dtype=torch.uint8,
+                                                         generator=generator))
+    table = CodesLinear("embed_tokens", quantized, embedding=True)
+    linears = _linears()
+
+    def session(seed: int) -> list[torch.Tensor]:
+        tokens = torch.randint(0, 6000 - 2048, (6,), generator=torch.Generator().manual_seed(seed))
+        out = []
+        for token in tokens.tolist():
+            out.append(embedding_rows(table, token, token + 2048))  # two blocks of rows: the workspaces in use a while
+            out.extend(_session(linears, 8, 1, seed))
+        return out
+
+    alone = [session(seed) for seed in range(4)]
+    assert _equal(in_step([lambda s=s: session(s) for s in range(4)]), alone)

@@ -8,9 +8,9 @@ at a linear; then the largest group waiting at one linear is computed: each bloc
 session's product taken with it as the session's own call alone takes it (the same GEMM of the same rows), so every
 session's outputs are bit for bit those it computes alone.
 
-One group computes at a time and nothing else runs meanwhile, so the linears' shared workspaces are never in use
-twice. The schedule does not depend on thread timing: between two meetings every session runs alone, on its own
-states, and which group computes next depends only on where the sessions wait.
+One group computes at a time and nothing else runs meanwhile; between meetings the sessions run at once, each on its
+own states (the linears' workspaces are a thread's own: ``export.quantized._workspace``). The schedule does not
+depend on thread timing: which group computes next depends only on where the sessions wait.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ import copy
 import functools
 import hashlib
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -275,14 +276,18 @@ sixth of the speed: each fresh block was a fresh mapping of memory, page-faulted
 MIN_BLOCK_ROWS = 16
 """A block's fp32 product is the whole matrix's bit for bit only from this many rows up: a GEMM over 9 output rows or
 fewer sums in another order on this project's CPUs (16 and more matched at every width and shape tried)."""
-_WORKSPACES: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+_WORKSPACES = threading.local()
 
 
 def _workspace(role: str, count: int, dtype: torch.dtype) -> torch.Tensor:
-    """A flat buffer of ``count`` elements for ``role``, grown as needed and reused by every ``CodesLinear`` call."""
-    buffer = _WORKSPACES.get((role, dtype))
+    """A flat buffer of ``count`` elements for ``role``, grown as needed and reused by every ``CodesLinear`` and
+    ``HalfLinear`` call of this thread: one set a thread, since the drafter stage's sessions run in threads
+    (``export.lockstep``), and an anchor row made in one (``embedding_rows``) must not write the buffers a group's
+    linear is computing from in another."""
+    buffers = _WORKSPACES.__dict__
+    buffer = buffers.get((role, dtype))
     if buffer is None or buffer.numel() < count:
-        buffer = _WORKSPACES[role, dtype] = torch.empty(count, dtype=dtype)
+        buffer = buffers[role, dtype] = torch.empty(count, dtype=dtype)
     return buffer[:count]
 
 
