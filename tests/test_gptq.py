@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quant.affine import fit_affine, quantize_affine, round_affine
-from quant.gptq import GPTQError, HessianAccumulator, LutRounder, gptq_quantize, output_error
+from quant.gptq import GPTQError, HessianAccumulator, LutRounder, gptq_quantize, inverse_factor, output_error
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -176,3 +176,38 @@ def test_refuses_mismatched_shapes_and_methods():
         gptq_quantize(weight(16, 128), torch.eye(64), "affine4", 64, name="layer")
     with pytest.raises(ValueError, match="unknown method"):
         gptq_quantize(weight(16, 128), torch.eye(128), "int3", 64)
+
+
+def _plain_inverse_factor(matrix: torch.Tensor, percdamp: float) -> tuple[torch.Tensor, float, int]:
+    """The inverse factor of an already arranged Hessian the plain way (a damped copy per try, every intermediate
+    kept): what ``inverse_factor`` computed before it made its matrices afresh and let each go."""
+    mean_diag, relative = float(matrix.diagonal().mean()), percdamp
+    for retry in range(10):
+        damped = matrix.clone()
+        damped.diagonal().add_(relative * mean_diag)
+        try:
+            factor = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True)
+            return factor, relative, retry
+        except torch.linalg.LinAlgError:
+            relative *= 10
+    raise AssertionError("no damping factored it")
+
+
+@pytest.mark.parametrize("act_order", [True, False])
+def test_the_inverse_factor_arranged_in_place_is_the_plain_ones_bit_for_bit(act_order):
+    x = correlated_inputs(128, 64, seed=16)  # singular, with dead columns, shifted indefinite: it takes retries
+    x[:, 100:116] = 0  # dead, and placed elsewhere by the order (a one on the diagonal sorts mid-way)
+    h = hessian_of(x)
+    live = h.diagonal() != 0
+    h.diagonal()[live] -= 0.3 * float(h.diagonal()[live].mean())
+    arranged = h.clone()
+    dead = arranged.diagonal() == 0
+    arranged.diagonal()[dead] = 1.0
+    order = torch.sort(arranged.diagonal(), descending=True, stable=True).indices if act_order else None
+    if order is not None:
+        assert not torch.equal(dead[order], dead)
+        arranged = arranged[order][:, order]
+    factor, damping, retries = inverse_factor(h, 0.01, "layer", order, dead)
+    plain, plain_damping, plain_retries = _plain_inverse_factor(arranged, 0.01)
+    assert retries == plain_retries >= 1 and damping == plain_damping
+    assert torch.equal(factor, plain)
