@@ -201,3 +201,25 @@ def test_prompts_run_in_sessions_give_the_runs_and_hessians_of_one_prompt_at_a_t
     replayed = list(drafter.calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors, sessions=2))
     assert len(live) == len(replayed) == 1 and list(live[0]) == list(replayed[0])
     assert all(torch.equal(live[0][name], replayed[0][name]) for name in live[0])
+
+
+def test_the_ab_reference_is_the_fp16_drafter_loaded_again_not_held_through_quantization(tmp_path):
+    """``shipped_drafter`` lets each fp16 weight go as it quantizes it and loads the drafter again for the A/B: the
+    reference computes with the checkpoint's fp16 weights and shares none of the quantized modules' storages."""
+    recipe = tmp_path / "pair.yaml"
+    recipe.write_text(RECIPE.read_text().replace("path:../fixtures", f"path:{RECIPE.parent.parent / 'fixtures'}")
+                      .replace("{method: lut4-gptq}", "{method: lut4}"))
+    plan = make_plan(recipe, str(tmp_path / "out"))
+    assert plan.drafter.config.quantization.method == "lut4"
+    target, _ = shipped_modules(plan)
+    before = drafter.build_modules(plan.drafter, plan.recipe, target, torch.float16)
+    modules, fp16, record = drafter_build.shipped_drafter(plan, target, compute_copy(target, torch.float32))
+    assert record["method"] == "lut4"
+    own = drafter.own_linears(fp16.core)
+    assert [n for n, _ in own] == [n for n, _ in drafter.own_linears(before.core)]
+    assert all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float16 for _, m in own)
+    assert all(torch.equal(m.weight, dict(drafter.own_linears(before.core))[n].weight) for n, m in own)
+    quantized = {t.untyped_storage().data_ptr() for m in modules.core.modules() if isinstance(m, CodesLinear)
+                 for t in m.buffers()}
+    assert not quantized & {t.untyped_storage().data_ptr() for t in fp16.core.parameters()}
+    assert len(quantized) > 10

@@ -287,23 +287,29 @@ def test_the_release_pairs_shape_builds_on_a_tiny_pack(written, tmp_path, monkey
     # a tiny pack's packages are mostly their fixed overhead (0.2 MB each), over any limit that parts its 118 KB of
     # weights: the size check is not what this test is about
     monkeypatch.setattr(build, "_check_part_size", lambda entry, max_part_mb: None)
-    # the drafter is packaged after the target's decoder layers are dropped: record how many it held then
-    targets, layers_when_packaged = [], []
+    # the drafter is quantized (GPTQ) and packaged with the target's decoder layers let go: record how many it held
+    targets, layers_when_quantized, layers_when_packaged = [], [], []
+    quantize = drafter_build.drafter.quantize
 
     def spy_build_drafter(plan, target, *args, **kwargs):
         targets.append(target)
         return build_drafter(plan, target, *args, **kwargs)
+
+    def spy_quantize(*args, **kwargs):
+        layers_when_quantized.append(len(targets[0].core.layers))
+        return quantize(*args, **kwargs)
 
     def spy_package_formats(*args, **kwargs):
         layers_when_packaged.append(len(targets[0].core.layers))
         return package_formats(*args, **kwargs)
 
     monkeypatch.setattr(build, "build_drafter", spy_build_drafter)
+    monkeypatch.setattr(drafter_build.drafter, "quantize", spy_quantize)
     monkeypatch.setattr(drafter_build, "package_formats", spy_package_formats)
     out = tmp_path / "bundle"
     result = CliRunner().invoke(main, ["build", str(recipe), "-o", str(out)])
     assert result.exit_code == 0, result.output
-    assert layers_when_packaged == [0]
+    assert layers_when_quantized == [0] and layers_when_packaged == [0]
     check = CliRunner().invoke(main, ["check-pair", str(out / "drafter"), str(out / "target")])
     assert check.exit_code == 0, check.output
     drafter_manifest = json.loads((out / "drafter" / "manifest.json").read_text())
@@ -350,16 +356,24 @@ def test_a_lean_target_gives_the_drafter_stage_the_dense_targets_results(written
     shared = {m.words.data_ptr() for m in lean32.core.modules() if isinstance(m, CodesLinear)}
     assert shared == {m.words.data_ptr() for m in codes}
 
-    results = []
+    results, layers_in_gptq = [], []
+
+    def reload_layers():  # as a parted build loads the layers again after GPTQ, which ran without them
+        layers_in_gptq.append(len(lean.core.layers))
+        return PartLoader(plan, exact_result(plan)).load([Part.whole(plan.args)], lean=True)[0].core.layers
+
     for target in (dense, lean):
         target32 = compute_copy(target, torch.float32)
-        modules, fp16, record = drafter_build.shipped_drafter(plan, target, target32)
+        modules, fp16, record = drafter_build.shipped_drafter(plan, target, target32,
+                                                              reload_layers if target is lean else None)
+        target32 = compute_copy(target, torch.float32)
         acceptance, ab = drafter_build.measure_held_out(plan, target, target32, modules, fp16,
                                                         drafter_build.held_out_prompts(plan))
         prompt = drafter_build.held_out_prompts(plan)[0][0][:24]
         calls = drafter.recorded_calls("dflash2", target, modules, prompt, 4, drafter.anchor_table(target))
         packaged_from_codes(modules.core)
         results.append((modules, record, acceptance, ab, calls))
+    assert layers_in_gptq == [0] and len(lean.core.layers) == len(dense.core.layers) == 2
     (dense_drafter, *dense_rest), (lean_drafter, *lean_rest) = results
     record, acceptance, ab, calls = lean_rest
     assert record == dense_rest[0] and ab == dense_rest[2]

@@ -168,8 +168,9 @@ def test_a_streamed_gate_over_the_host_memory_budget_is_refused_before_any_work(
 
 def test_a_drafter_stage_over_the_host_memory_budget_is_refused_by_name(tmp_path, monkeypatch):
     # the drafter stage runs in the build process (one base), the parted target's stages beside it (two): weigh the
-    # tiny drafter as a drafter 100 times its size would weigh, so that its stage is the larger
-    monkeypatch.setattr(planning, "WHOLE_BYTES_PER_PARAMETER", 100 * partition.WHOLE_BYTES_PER_PARAMETER)
+    # tiny drafter's own share as a drafter 100 times its size would weigh, so that its stage is the larger
+    own_phase_bytes = planning.own_phase_bytes
+    monkeypatch.setattr(planning, "own_phase_bytes", lambda d: {k: 100 * v for k, v in own_phase_bytes(d).items()})
     text = (ROOT / "recipes" / "tiny_qwen3_5_dflash2.yaml").read_text()
     text = text.replace("path:../fixtures", f"path:{ROOT / 'fixtures'}").replace(
         "  context: 512\n", "  context: 512\n  max_part_mb: 3\n  quantization: {method: affine4}\n").replace(
@@ -178,19 +179,24 @@ def test_a_drafter_stage_over_the_host_memory_budget_is_refused_by_name(tmp_path
     recipe.write_text(text)
     plan = make_plan(recipe)
     target_alone = partition.build_memory_bytes(plan.args, plan.recipe.target, plan.parts, plan.specs)
-    # the drafter stage holds the parted target as its packed codes (held_target_bytes), beside the drafter's build
+    # the drafter stage holds the parted target as its packed codes (held_target_bytes) while it calls it, its tables
+    # alone while GPTQ runs and at packaging; the sessions' states (each the fp32 states of the target and the
+    # drafter) where prompts run
     lean = partition.held_target_bytes(plan.args, plan.recipe.target, lean=True)
     assert lean < 3 * plan.parameter_count  # affine4 codes and scales, not fp16 and fp32 (6 bytes a parameter)
-    assert plan.drafter_base_bytes == partition.BASE_BYTES + lean + \
-        planning.WHOLE_BYTES_PER_PARAMETER * plan.drafter.args.parameter_count > target_alone
-    # and the sessions it runs prompts in: each the fp32 states of the target and the drafter
+    phases = plan.drafter_phases
+    assert list(phases) == ["load", "calibrate", "quantize", "accept", "package"]
+    assert phases["load"]["target"] == phases["calibrate"]["target"] == phases["accept"]["target"] == lean
+    assert phases["quantize"]["target"] == phases["package"]["target"] < lean / 2
     states = [*plan.specs[0].states, *plan.drafter.specs[0].states]
     assert plan.drafter_session_bytes == sum(4 * math.prod(s.shape) for s in states)
-    assert plan.drafter_stage_bytes == plan.drafter_base_bytes + plan.drafter_sessions * plan.drafter_session_bytes
+    sessions = plan.drafter_sessions * plan.drafter_session_bytes
+    assert [p["sessions"] for p in phases.values()] == [0, sessions, 0, sessions, 0]
+    assert plan.drafter_stage_bytes == partition.BASE_BYTES + max(sum(p.values()) for p in phases.values()) \
+        > target_alone
     budget = (target_alone + plan.drafter_stage_bytes) / 2 / 1e9
     recipe.write_text(text.replace("  max_part_mb: 3\n", f"  max_part_mb: 3\n  max_host_memory_gb: {budget}\n"))
-    with pytest.raises(InputError, match=r"drafter: the drafter stage needs about \d+ GB \(the target, its quantized "
-                       r"weights as packed codes: \d+\.\d GB; the drafter's own build: \d+\.\d GB; 1 session of "
-                       r"prompts run at once, its states \d+\.\d\d GB\), over "
-                       r"target.max_host_memory_gb .*; build the target alone here"):
+    with pytest.raises(InputError, match=r"drafter: the drafter stage needs about \d+ GB \(its largest phase, "
+                       r"quantize: the target \(its quantized weights as packed codes\) [\d.]+ [KM]iB, the drafter "
+                       r"[\d.]+ [KMG]iB\), over target.max_host_memory_gb .*; build the target alone here"):
         make_plan(recipe)

@@ -6,8 +6,11 @@ Each stage is a plain function; ``spec-convert build`` calls ``make_plan`` then 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+
+from torch import nn
 
 from convert.cache import BuildCache
 from convert.errors import GateError
@@ -132,12 +135,13 @@ def build(plan: Plan, cache: BuildCache | None = None) -> Manifest:
     """
     failed_report = plan.output.resolve().parent / f"{plan.output.name}.{gates.REPORT_FILE}"
     cache = cache or BuildCache()
-    with staging(plan.output) as tmp:
+    with staging(plan.output) as tmp, ExitStack() as stack:
         target_dir = tmp / plan.target_dir.relative_to(plan.output)
         target_dir.mkdir(exist_ok=True)
-        manifest, modules = _build_target(plan, target_dir, failed_report, cache)
+        manifest, modules, reload_layers = _build_target(plan, target_dir, failed_report, cache, stack)
         if plan.drafter:
-            drafter_manifest = build_drafter(plan, modules, manifest, target_dir, tmp / "drafter", cache)
+            drafter_manifest = build_drafter(plan, modules, manifest, target_dir, tmp / "drafter", cache,
+                                             reload_layers)
             with stage("check-pair: the drafter's binding against the target bundle"):
                 problems = identity.pair_mismatches(drafter_manifest, manifest, target_dir)
             if problems:
@@ -145,12 +149,14 @@ def build(plan: Plan, cache: BuildCache | None = None) -> Manifest:
     return manifest
 
 
-def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache) -> tuple[Manifest, TargetModules]:
-    """One package per format from the whole modules in memory; a parted target part by part (``_build_parts``)."""
+def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
+                  stack: ExitStack) -> tuple[Manifest, TargetModules, Callable[[], nn.ModuleList] | None]:
+    """One package per format from the whole modules in memory; a parted target part by part (``_build_parts``).
+    Returns the manifest, the modules and (a parted target's) a loader of its decoder layers again."""
     with stage("hash source files"):
         source_files = file_records(plan.snapshot.source)
     if len(plan.parts) > 1:
-        return _build_parts(plan, out, failed_report, cache, source_files)
+        return _build_parts(plan, out, failed_report, cache, source_files, stack)
     modules, quantization = shipped_modules(plan, cache, {r.path: r.sha256 for r in source_files})
     report = gate(plan, modules, failed_report)
     packages = []
@@ -158,7 +164,7 @@ def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache)
         if done.format == "coreai":
             report.artifact = gates.artifact_from_check(done.path.name, done.check, done.check_seconds)
         packages.append(package_entry(done.format, done.path, out, done.check, done.compiled))
-    return _finish_target(plan, out, source_files, modules, packages, None, quantization, report), modules
+    return _finish_target(plan, out, source_files, modules, packages, None, quantization, report), modules, None
 
 
 def _finish_target(plan: Plan, out: Path, source_files, modules: TargetModules, packages, parts, quantization,
@@ -175,35 +181,39 @@ def _finish_target(plan: Plan, out: Path, source_files, modules: TargetModules, 
     return manifest
 
 
-def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
-                 source_files) -> tuple[Manifest, TargetModules | None]:
+def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, source_files,
+                 stack: ExitStack) -> tuple[Manifest, TargetModules | None, Callable[[], nn.ModuleList] | None]:
     """A parted target, which may be larger than host memory, with at most a part (or one decoder layer) of it
     loaded at a time: quantized into the cache (a scratch one beside the output under ``--no-cache``), gated
     layer by layer (``gates.gate_streamed``), packaged part by part (``convert.weights.shipped.PartLoader``). Above
     ``CHAINED_RUN_PARAMETERS`` the quantize stage, the gate and each part run in a fresh process
-    (``convert.processes``): this one holds none of their memory. Returns the manifest, and the whole modules when a
-    drafter needs them."""
+    (``convert.processes``): this one holds none of their memory. Returns the manifest, and when a drafter needs them
+    the whole modules, their quantized weights as packed codes, with a loader of their decoder layers again (the
+    drafter stage lets them go while it quantizes the drafter; ``stack`` keeps a scratch cache until then)."""
     run = in_fresh_process if plan.parameter_count > CHAINED_RUN_PARAMETERS else in_this_process
-    with ExitStack() as stack:
-        result = run(quantize_stage, plan, parts_cache(plan, cache, stack), {r.path: r.sha256 for r in source_files})
-        report = run(_gate_parts, plan, result)
-        _print_gate(report, failed_report)
-        loader = PartLoader(plan, result)
-        packages, parts = _package_parts(plan, loader, out, cache, report)
-        # the record reads every unit back (the tables' codes too) and needs only the core's names and shapes: from
-        # the outline, before the tables load (measured at the 27B width: the finish peaked at 13.9 GiB the other
-        # way round, 9.2 GiB this way)
-        quantization = _quantization_record(plan.recipe.target.quantization, result, loader.outline) \
-            if result is not None else None
-        with stage("load the embedding and the lm_head (identity hashes, drafter interface)"):
-            tables = loader.load([tables_part(plan.args)])[0]
-        manifest = _finish_target(plan, out, source_files, tables, packages, parts, quantization, report)
-        del tables
-        whole = None
-        if plan.drafter:
-            with stage("load the whole target for the drafter stage, its quantized weights as packed codes"):
-                whole = loader.load([Part.whole(plan.args)], lean=True)[0]
-    return manifest, whole
+    result = run(quantize_stage, plan, parts_cache(plan, cache, stack), {r.path: r.sha256 for r in source_files})
+    report = run(_gate_parts, plan, result)
+    _print_gate(report, failed_report)
+    loader = PartLoader(plan, result)
+    packages, parts = _package_parts(plan, loader, out, cache, report)
+    # the record reads every unit back (the tables' codes too) and needs only the core's names and shapes: from the
+    # outline, before the tables load (measured at the 27B width: the finish peaked at 13.9 GiB the other way round,
+    # 9.2 GiB this way)
+    quantization = _quantization_record(plan.recipe.target.quantization, result, loader.outline) \
+        if result is not None else None
+    with stage("load the embedding and the lm_head (identity hashes, drafter interface)"):
+        tables = loader.load([tables_part(plan.args)])[0]
+    manifest = _finish_target(plan, out, source_files, tables, packages, parts, quantization, report)
+    del tables
+    if not plan.drafter:
+        return manifest, None, None
+
+    def lean_whole() -> TargetModules:
+        return loader.load([Part.whole(plan.args)], lean=True)[0]
+
+    with stage("load the whole target for the drafter stage, its quantized weights as packed codes"):
+        whole = lean_whole()
+    return manifest, whole, lambda: lean_whole().core.layers
 
 
 def _gate_parts(plan: Plan, result: QuantizeResult | None) -> GateReport:

@@ -11,6 +11,7 @@ the target's shipped embedding row. The drafter's manifest binds it to that targ
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -38,6 +39,14 @@ from convert.inputs.recipe import Drafter, DrafterQuantization, Recipe
 from convert.inputs.sources import Snapshot, check_safetensors, resolve, tensor_shapes
 from convert.inputs.thresholds import NEAR_TIE_LOGITS
 from convert.models import dflash2, mtp
+from convert.models.dflash2.config import expected_shapes as dflash2_shapes
+from convert.models.mtp.config import canonical_shapes as mtp_shapes
+from convert.pipeline.partition import (
+    GPTQ_HESSIAN_COPIES,
+    GPTQ_WEIGHT_COPIES,
+    PACKAGING_BYTES_PER_LAYER_WEIGHT,
+    matrix_bytes,
+)
 from convert.runtime import speculative
 from convert.runtime.economics import MeteredFunctions, cost_model
 from convert.runtime.host import ModuleFunctions, TargetDriver, module_driver
@@ -164,16 +173,85 @@ def own_linears(core: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
 def hessian_groups(core: torch.nn.Module, budget: int | None = None) -> list[list[str]]:
     """The own linears in consecutive groups whose fp32 Hessians (features squared, 4 bytes each) stay within
     ``budget`` (default ``HESSIAN_GROUP_BYTES``); a linear over it is a group alone."""
+    return grouped_by_hessian([(name, module.in_features) for name, module in own_linears(core)], budget)
+
+
+def grouped_by_hessian(features: list[tuple[str, int]], budget: int | None = None) -> list[list[str]]:
+    """``hessian_groups`` of linears given as (name, input features)."""
     budget = HESSIAN_GROUP_BYTES if budget is None else budget
     groups, held = [[]], 0
-    for name, module in own_linears(core):
-        size = 4 * module.in_features**2
+    for name, columns in features:
+        size = 4 * columns**2
         if groups[-1] and held + size > budget:
             groups.append([])
             held = 0
         groups[-1].append(name)
         held += size
     return [g for g in groups if g]
+
+
+def own_shapes(plan: DrafterPlan) -> dict[str, tuple[int, ...]]:
+    """The drafter's own tensors by canonical name, with their shapes (the tables it borrows not among them)."""
+    return dflash2_shapes(plan.args) if plan.kind == "dflash2" else mtp_shapes(plan.args)
+
+
+def own_linear_shapes(plan: DrafterPlan) -> dict[str, tuple[int, int]]:
+    """Of ``own_shapes``, the linears' weights (what the drafter quantizes), [out, in]."""
+    return {name.removesuffix(".weight"): shape for name, shape in own_shapes(plan).items()
+            if len(shape) == 2 and name.endswith(".weight")}
+
+
+def own_phase_bytes(plan: DrafterPlan) -> dict[str, int]:
+    """The drafter's own host memory in each phase of its stage (``drafter_build``), from its shapes and the recipe
+    (nothing is read; the target and the sessions' states come on top, ``Plan.drafter_phases``):
+
+    - load: its fp16 modules (measured at 2.08 bytes a parameter at 27B, ``bench/drafter_load.py``);
+    - calibrate (GPTQ): those, their fp32 compute copy's other parameters (its linears share the fp16 weights), the
+      recorded drafter calls and the first group of Hessians;
+    - quantize: the fp16 modules (let go a linear at a time), the codes, the recording, a group of Hessians and GPTQ's
+      own memory for the linear that takes the most (``partition.GPTQ_HESSIAN_COPIES`` and ``GPTQ_WEIGHT_COPIES``);
+    - accept (and the A/B): the quantized modules (codes and fp16 other parameters), the fp16 reference loaded again
+      and the two fp32 copies' other parameters;
+    - package: the codes and other parameters, and the packaging's cost a weight (``PACKAGING_BYTES_PER_LAYER_WEIGHT``,
+      measured on the target's 27B parts)."""
+    quant = plan.config.quantization
+    shapes, linears = own_shapes(plan), own_linear_shapes(plan)
+    parameters = sum(math.prod(shape) for shape in shapes.values())
+    linear_weights = sum(rows * columns for rows, columns in linears.values())
+    others, fp16 = parameters - linear_weights, 2 * parameters
+    packaging = PACKAGING_BYTES_PER_LAYER_WEIGHT * linear_weights
+    if not quant.format:
+        return {"load": fp16, "accept": fp16 + 4 * others, "package": fp16 + packaging}
+    codes = sum(matrix_bytes(quant.format, quant.resolved_group_size, shape) for shape in linears.values())
+    phases = {"load": fp16, "accept": fp16 + codes + 2 * others + 8 * others,
+              "package": codes + 2 * others + packaging}
+    largest = max(4 * rows * columns for rows, columns in linears.values())
+    if not quant.uses_gptq:
+        phases["quantize"] = fp16 + codes + 2 * largest  # round to nearest: a weight in fp32 and its codes' work
+        return {phase: phases[phase] for phase in ("load", "quantize", "accept", "package")}
+    calibration = quant.calibration
+    recorded = recorded_bytes(plan, calibration.samples, calibration.length, calibration.tokens)
+    groups = grouped_by_hessian([(name, shape[1]) for name, shape in linears.items()])
+    hessians = max(sum(4 * linears[name][1] ** 2 for name in group) for group in groups)
+    gptq = max(GPTQ_HESSIAN_COPIES * 4 * columns**2 + GPTQ_WEIGHT_COPIES * 4 * rows * columns
+               for rows, columns in linears.values())
+    phases["calibrate"] = fp16 + 4 * others + recorded + hessians
+    phases["quantize"] = fp16 + codes + recorded + hessians + gptq
+    return {phase: phases[phase] for phase in ("load", "calibrate", "quantize", "accept", "package")}
+
+
+def recorded_bytes(plan: DrafterPlan, prompts: int, length: int, tokens: int) -> int:
+    """At most the inputs a calibration's recording keeps (``Recording(outputs=False)``) over ``prompts`` of ``length``
+    tokens and ``tokens`` generated: the prompt's context calls, then a round a token (a drafter that accepts
+    nothing), each round's calls' inputs as the driver passes them."""
+    inputs = {spec.name: sum(t.nbytes for t in spec.inputs) for spec in plan.specs}
+    if plan.kind == "dflash2":
+        prompt = -(-length // plan.widths["context_update"]) * inputs["context_update"]
+        round_ = inputs["context_append"] + inputs["draft"]
+    else:
+        prompt = -(-length // plan.widths["accept"]) * inputs["accept"]
+        round_ = inputs["accept"] + (plan.widths["accept"] - 2) * inputs["draft_step"]
+    return prompts * (prompt + tokens * round_)
 
 
 def calibration_hessians(kind: str, target_modules, drafter_modules, prompts: list[list[int]], tokens: int,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -53,15 +54,17 @@ def held_out_prompts(plan) -> tuple[list[list[int]], dict]:
     return text_prompts(plan, plan.drafter.config.accept, "drafter.accept.corpus")
 
 
-def shipped_drafter(plan, target: TargetModules, target32: TargetModules):
+def shipped_drafter(plan, target: TargetModules, target32: TargetModules,
+                    reload_layers: Callable[[], torch.nn.Module] | None = None):
     """(shipped modules, fp16 reference modules or None, quantization record or None). ``target32`` is the
-    shipped target computing in fp32, which GPTQ calibration drives."""
+    shipped target computing in fp32, which GPTQ calibration drives. With ``reload_layers`` (a loader of the target's
+    decoder layers, a parted build's) the target lets its decoder layers go once the calibration's target calls are
+    made, while GPTQ runs, and loads them again after (``target32``'s are then gone: make it again)."""
     dplan, quant = plan.drafter, plan.drafter.config.quantization
     with stage(f"load drafter {dplan.kind} ({dplan.snapshot.reference})"):
         modules = drafter.build_modules(dplan, plan.recipe, target, torch.float16)
     if quant.method == "none":
         return modules, None, None
-    fp16 = compute_copy(modules, torch.float16, share_weights=True)  # the weights quantize() swaps out: no copy
     hessians, calibration = None, None
     if quant.uses_gptq:
         spec = quant.calibration
@@ -72,10 +75,20 @@ def shipped_drafter(plan, target: TargetModules, target32: TargetModules):
                 dplan.kind, target32, compute_copy(modules, torch.float32, share_weights=True), prompts, spec.tokens,
                 drafter.anchor_table(target), plan.drafter_sessions)
     replays = "" if hessians is None else (
-        f"; Hessians of {len(drafter.hessian_groups(modules.core))} groups of linears, all but the first by replaying "
-        "the calibration's drafter calls")
+        f"; Hessians of {len(drafter.hessian_groups(modules.core))} groups of linears, from the calibration's drafter "
+        "calls replayed")
+    dropped = reload_layers is not None and hessians is not None
+    if dropped:  # the target's calls are made; at 27B its layers' codes are 6.8 GB beside GPTQ's largest Hessians
+        target.core.layers = target32.core.layers = torch.nn.ModuleList()
     with stage(f"quantize drafter {quant.method} (groups of {quant.resolved_group_size}{replays})"):
         record = drafter.quantize(modules, quant, hessians)
+    if dropped:
+        with stage("load the target's decoder layers again, as packed codes (let go while GPTQ ran)"):
+            target.core.layers = reload_layers()
+    # the A/B's fp16 reference, loaded again rather than held while the drafter was quantized (each linear's fp16
+    # weight is let go as it is quantized: at 27B the drafter's 3.85 GB beside GPTQ's largest Hessians)
+    with stage(f"load drafter {dplan.kind} again in fp16 (the A/B's reference)"):
+        fp16 = drafter.build_modules(dplan, plan.recipe, target, torch.float16)
     return modules, fp16, {**record, "calibration": calibration}
 
 
@@ -163,17 +176,21 @@ def format_ab(ab: dict) -> str:
             f"{ab['accepted_other']}")
 
 
-def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target_dir: Path, out: Path, cache=None):
+def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target_dir: Path, out: Path, cache=None,
+                  reload_layers: Callable[[], torch.nn.Module] | None = None):
     """The drafter's bundle in ``out``: its modules quantized as the recipe says, acceptance measured, packages (from
     the build ``cache`` when given: their keys hold the calls their check replays) and manifest. ``target`` is spent:
     once the drafter's check calls are recorded, its decoder layers are dropped (at 27B, 7.5 GB of codes the
-    packaging does not read; the tables the drafter borrows are its own layers by then)."""
+    packaging does not read; the tables the drafter borrows are its own layers by then). ``reload_layers``: see
+    ``shipped_drafter``."""
     dplan = plan.drafter
     out.mkdir()
     with stage("hash drafter source files"):
         source_files = file_records(dplan.snapshot.directory)
     target32 = compute_copy(target, torch.float32, share_weights=True)
-    modules, fp16_modules, quantization = shipped_drafter(plan, target, target32)
+    modules, fp16_modules, quantization = shipped_drafter(plan, target, target32, reload_layers)
+    if reload_layers is not None:
+        target32 = compute_copy(target, torch.float32, share_weights=True)  # over the layers loaded again
     held_out = held_out_prompts(plan)
     acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules, held_out)
     del target32  # packaging needs only the fp16 modules; the fp32 copy of the target is freed

@@ -55,6 +55,11 @@ PACKAGING_BYTES_PER_TABLE_WEIGHT = 7
 # in the build process alone): 9.2 GiB measured for the two 248320 x 5120 tables, about 3.7 bytes a table weight
 FINISH_BYTES_PER_TABLE_WEIGHT = 4
 WHOLE_BYTES_PER_PARAMETER = 12
+# GPTQ of one linear on the CPU holds, above its weight and its Hessian, about GPTQ_HESSIAN_COPIES more matrices of
+# the Hessian's size and GPTQ_WEIGHT_COPIES fp32 copies of the weight (bench/gptq_memory.py at the 27B drafters' fc,
+# [5120, 25600], and down_proj, [5120, 17408]: 8.98 and 5.03 GB measured, 1.89 Hessians and 7.7 weights fitted)
+GPTQ_HESSIAN_COPIES = 2
+GPTQ_WEIGHT_COPIES = 8
 
 
 # ------------------------------------------------------------------------------------------------ planning

@@ -15,7 +15,7 @@ from torch import nn
 from convert import fields
 from convert.errors import InputError, SourceUnavailable
 from convert.export.functions import parameters_on_meta
-from convert.export.spec import SHIP_DTYPE, FunctionSpec, function_lines, size_lines
+from convert.export.spec import SHIP_DTYPE, FunctionSpec, function_lines, size_lines, size_text
 from convert.inputs import contract
 from convert.inputs.checkpoint import checkpoint_shapes
 from convert.inputs.contract import _MISSING, as_config, lookup
@@ -25,13 +25,13 @@ from convert.inputs.sources import Snapshot, resolve
 from convert.models import dflash2, family_for, family_of, mtp
 from convert.models.layout import Layout
 from convert.models.part import Part
-from convert.pipeline.drafter import MAX_SESSIONS, DrafterPlan, plan_drafter
+from convert.pipeline.drafter import MAX_SESSIONS, DrafterPlan, own_phase_bytes, plan_drafter
 from convert.pipeline.partition import (
     BASE_BYTES,
-    WHOLE_BYTES_PER_PARAMETER,
     build_memory_bytes,
     held_target_bytes,
     memory_line,
+    piece_sizes,
     plan_lines,
     plan_parts,
     shipped_line,
@@ -81,20 +81,27 @@ class Plan:
 
     @property
     def drafter_stage_bytes(self) -> int:
-        """Host memory of the drafter stage (0 without a drafter): the target as it holds it, beside the drafter's
-        own whole build and the sessions it runs prompts in (``drafter_sessions``)."""
+        """Host memory of the drafter stage (0 without a drafter): its largest phase (``drafter_phases``) above the
+        process's base."""
         if not self.drafter:
             return 0
-        return self.drafter_base_bytes + self.drafter_sessions * self.drafter_session_bytes
+        return BASE_BYTES + max(sum(shares.values()) for shares in self.drafter_phases.values())
 
-    @property
-    def drafter_base_bytes(self) -> int:
-        """The drafter stage without its sessions: the target as it holds it, the drafter's own build."""
-        return BASE_BYTES + self.drafter_stage_target_bytes + self.drafter_own_bytes
-
-    @property
-    def drafter_own_bytes(self) -> int:
-        return WHOLE_BYTES_PER_PARAMETER * self.drafter.args.parameter_count
+    @cached_property
+    def drafter_phases(self) -> dict[str, dict[str, int]]:
+        """Each phase of the drafter stage's host memory by share: the drafter's own (``drafter.own_phase_bytes``),
+        the target as that phase holds it (all of it while it is called: load, calibration, acceptance; a parted
+        target's tables alone while GPTQ runs, its layers loaded again after; its tables at packaging) and, where
+        prompts run, the sessions' states (``drafter_sessions``)."""
+        whole = self.drafter_stage_target_bytes
+        sizes = piece_sizes(self.args, self.recipe.target)
+        tables = int((sizes.embedding_row + sizes.head_row) * self.args.vocab_size) + sizes.norm
+        let_go = {"package"} | ({"quantize"} if not self.parts[0].is_whole and
+                                 self.drafter.config.quantization.uses_gptq else set())
+        sessions = self.drafter_sessions * self.drafter_session_bytes
+        return {phase: {"target": tables if phase in let_go else whole, "drafter": own,
+                        "sessions": sessions if phase in ("calibrate", "accept") else 0}
+                for phase, own in own_phase_bytes(self.drafter).items()}
 
     @property
     def drafter_session_bytes(self) -> int:
@@ -103,13 +110,15 @@ class Plan:
         states = [*self.specs[0].states, *self.drafter.specs[0].states]
         return sum(4 * math.prod(s.shape) for s in states)
 
-    @property
+    @cached_property
     def drafter_sessions(self) -> int:
         """Prompts the drafter stage runs at once (``convert.pipeline.drafter.over_prompts``): as many sessions as
-        ``target.max_host_memory_gb`` holds beside the rest of the stage, at least one, at most
-        ``drafter.MAX_SESSIONS`` (each block of a weight is made once for all of them:
+        ``target.max_host_memory_gb`` holds beside the rest of the phases that run prompts (calibration, acceptance),
+        at least one, at most ``drafter.MAX_SESSIONS`` (each block of a weight is made once for all of them:
         ``bench/sessions_in_step.py``)."""
-        room = self.recipe.target.max_host_memory_gb * 1e9 - self.drafter_base_bytes
+        own = own_phase_bytes(self.drafter)
+        held = self.drafter_stage_target_bytes + max(own.get("calibrate", 0), own["accept"])
+        room = self.recipe.target.max_host_memory_gb * 1e9 - BASE_BYTES - held
         return int(min(MAX_SESSIONS, max(1, room // self.drafter_session_bytes)))
 
 
@@ -160,11 +169,16 @@ def _check_host_memory(plan: Plan) -> None:
 
 
 def _drafter_stage_parts(plan: Plan) -> str:
-    held = " with its fp32 compute copy" if plan.parts[0].is_whole else ", its quantized weights as packed codes"
+    """The drafter stage's largest phase and its shares."""
+    phase, shares = max(plan.drafter_phases.items(), key=lambda item: sum(item[1].values()))
+    held = "with its fp32 compute copy" if plan.parts[0].is_whole else "its quantized weights as packed codes"
     sessions = plan.drafter_sessions
-    return (f"the target{held}: {plan.drafter_stage_target_bytes / 1e9:.1f} GB; the drafter's own build: "
-            f"{plan.drafter_own_bytes / 1e9:.1f} GB; {sessions} session{'s' if sessions > 1 else ''} of prompts run at "
-            f"once, {'their' if sessions > 1 else 'its'} states {sessions * plan.drafter_session_bytes / 1e9:.2f} GB")
+    text = (f"its largest phase, {phase}: the target ({held}) {size_text(shares['target'])}, the drafter "
+            f"{size_text(shares['drafter'])}")
+    if shares["sessions"]:
+        text += (f", {sessions} session{'s' if sessions > 1 else ''} of prompts run at once, "
+                 f"{'their' if sessions > 1 else 'its'} states {size_text(shares['sessions'])}")
+    return text
 
 
 def describe_plan(plan: Plan) -> list[str]:
