@@ -5,6 +5,7 @@ gate's candidate computes what the whole candidate computes."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -197,6 +198,11 @@ def test_a_drafter_stage_over_the_host_memory_budget_is_refused_by_name(tmp_path
     budget = (target_alone + plan.drafter_stage_bytes) / 2 / 1e9
     recipe.write_text(text.replace("  max_part_mb: 3\n", f"  max_part_mb: 3\n  max_host_memory_gb: {budget}\n"))
     with pytest.raises(InputError, match=r"drafter: the drafter stage needs about \d+ GB \(its largest phase, "
-                       r"quantize: the target \(its quantized weights as packed codes\) [\d.]+ [KM]iB, the drafter "
-                       r"[\d.]+ [KMG]iB\), over target.max_host_memory_gb .*; build the target alone here"):
+                       r"(\w+): the target \(its quantized weights as packed codes\) [\d.]+ [KM]iB, the drafter "
+                       r"[\d.]+ [KMG]iB(, 1 session of prompts run at once, its states [\d.]+ [KM]iB)?\), over "
+                       r"target.max_host_memory_gb .*; build the target alone here") as refused:
         make_plan(recipe)
+    named = re.search(r"largest phase, (\w+):", str(refused.value)).group(1)
+    monkeypatch.setattr(planning, "_check_host_memory", lambda plan: None)
+    phases = make_plan(recipe).drafter_phases  # the refused plan's, one session
+    assert named == max(phases, key=lambda phase: sum(phases[phase].values()))

@@ -177,10 +177,12 @@ def hessian_groups(core: torch.nn.Module, budget: int | None = None) -> list[lis
 
 
 def grouped_by_hessian(features: list[tuple[str, int]], budget: int | None = None) -> list[list[str]]:
-    """``hessian_groups`` of linears given as (name, input features)."""
+    """``hessian_groups`` of linears given as (name, input features), in order but the widest last: their GPTQ, the
+    largest, runs once the replays are done and the fp16 weights they computed with are let go (``_replayed``)."""
     budget = HESSIAN_GROUP_BYTES if budget is None else budget
+    widest = max((columns for _, columns in features), default=0)
     groups, held = [[]], 0
-    for name, columns in features:
+    for name, columns in [f for f in features if f[1] < widest] + [f for f in features if f[1] == widest]:
         size = 4 * columns**2
         if groups[-1] and held + size > budget:
             groups.append([])
@@ -232,11 +234,18 @@ def own_phase_bytes(plan: DrafterPlan) -> dict[str, int]:
     calibration = quant.calibration
     recorded = recorded_bytes(plan, calibration.samples, calibration.length, calibration.tokens)
     groups = grouped_by_hessian([(name, shape[1]) for name, shape in linears.items()])
-    hessians = max(sum(4 * linears[name][1] ** 2 for name in group) for group in groups)
-    gptq = max(GPTQ_HESSIAN_COPIES * 4 * columns**2 + GPTQ_WEIGHT_COPIES * 4 * rows * columns
-               for rows, columns in linears.values())
-    phases["calibrate"] = fp16 + 4 * others + recorded + hessians
-    phases["quantize"] = fp16 + codes + recorded + hessians + gptq
+    hessians = [sum(4 * linears[name][1] ** 2 for name in group) for group in groups]
+    gptq = [max(GPTQ_HESSIAN_COPIES * 4 * linears[name][1] ** 2 + GPTQ_WEIGHT_COPIES * 4 * math.prod(linears[name])
+                for name in group) for group in groups]
+    phases["calibrate"] = fp16 + 4 * others + recorded + hessians[0]
+    # each group's GPTQ beside the fp16 weights the replays compute with and the recording, and the last group's
+    # replay too; the last group's GPTQ beside its own linears' fp16 weights and the other parameters alone
+    # (``_replayed`` lets the rest go)
+    held = [fp16 + codes + recorded + h + g for h, g in zip(hessians[:-1], gptq[:-1], strict=True)]
+    if len(groups) > 1:
+        held.append(fp16 + codes + recorded + hessians[-1])
+    own_last = 2 * (others + sum(math.prod(linears[name]) for name in groups[-1]))
+    phases["quantize"] = max([*held, own_last + codes + hessians[-1] + gptq[-1]])
     return {phase: phases[phase] for phase in ("load", "calibrate", "quantize", "accept", "package")}
 
 
@@ -290,18 +299,29 @@ def calibration_hessians(kind: str, target_modules, drafter_modules, prompts: li
 
 def _replayed(first: dict | None, later: list[list[str]], drafter_modules,
               recordings: list[Recording]) -> Iterator[dict]:
+    """``first``, then each later group's Hessians by replaying ``recordings`` through ``drafter_modules``. Before the
+    last group's are handed on, the compute copy and the recordings are let go: the last group's GPTQ (the widest
+    linear's: ``grouped_by_hessian``) runs without the fp16 weights of the linears quantized before it."""
     if first is not None:
         yield first
         del first
-    for group in later:
+    for index, group in enumerate(later):
         with _accumulating(drafter_modules.core, group) as accumulators:
-            for recording in recordings:
-                for function, inputs, _ in recording.calls:
-                    if function == "reset":
-                        drafter_modules.reset()
-                    else:
-                        drafter_modules.call(function, **inputs)
-        yield _hessians(accumulators)
+            _replay(drafter_modules, recordings)
+        hessians = _hessians(accumulators)
+        if index == len(later) - 1:
+            del drafter_modules, recordings
+        yield hessians
+
+
+def _replay(drafter_modules, recordings: list[Recording]) -> None:
+    """The recorded drafter calls, in order, through ``drafter_modules`` (a recording's resets included)."""
+    for recording in recordings:
+        for function, inputs, _ in recording.calls:
+            if function == "reset":
+                drafter_modules.reset()
+            else:
+                drafter_modules.call(function, **inputs)
 
 
 def over_prompts(run: Callable[[object, object, int], T], prompts: int, sessions: int, target_modules,
