@@ -243,16 +243,28 @@ def describe_contract(recipe: Recipe, recipe_path: Path, unavailable: SourceUnav
              "  (a build needs the pinned checkpoints; it checks every contract field against their config.json)",
              f"  target {target.source}: hidden {hidden}, vocab {vocab}, layers {layers or 'not pinned'}, "
              f"context {target.context}"]
-    lines += _target_lines(pinned, target, recipe.backends, f"{recipe_path}: target.contract")
-    drafter = recipe.drafter
-    if drafter is None:
-        return lines
-    if drafter.kind == "dflash2":
-        return lines + _dflash2_lines(recipe, recipe_path, hidden, vocab, taps)
-    return lines + _mtp_lines(recipe, recipe_path, pinned)
+    target_lines, planned = _target_lines(pinned, target, recipe.backends, f"{recipe_path}: target.contract")
+    drafter_lines, drafter = [], None
+    if recipe.drafter is not None:
+        drafter_lines, drafter = _dflash2_lines(recipe, recipe_path, hidden, vocab, taps) \
+            if recipe.drafter.kind == "dflash2" else _mtp_lines(recipe, recipe_path, pinned)
+    if planned is None:
+        return lines + target_lines + drafter_lines
+    args, specs, parts = planned
+    plan = Plan(recipe, recipe_path, Path(recipe.output or Path("bundles") / recipe.name), None, args, None, specs,
+                0, parts, drafter)
+    memory = [memory_line(target, plan.peak_memory_bytes if drafter or recipe.drafter is None
+                          else build_memory_bytes(args, target, parts, specs))]
+    if drafter is not None:
+        memory.append(f"  estimated drafter stage: {plan.drafter_stage_bytes / 1e9:.1f} GB "
+                      f"({_drafter_stage_parts(plan)})")
+    elif recipe.drafter is not None:
+        memory.append("  estimated drafter stage: from the drafter's config.json at build time (its contract does "
+                      "not pin every shape)")
+    return lines + target_lines + memory + drafter_lines
 
 
-def _mtp_lines(recipe: Recipe, recipe_path: Path, pinned: dict) -> list[str]:
+def _mtp_lines(recipe: Recipe, recipe_path: Path, pinned: dict) -> tuple[list[str], DrafterPlan | None]:
     """The MTP head's functions from the target's contract (the head has the target's attention geometry and
     is declared in its config) with the drafter's contract over it."""
     drafter, target = recipe.drafter, recipe.target
@@ -265,28 +277,29 @@ def _mtp_lines(recipe: Recipe, recipe_path: Path, pinned: dict) -> list[str]:
         args = mtp.MTPArgs.from_config(config, f"{recipe_path}: target.contract + drafter.contract")
     except InputError as missing:
         return [f"  drafter mtp {source}: {steps} draft steps, the head's shapes from config.json at build time "
-                f"(the contracts do not plan it: {missing})"]
+                f"(the contracts do not plan it: {missing})"], None
     specs = mtp.function_specs(args, steps, target.context, torch.float16)
     return [f"  drafter mtp {source}: {steps} draft steps, hidden {args.hidden_size}, heads "
             f"{args.num_attention_heads}/{args.num_key_value_heads} (head_dim {args.head_dim}), quantization "
             f"{drafter.quantization.method}", *size_lines(args.parameter_count, recipe.backends, "    "),
-            *function_lines(specs)]
+            *function_lines(specs)], DrafterPlan(drafter, None, args, "mtp", specs)
 
 
-def _target_lines(pinned: dict, target, backends: list[str], where: str) -> list[str]:
+def _target_lines(pinned: dict, target, backends: list[str], where: str) -> tuple[list[str], tuple | None]:
     """The target's architecture, functions and states from a contract that pins the architecture (architectures or
-    model_type) and every field its shapes depend on (the family's ``PLAN_FIELDS``); otherwise what is missing."""
+    model_type) and every field its shapes depend on (the family's ``PLAN_FIELDS``), with (args, function specs,
+    parts); otherwise what is missing, and None."""
     text = pinned.get("text_config", pinned)
     if not any(k in c for c in (pinned, text) for k in ("architectures", "model_type")):
         return ["  functions: pin architectures or model_type (and the architecture's shape fields) in "
-                "target.contract to plan them"]
+                "target.contract to plan them"], None
     family = family_for(pinned, where)
     missing = [f for f in family.PLAN_FIELDS if lookup(text, f) is _MISSING and not
                any(lookup(text, alt) is not _MISSING for alt in family.PLAN_ALTERNATIVES.get(f, ()))]
     if missing:
         prefix = "text_config." if "text_config" in pinned else ""
         return [f"  functions: the contract does not pin {', '.join(prefix + f for f in missing)}; the "
-                f"{family.FAMILY} functions are planned from config.json at build time"]
+                f"{family.FAMILY} functions are planned from config.json at build time"], None
     args = family.Args.from_config(pinned, where)
     specs = family.function_specs(args, target, torch.float16)
     total = sum(s.nbytes for s in specs[0].states) / 2**20
@@ -299,13 +312,14 @@ def _target_lines(pinned: dict, target, backends: list[str], where: str) -> list
         if target.quantization.method == "exact" else []
     return [*family.plan_lines(args, target), "  functions:", *function_lines(specs),
             *size_lines(args.parameter_count, backends), shipped_line(args, target), *plan_lines(args, target, parts),
-            *rotations, f"  states: {total:.1f} MiB in all", *estimate_lines(args, target),
-            memory_line(target, build_memory_bytes(args, target, parts, specs))]
+            *rotations, f"  states: {total:.1f} MiB in all", *estimate_lines(args, target)], (args, specs, parts)
 
 
-def _dflash2_lines(recipe: Recipe, recipe_path: Path, hidden: int, vocab: int, taps: list[int]) -> list[str]:
-    """The drafter's functions from its contract. Fields that no shape depends on (intermediate_size,
-    dflash_config.mask_token_id) may be left unpinned: they are read from config.json at build time."""
+def _dflash2_lines(recipe: Recipe, recipe_path: Path, hidden: int, vocab: int,
+                   taps: list[int]) -> tuple[list[str], DrafterPlan | None]:
+    """The drafter's functions from its contract, and its plan when the contract pins every shape. Fields that no
+    function's shape depends on (intermediate_size, dflash_config.mask_token_id) may be left unpinned: they are read
+    from config.json at build time (the drafter stage's memory is then planned there)."""
     drafter, target = recipe.drafter, recipe.target
     config = as_config(drafter.contract)
     unpinned = [k for k in ("intermediate_size", "dflash_config.mask_token_id") if lookup(config, k) is _MISSING]
@@ -332,7 +346,8 @@ def _dflash2_lines(recipe: Recipe, recipe_path: Path, hidden: int, vocab: int, t
         lines.append(f"    mask id {args.mask_token_id}, {len([w for w in args.layer_windows if w])} sliding layers "
                      f"(windows {sorted({w for w in args.layer_windows if w})})")
         lines += size_lines(args.parameter_count, recipe.backends, "    ")
-    return lines + function_lines(specs)
+    planned = None if unpinned else DrafterPlan(drafter, None, args, args.architecture, specs)
+    return lines + function_lines(specs), planned
 
 
 def rotation_lines(args, target, block: int | None) -> list[str]:
