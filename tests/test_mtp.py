@@ -67,6 +67,25 @@ def test_qwen35_layout_inside_the_target_checkpoint(tmp_path):
         qwen3.sanitize(tensor_shapes(tmp_path / "ckpt"), qwen3.Qwen3Args.from_config(config))
 
 
+def test_modules_are_filled_in_their_dtype_from_a_core_on_meta(tmp_path):
+    """``build_modules`` makes the core with its parameters on meta and sets each from the head's tensors and the
+    borrowed tables, cast to the modules' dtype (at 27B a core made in fp32 first held its two 248320-row tables in
+    fp32, 10 GB): every parameter is the tensor's value in that dtype, and a table already in it is shared."""
+    write_target_with_head(tmp_path / "ckpt", layout="qwen3.5")
+    args = _args(tmp_path / "ckpt")
+    head = mtp.load_head(tmp_path / "ckpt", args)
+    target = {k: v.half() for k, v in load_tensors(tmp_path / "ckpt").items()}
+    modules = mtp.build_modules(args, head, target, CONTEXT, dtype=torch.float16)
+    params = dict(modules.core.named_parameters())
+    assert all(p.device.type == "cpu" and p.dtype == torch.float16 for p in params.values())
+    assert all(torch.equal(params[name], tensor.half()) for name, tensor in head.tensors.items())
+    assert params["embed_tokens.weight"].data_ptr() == target["model.embed_tokens.weight"].data_ptr()
+    assert torch.equal(params["lm_head.weight"], target["lm_head.weight"])
+    head.tensors.pop("norm.weight")
+    with pytest.raises(InputError, match="MTP head: no tensor for parameter 'norm.weight'"):
+        mtp.build_modules(args, head, target, CONTEXT, dtype=torch.float16)
+
+
 def test_deepseek_layout_with_table_copies(tmp_path):
     model, written = write_target_with_head(tmp_path / "ckpt", layout="deepseek", copies=True)
     args = _args(tmp_path / "ckpt")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from convert.errors import InputError
-from convert.export.functions import ExportModules, FunctionModule
+from convert.export.functions import ExportModules, FunctionModule, parameters_on_meta
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.mtp.checkpoint import HeadWeights, borrowed_tables
 from convert.models.mtp.config import DRAFT_STEPS, STATE_NAMES, MTPArgs
@@ -78,9 +78,10 @@ def build_modules(
     """Export modules in ``dtype`` over one core (the head's weights and the borrowed target tables, once) and one
     pair of KV states; ``target_tensors`` needs the target's ``model.embed_tokens.weight`` and ``lm_head.weight``."""
     embed_tokens, lm_head = borrowed_tables(args, head, target_tensors)
-    core = MTPCore(args, context)
+    with parameters_on_meta():  # filled by load_weights in dtype: no core made in fp32 first
+        core = MTPCore(args, context)
+    core = core.to(dtype).eval()  # the buffers (fp32 RoPE tables cast with the core)
     core.load_weights(head, embed_tokens, lm_head)
-    core = core.to(dtype).eval()
     for p in core.parameters():
         p.requires_grad_(False)
     specs = function_specs(args, draft_steps, context, dtype, logits)
