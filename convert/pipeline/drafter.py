@@ -210,8 +210,9 @@ def own_phase_bytes(plan: DrafterPlan) -> dict[str, int]:
     - load: its fp16 modules (measured at 2.08 bytes a parameter at 27B, ``bench/drafter_load.py``);
     - calibrate (GPTQ): those, their fp32 compute copy's other parameters (its linears share the fp16 weights), the
       recorded drafter calls and the first group of Hessians;
-    - quantize: the fp16 modules (let go a linear at a time), the codes, the recording, a group of Hessians and GPTQ's
-      own memory for the linear that takes the most (``partition.GPTQ_HESSIAN_COPIES`` and ``GPTQ_WEIGHT_COPIES``);
+    - quantize: each group's GPTQ beside the fp16 weights (the replays' compute copy shares them), the codes, the
+      recording and the group's Hessians; the last group's (the widest linears') beside its own fp16 weights alone
+      (``_replayed``); GPTQ's own memory by ``partition.GPTQ_HESSIAN_COPIES`` and ``GPTQ_WEIGHT_COPIES``;
     - accept (and the A/B): the quantized modules (codes and fp16 other parameters), the fp16 reference loaded again
       and the two fp32 copies' other parameters;
     - package: the codes and other parameters, and the packaging's cost a weight (``PACKAGING_BYTES_PER_LAYER_WEIGHT``,
@@ -225,7 +226,7 @@ def own_phase_bytes(plan: DrafterPlan) -> dict[str, int]:
     if not quant.format:
         return {"load": fp16, "accept": fp16 + 4 * others, "package": fp16 + packaging}
     codes = sum(matrix_bytes(quant.format, quant.resolved_group_size, shape) for shape in linears.values())
-    phases = {"load": fp16, "accept": fp16 + codes + 2 * others + 8 * others,
+    phases = {"load": fp16, "accept": fp16 + codes + 2 * others + 2 * 4 * others,
               "package": codes + 2 * others + packaging}
     largest = max(4 * rows * columns for rows, columns in linears.values())
     if not quant.uses_gptq:
