@@ -48,9 +48,9 @@ def test_dflash2_27b_plans_from_its_contract():
     assert "layers-63-63: layers 63..63: 178.71 MiB" in out
     assert "head: norm + lm_head rows 0..248319: 606.73 MiB" in out
     # the target's stages fit (15.8 GB); the drafter stage, planned from the drafter's contract, does not
-    assert "estimated peak host memory: 23.0 GB (target.max_host_memory_gb 16)" in out
-    assert ("estimated drafter stage: 23.0 GB (its largest phase, calibrate: the target (its quantized weights as "
-            "packed codes) 12.58 GiB, the drafter 6.48 GiB, 1 session of prompts run at once, its states 1.24 GiB)") \
+    assert "estimated peak host memory: 22.1 GB (target.max_host_memory_gb 16)" in out
+    assert ("estimated drafter stage: 22.1 GB (its largest phase, accept: the target (its quantized weights as "
+            "packed codes) 12.58 GiB, the drafter 5.61 GiB, 1 session of prompts run at once, its states 1.24 GiB)") \
         in out
 
 
@@ -62,7 +62,7 @@ def test_bonsai2_27b_plans_the_exact_pack_from_its_contract():
     result = dry_run(RECIPES / "bonsai2_27b_dflash2.yaml")
     assert result.exit_code == 0, result.output
     out = result.output
-    assert "estimated drafter stage: 16.9 GB (its largest phase, calibrate: the target (its quantized weights as " \
+    assert "estimated drafter stage: 16.0 GB (its largest phase, accept: the target (its quantized weights as " \
         "packed codes) 6.90 GiB" in out
     assert "parameters: 26,895,998,464" in out
     assert "shipped weights: 6.70 GiB per format (2.14 bits a parameter; 50.10 GiB in fp16)" in out

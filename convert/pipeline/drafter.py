@@ -208,8 +208,8 @@ def own_phase_bytes(plan: DrafterPlan) -> dict[str, int]:
     (nothing is read; the target and the sessions' states come on top, ``Plan.drafter_phases``):
 
     - load: its fp16 modules (measured at 2.08 bytes a parameter at 27B, ``bench/drafter_load.py``);
-    - calibrate (GPTQ): those, their fp32 compute copy's other parameters (its linears share the fp16 weights), the
-      recorded drafter calls and the first group of Hessians;
+    - calibrate (GPTQ): those, their fp32 compute copy's other parameters (its linears share the fp16 weights), and
+      the Hessians taken as the calls happen (one group) or the recorded drafter calls (``calibration_hessians``);
     - quantize: each group's GPTQ beside the fp16 weights (the replays' compute copy shares them), the codes, the
       recording and the group's Hessians; the last group's (the widest linears') beside its own fp16 weights alone
       (``_replayed``); GPTQ's own memory by ``partition.GPTQ_HESSIAN_COPIES`` and ``GPTQ_WEIGHT_COPIES``;
@@ -238,7 +238,7 @@ def own_phase_bytes(plan: DrafterPlan) -> dict[str, int]:
     hessians = [sum(4 * linears[name][1] ** 2 for name in group) for group in groups]
     gptq = [max(GPTQ_HESSIAN_COPIES * 4 * linears[name][1] ** 2 + GPTQ_WEIGHT_COPIES * 4 * math.prod(linears[name])
                 for name in group) for group in groups]
-    phases["calibrate"] = fp16 + 4 * others + recorded + hessians[0]
+    phases["calibrate"] = fp16 + 4 * others + (hessians[0] if len(groups) == 1 else recorded)
     # each group's GPTQ beside the fp16 weights the replays compute with and the recording, and the last group's
     # replay too; the last group's GPTQ beside its own linears' fp16 weights and the other parameters alone
     # (``_replayed`` lets the rest go)
@@ -271,17 +271,18 @@ def calibration_hessians(kind: str, target_modules, drafter_modules, prompts: li
     hidden states, draft blocks, accepted rows). A chunk's padding rows repeat its last row and count again.
 
     The speculative run (the target's calls) happens once, in this call, over ``sessions`` prompts at a time
-    (``over_prompts``). Run one prompt at a time, it takes the first group's Hessians as the calls happen; otherwise
-    (or with more groups) the drafter's calls are recorded, prompt by prompt, and the Hessians are taken by replaying
+    (``over_prompts``). With one group, run one prompt at a time, it takes the Hessians as the calls happen;
+    otherwise the drafter's calls are recorded, prompt by prompt, and every group's Hessians are taken by replaying
     them in prompt order, from reset states, through the drafter alone: the same calls on the same inputs in the same
-    order, so the same Hessians bit for bit, however many sessions ran them. Yields {linear name: Hessian} per group; a
-    linear that saw no input is left out."""
+    order, so the same Hessians bit for bit, however many sessions ran them. (No group's Hessians are held beside the
+    target while it runs: at 27B a group is up to 2 GiB, and the target's 7.5 GB and the sessions' states are held
+    then.) Yields {linear name: Hessian} per group; a linear that saw no input is left out."""
     groups = hessian_groups(drafter_modules.core)
-    live = min(sessions, len(prompts)) <= 1  # hooks see the calls as they happen only when one session makes them
-    record = len(groups) > 1 or not live
+    # hooks see the calls as they happen only when one session makes them
+    live = min(sessions, len(prompts)) <= 1 and len(groups) == 1
 
     def run(target, drafter, index: int) -> Recording | None:
-        recording = Recording(ModuleFunctions(drafter), outputs=False) if record else None
+        recording = None if live else Recording(ModuleFunctions(drafter), outputs=False)
         drives = drivers(kind, target, drafter, embeddings,
                          None if recording is None else (ModuleFunctions(target), recording))
         speculative.speculate(kind, *drives, prompts[index], tokens)
@@ -289,28 +290,21 @@ def calibration_hessians(kind: str, target_modules, drafter_modules, prompts: li
 
     if not live:
         recordings = over_prompts(run, len(prompts), sessions, target_modules, drafter_modules)
-        return _replayed(None, groups, drafter_modules, recordings)
+        return _replayed(groups, drafter_modules, recordings)
     with _accumulating(drafter_modules.core, groups[0]) as accumulators:
-        recordings = over_prompts(run, len(prompts), 1, target_modules, drafter_modules)
-    first = _hessians(accumulators)
-    if not record:
-        return iter([first])  # nothing to replay: the drafter's modules are not held on
-    return _replayed(first, groups[1:], drafter_modules, recordings)
+        over_prompts(run, len(prompts), 1, target_modules, drafter_modules)
+    return iter([_hessians(accumulators)])  # nothing to replay: the drafter's modules are not held on
 
 
-def _replayed(first: dict | None, later: list[list[str]], drafter_modules,
-              recordings: list[Recording]) -> Iterator[dict]:
-    """``first``, then each later group's Hessians by replaying ``recordings`` through ``drafter_modules``. Before the
-    last group's are handed on, the compute copy and the recordings are let go: the last group's GPTQ (the widest
-    linear's: ``grouped_by_hessian``) runs without the fp16 weights of the linears quantized before it."""
-    if first is not None:
-        yield first
-        del first
-    for index, group in enumerate(later):
+def _replayed(groups: list[list[str]], drafter_modules, recordings: list[Recording]) -> Iterator[dict]:
+    """Each group's Hessians by replaying ``recordings`` through ``drafter_modules``. Before the last group's are
+    handed on, the compute copy and the recordings are let go: the last group's GPTQ (the widest linear's:
+    ``grouped_by_hessian``) runs without the fp16 weights of the linears quantized before it."""
+    for index, group in enumerate(groups):
         with _accumulating(drafter_modules.core, group) as accumulators:
             _replay(drafter_modules, recordings)
         hessians = _hessians(accumulators)
-        if index == len(later) - 1:
+        if index == len(groups) - 1:
             del drafter_modules, recordings
         yield hessians
 

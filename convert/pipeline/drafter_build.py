@@ -74,9 +74,9 @@ def shipped_drafter(plan, target: TargetModules, target32: TargetModules,
             hessians = drafter.calibration_hessians(
                 dplan.kind, target32, compute_copy(modules, torch.float32, share_weights=True), prompts, spec.tokens,
                 drafter.anchor_table(target), plan.drafter_sessions)
-    replays = "" if hessians is None else (
-        f"; Hessians of {len(drafter.hessian_groups(modules.core))} groups of linears, from the calibration's drafter "
-        "calls replayed")
+    groups = len(drafter.hessian_groups(modules.core))
+    replays = "" if hessians is None or groups == 1 else (
+        f"; Hessians of {groups} groups of linears, from the calibration's drafter calls replayed")
     dropped = reload_layers is not None and hessians is not None
     if dropped:  # the target's calls are made; at 27B its layers' codes are 6.8 GB beside GPTQ's largest Hessians
         target.core.layers = target32.core.layers = torch.nn.ModuleList()
