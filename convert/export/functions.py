@@ -119,6 +119,13 @@ def _retype(tensor: TensorSpec, dtype_name: str) -> TensorSpec:
     return tensor if tensor.dtype == "int32" else TensorSpec(tensor.name, tensor.shape, dtype_name)
 
 
+def set_parameter(root: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Parameter ``name`` (dotted, under ``root``) becomes ``value`` itself, without gradient: how a core whose
+    parameters are on meta (``parameters_on_meta``) gets its weights, and gives them back."""
+    owner, _, leaf = name.rpartition(".")
+    root.get_submodule(owner)._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+
+
 @contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Modules built inside get their parameters on the meta device (no memory) and keep real buffers. A parameter

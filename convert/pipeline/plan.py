@@ -101,7 +101,12 @@ class Plan:
         sessions = self.drafter_sessions * self.drafter_session_bytes
         return {phase: {"target": tables if phase in let_go else whole, "drafter": own,
                         "sessions": sessions if phase in ("calibrate", "accept") else 0}
-                for phase, own in own_phase_bytes(self.drafter).items()}
+                for phase, own in self.drafter_own_phases.items()}
+
+    @cached_property
+    def drafter_own_phases(self) -> dict[str, int]:
+        """The drafter's own share of each phase of its stage (``drafter.own_phase_bytes``)."""
+        return own_phase_bytes(self.drafter)
 
     @property
     def drafter_session_bytes(self) -> int:
@@ -116,7 +121,7 @@ class Plan:
         ``target.max_host_memory_gb`` holds beside the rest of the phases that run prompts (calibration, acceptance),
         at least one, at most ``drafter.MAX_SESSIONS`` (each block of a weight is made once for all of them:
         ``bench/sessions_in_step.py``)."""
-        own = own_phase_bytes(self.drafter)
+        own = self.drafter_own_phases
         held = self.drafter_stage_target_bytes + max(own.get("calibrate", 0), own["accept"])
         room = self.recipe.target.max_host_memory_gb * 1e9 - BASE_BYTES - held
         return int(min(MAX_SESSIONS, max(1, room // self.drafter_session_bytes)))
@@ -253,8 +258,7 @@ def describe_contract(recipe: Recipe, recipe_path: Path, unavailable: SourceUnav
     args, specs, parts = planned
     plan = Plan(recipe, recipe_path, Path(recipe.output or Path("bundles") / recipe.name), None, args, None, specs,
                 0, parts, drafter)
-    memory = [memory_line(target, plan.peak_memory_bytes if drafter or recipe.drafter is None
-                          else build_memory_bytes(args, target, parts, specs))]
+    memory = [memory_line(target, plan.peak_memory_bytes)]
     if drafter is not None:
         memory.append(f"  estimated drafter stage: {plan.drafter_stage_bytes / 1e9:.1f} GB "
                       f"({_drafter_stage_parts(plan)})")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from convert.export.functions import META, parameters_on_meta
+from convert.export.functions import META, parameters_on_meta, set_parameter
 from convert.inputs.checkpoint import Reader
 from convert.models import family_of
 from convert.models.layout import Layout
@@ -64,22 +64,17 @@ class Streamer:
         for name, param in module.named_parameters():
             if f"{prefix}.{name}" in skip:
                 continue
-            owner, _, leaf = name.rpartition(".")
-            target = module.get_submodule(owner) if owner else module
             value = self.tensor(f"{prefix}.{name}")  # a fresh tensor (cast from the stored one)
             if value.shape != param.shape:
                 raise ValueError(f"{prefix}.{name}: checkpoint shape {list(value.shape)}, core {list(param.shape)}")
-            target._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+            set_parameter(module, name, value)
         return module
 
     def free(self, prefix: str) -> None:
         """Put the parameters under module ``prefix`` back on meta (their memory is released)."""
         module = self.core.get_submodule(prefix)
         for name, param in list(module.named_parameters()):
-            owner, _, leaf = name.rpartition(".")
-            target = module.get_submodule(owner) if owner else module
-            target._parameters[leaf] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=META),
-                                                    requires_grad=False)
+            set_parameter(module, name, torch.empty(param.shape, dtype=param.dtype, device=META))
         release_free_memory()
 
 

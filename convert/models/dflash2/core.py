@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from convert.errors import InputError
+from convert.export.functions import set_parameter
 from convert.models.dflash2.config import MASK_BIAS, DFlash2Args, expected_shapes
 from convert.models.qwen3.core import MLP, RMSNorm, rotate, scaled_scores
 
@@ -153,10 +154,7 @@ class DFlash2Weights(nn.Module):
         if missing:
             raise InputError(f"drafter weights: tensor {missing[0]!r} is missing")
         for key in keys:
-            owner, _, name = key.rpartition(".")
-            module = self.get_submodule(owner)
-            value = tensors.pop(key).to(module._parameters[name].dtype, copy=True)
-            module._parameters[name] = nn.Parameter(value, requires_grad=False)
+            set_parameter(self, key, tensors.pop(key).to(self.get_parameter(key).dtype, copy=True))
 
     def drafter_state(self) -> dict[str, torch.Tensor]:
         """The parameters by canonical key (what a checkpoint stores)."""

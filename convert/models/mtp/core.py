@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from convert.errors import InputError
+from convert.export.functions import set_parameter
 from convert.models.mtp.checkpoint import HeadWeights
 from convert.models.mtp.config import MTPArgs
 from convert.models.qwen3.core import DecoderLayer, RMSNorm, register_positions
@@ -48,22 +49,16 @@ class MTPHead(nn.Module):
         """Set every parameter from ``head``'s tensors and the borrowed tables, each cast to its parameter's dtype (the
         tensor itself when already in it). A core made with its parameters on meta (``export.build_modules``) gets
         them here: made in fp32 first, at 27B the two borrowed 248320-row tables alone took 10 GB."""
-        for name, tensor in head.tensors.items():
-            self._set(name, tensor)
-        self._set("embed_tokens.weight", embed_tokens)
+        tensors = {**head.tensors, "embed_tokens.weight": embed_tokens}
+        if not self.args.tie_word_embeddings:
+            tensors["lm_head.weight"] = lm_head
+        for name, tensor in tensors.items():
+            set_parameter(self, name, tensor.detach().to(self.get_parameter(name).dtype))
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        else:
-            self._set("lm_head.weight", lm_head)
         unset = [name for name, p in self.named_parameters() if p.is_meta]
         if unset:
             raise InputError(f"MTP head: no tensor for parameter {unset[0]!r}")
-
-    def _set(self, name: str, tensor: torch.Tensor) -> None:
-        owner, _, leaf = name.rpartition(".")
-        module = self.get_submodule(owner)
-        module._parameters[leaf] = nn.Parameter(tensor.detach().to(module._parameters[leaf].dtype),
-                                                requires_grad=False)
 
     def head_state_dict(self) -> dict[str, torch.Tensor]:
         """The head's own tensors under their Qwen3.5 checkpoint keys (``mtp.*``), borrowed tables left out."""
