@@ -79,8 +79,11 @@ def main() -> None:
 @click.option("--cache-dir", type=click.Path(path_type=Path),
               help="build cache (default $SPEC_CONVERT_CACHE, else ~/.cache/spec-convert)")
 @click.option("--no-cache", is_flag=True, help="compute every stage again; read and write no cache")
+@click.option("--strict", is_flag=True, help="fail (exit 1, nothing published) on any finding of the placement lint: "
+              "an op, state, dtype or dim a program the ANE runs whole does not hold (README \"Layouts\")")
 @user_errors
-def build(recipe: Path, output: str | None, dry_run: bool, cache_dir: Path | None, no_cache: bool) -> None:
+def build(recipe: Path, output: str | None, dry_run: bool, cache_dir: Path | None, no_cache: bool,
+          strict: bool) -> None:
     """Build the bundle a recipe describes. Expensive stages are cached: an interrupted build resumes."""
     from convert.cache import BuildCache
     from convert.errors import SourceUnavailable
@@ -100,7 +103,7 @@ def build(recipe: Path, output: str | None, dry_run: bool, cache_dir: Path | Non
     click.echo("\n".join(describe_plan(plan)))
     if dry_run:
         return
-    manifest = run_build(plan, BuildCache(cache_dir, enabled=not no_cache))
+    manifest = run_build(plan, BuildCache(cache_dir, enabled=not no_cache), strict)
     click.echo(f"bundle: {plan.output} (export id {manifest.export_id[:16]})")
 
 

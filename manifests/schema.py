@@ -105,6 +105,16 @@ class Architecture(Model):
     hybrid: HybridLayers | None = None
 
 
+class HostBuffer(Model):
+    """A buffer the host owns (the ane layout: no package states): passed to every call as the input of its name,
+    and after each call the rows of ``rows`` (an output) written into it along ``axis``, row j at the call's
+    position j (modulo ``ring`` when set: a ring's slot), rows past the buffer dropped."""
+
+    rows: str = Field(description="the output holding this call's rows for the buffer")
+    axis: Count = Field(description="the row axis of the buffer and of the output")
+    ring: Size | None = Field(None, description="rows wrap: slot = position mod ring")
+
+
 class HostContract(Model):
     """What a runtime sets between calls and must never do: README "Hybrid targets" and docs/hybrid.md explain it.
     A drafter binds the name and version of its target's contract."""
@@ -117,6 +127,9 @@ class HostContract(Model):
     inputs: dict[str, str] = Field(description="function inputs beyond input_ids and position_ids, by name")
     pending_rows: dict[str, int] = Field(description="functions that leave their rows pending, with the rows they "
                                          "can leave (the most the next call's accept may keep)")
+    buffers: dict[str, HostBuffer] = Field(
+        default_factory=dict, description="the ane layout's host-owned buffers by input name (none: the package keeps "
+        "its states itself)")
     rules: list[str]
 
 
@@ -212,6 +225,9 @@ class Package(Model):
     stable_hash: str = Field(description="sha256 over what is reproducible in the package (see stable_hash_scope)")
     stable_hash_scope: str
     check: dict[str, float | int | str | bool] = Field(default_factory=dict, description="read-back / run results")
+    placement: list[str] | None = Field(
+        None, description="the placement lint's findings: what the package's programs hold that a program the ANE "
+        "runs whole does not (convert/verify/placement.py); empty: none; absent: not linted")
     compile: list[CompileStep] = []
 
     @field_validator("path")

@@ -227,6 +227,53 @@ def test_generate_on_a_dense_bundle(built, tiny_checkpoint, runtime):
     assert out["prompt_ids"] == ids and out["generated_ids"] == want
 
 
+def test_an_ane_layout_bundle(built, tiny_checkpoint):
+    """``layout: ane``: both formats build and check with no states (the host's history in, each call's rows out),
+    and the bundle generates the stateful bundle's ids on the Core AI runtime and in torch."""
+    tmp, stateful = built
+    code, output = build(tmp, tiny_checkpoint, "ane", "  layout: ane\n")
+    assert code == 0, output
+    assert "key_history [3, 2, 64, 24] float16: 18.00 KiB" in output and "host buffers: 0.0 MiB in all" in output
+    bundle = tmp / "ane"
+    m = manifest(bundle)
+    jsonschema.validate(m, json_schema())
+    assert set(m["host_contract"]["buffers"]) == {"key_history", "value_history"}
+    verify = next(f for f in m["functions"] if f["name"] == "verify")
+    assert [t["name"] for t in verify["inputs"]] == ["input_ids", "position_ids", "key_history", "value_history"]
+    assert {"name": "key_rows", "shape": [3, 2, 8, 24], "dtype": "float16"} in verify["outputs"]
+    coreai = next(p for p in m["packages"] if p["format"] == "coreai")
+    assert coreai["check"]["argmax_compared"] >= 16 and coreai["check"]["max_output_delta"] < 2e-2
+    assert next(p for p in m["packages"] if p["format"] == "coreml")["check"]["weights_bit_exact"] is True
+    from convert import backends
+
+    for fmt, package in (("coreai", "tiny.aimodel"), ("coreml", "tiny.mlpackage")):
+        specs = backends.load(fmt).read_back(bundle / package)
+        assert all(spec.states == () for spec in specs.values()), fmt
+    # the placement lint: the stateful packages keep states and scatter into them; the ane ones do not (what they still
+    # hold is the embedding's and positions' lookups, the in-graph masks and the argmax: README "Layouts")
+    for package in manifest(stateful)["packages"]:
+        assert any("keeps 2 states" in f for f in package["placement"]), package["format"]
+    for package in m["packages"]:
+        held = {f.split(": ")[1] for f in package["placement"]}
+        assert not any("states" in f or "scatter" in f or "tile" in f or "silu" in f for f in held), held
+        assert held == {"coreai": {"op argmax", "op broadcasting_greater", "op broadcasting_where", "op cast",
+                                   "op gather_nd"},
+                        "coreml": {"op cast", "op gather", "op greater_equal", "op less", "op reduce_argmax",
+                                   "op select"}}[package["format"]]
+    code, output = build(tmp, tiny_checkpoint, "ane-strict", "  layout: ane\n", "--strict")
+    assert code == 1 and "--strict: the placement lint found" in output and not (tmp / "ane-strict").exists()
+    prompt = "def add(a, b):\n    return"
+    generated = {}
+    runs = (("a", stateful, "coreai"), ("ane", bundle, "coreai"), ("ane", bundle, "torch"))
+    for name, folder, runtime in runs:
+        args = ["generate", str(folder), "--prompt", prompt, "-n", "6", "--runtime", runtime, "--json"]
+        recipe = ["--recipe", str(tmp / f"{name}.yaml")] if runtime == "torch" else []
+        result = CliRunner().invoke(main, args + recipe)
+        assert result.exit_code == 0, result.output
+        generated[name, runtime] = json.loads(result.output.strip().splitlines()[-1])["generated_ids"]
+    assert generated["ane", "coreai"] == generated["ane", "torch"] == generated["a", "coreai"]
+
+
 # `spec-convert generate` with the threads that hand results to the event loop (the Core AI runtime's) held up to 3 s
 # after they wake it (the self-pipe write), as the OS deschedules them on a loaded machine; they take the GIL back every
 # millisecond, so one still held when the interpreter shuts down meets the shutdown, as in issue #21.

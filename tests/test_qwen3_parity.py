@@ -1,5 +1,6 @@
 """The export modules against transformers' own forward, in fp32, through prefill, decode, verify and rollback."""
 
+import numpy as np
 import pytest
 import torch
 from checkpoints import write_checkpoint
@@ -7,6 +8,7 @@ from checkpoints import write_checkpoint
 from convert.inputs.recipe import Graphs, Target
 from convert.inputs.sources import load_tensors, read_json
 from convert.models.qwen3 import Qwen3Args
+from convert.runtime.host import ModuleFunctions
 from convert.weights.target import build_modules
 
 PREFILL, VERIFY, CONTEXT = 16, 8, 128
@@ -28,6 +30,14 @@ def _script(vocab: int):
     return calls
 
 
+def _call(functions: ModuleFunctions, name: str, tokens: list[int], p0: int) -> dict[str, torch.Tensor]:
+    """One call through the host (``ModuleFunctions``: the ane layout's buffers kept and written by the host)."""
+    inputs = {"input_ids": np.asarray([tokens], np.int32),
+              "position_ids": np.arange(p0, p0 + len(tokens), dtype=np.int32)[None]}
+    return {k: torch.as_tensor(v) for k, v in functions.call(name, inputs).items()}
+
+
+@pytest.mark.parametrize("layout", ["stateful", "ane"])
 @pytest.mark.parametrize(
     "variant",
     [
@@ -38,18 +48,19 @@ def _script(vocab: int):
     ],
     ids=["v5-untied-gqa", "tied", "v4-config", "mha"],
 )
-def test_export_modules_match_transformers(tmp_path, variant):
+def test_export_modules_match_transformers(tmp_path, variant, layout):
     hf = write_checkpoint(tmp_path / "ckpt", **variant)
     args = Qwen3Args.from_config(read_json(tmp_path / "ckpt" / "config.json"))
-    target = Target(source="path:x", graphs=Graphs(prefill=PREFILL, verify=VERIFY), context=CONTEXT, taps=list(TAPS))
-    modules = build_modules(args, target, load_tensors(tmp_path / "ckpt"), torch.float32)
+    target = Target(source="path:x", graphs=Graphs(prefill=PREFILL, verify=VERIFY), context=CONTEXT, taps=list(TAPS),
+                    layout=layout)
+    modules = ModuleFunctions(build_modules(args, target, load_tensors(tmp_path / "ckpt"), torch.float32))
 
     committed: list[int] = []
     positions_checked = 0
     worst_logits = worst_taps = 0.0
     for name, tokens, p0 in _script(args.vocab_size):
         committed = committed[:p0] + tokens
-        out = modules.call(name, tokens, list(range(p0, p0 + len(tokens))))
+        out = _call(modules, name, tokens, p0)
         with torch.no_grad():
             ref = hf(torch.tensor([committed]), output_hidden_states=True)
         rows = slice(p0, p0 + len(tokens))
@@ -78,3 +89,20 @@ def test_rollback_rows_are_never_read(tmp_path):
     module.key_cache[:, :, 11:].normal_()  # rows past the rewind point: stale by contract
     module.value_cache[:, :, 11:].normal_()
     assert torch.equal(modules.call("decode", [7], [10])["logits"], clean)
+
+
+def test_rollback_rows_are_never_read_from_the_hosts_history(tmp_path):
+    """The ane layout's rows at or past a call's first position (a rejected draft's, or padding) are never read
+    either: the same logits whatever the host's history holds there."""
+    write_checkpoint(tmp_path / "ckpt")
+    args = Qwen3Args.from_config(read_json(tmp_path / "ckpt" / "config.json"))
+    target = Target(source="path:x", graphs=Graphs(prefill=PREFILL, verify=VERIFY), context=CONTEXT, layout="ane")
+    functions = ModuleFunctions(build_modules(args, target, load_tensors(tmp_path / "ckpt"), torch.float32))
+    _call(functions, "prefill", list(range(10, 26)), 0)
+    history = functions.states()
+    kept = {k: v.copy() for k, v in history.items()}
+    clean = _call(functions, "verify", list(range(30, 38)), 10)["logits"]
+    for name, buffer in history.items():  # the verify wrote rows 10..17; put garbage in every row from 10 on
+        buffer[...] = kept[name]
+        buffer[:, :, 10:] = np.random.default_rng(0).normal(size=buffer[:, :, 10:].shape)
+    assert torch.equal(_call(functions, "verify", list(range(30, 38)), 10)["logits"], clean)

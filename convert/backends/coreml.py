@@ -491,10 +491,11 @@ def compressed_weights(path: Path) -> dict[str, list[compress.ShippedWeight]]:
 
 
 def _plain_constant(op: Operation) -> np.ndarray | None:
-    """A ``const`` op's value when it is a floating tensor (weights), not a scalar or an int/str parameter."""
+    """A ``const`` op's value when it is a floating tensor (weights), not a scalar or an int/str parameter; a 1x1
+    convolution's weight [O, I, 1, 1] (the ane layout's projections) as the linear's [O, I] it is."""
     value = op.outputs[0].val
     if isinstance(value, np.ndarray) and value.ndim > 0 and np.issubdtype(value.dtype, np.floating):
-        return value
+        return value[:, :, 0, 0] if value.ndim == 4 and value.shape[2:] == (1, 1) else value
     return None
 
 

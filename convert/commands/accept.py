@@ -32,6 +32,7 @@ from convert.progress import console, stage
 from convert.runtime.chain import coreai_target
 from convert.runtime.host import TargetDriver, module_driver
 from manifests import identity
+from manifests.schema import HostContract
 
 CORE_AI_TOKENS = 16  # the Core AI runtime's CPU reference emulates fp16: one short prompt, a few rounds
 
@@ -83,7 +84,7 @@ def _run_coreai(plan, bundle: Path, pair, target, target32, modules, fp16_module
         raise GateError(f"check-pair: {problems[0]}")
     if target_manifest.weights.lm_head_sha256 != identity.tensor_sha256(target.core.lm_head.weight):
         raise InputError(f"{bundle}: the bundle was not built from {plan.recipe_path} (lm_head differs)")
-    if target_manifest.host_contract.model_dump() != target.contract:
+    if target_manifest.host_contract != HostContract.model_validate(target.contract):
         raise InputError(f"{target_dir}: the bundle's host contract differs from this version's; rebuild it")
     prompt = held_out_prompts(plan)[0][0][: plan.recipe.target.graphs.prefill]
     count = min(plan.drafter.config.accept.tokens, CORE_AI_TOKENS)

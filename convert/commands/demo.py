@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from convert import backends
 from convert.commands.generate import greedy
 from convert.inputs.sources import load_tensors
 from convert.pipeline.build import SHIP_DTYPE, build
 from convert.pipeline.plan import make_plan
+from convert.runtime.chain import coreai_functions
 from convert.runtime.host import TargetDriver, module_driver
 from convert.weights.target import build_modules
 
@@ -49,7 +49,7 @@ def run_demo(recipe: Path, output: str) -> None:
     rows["export modules fp16 (torch)"] = greedy(module_driver(modules), prompt, NEW_TOKENS, eos=None)
     if "coreai" in plan.recipe.backends:
         package = plan.output / next(p.path for p in manifest.packages if p.format == "coreai")
-        with backends.load("coreai").open_session(package) as session:
+        with coreai_functions(package, modules.contract) as session:
             driver = TargetDriver(session, modules.widths, modules.contract)
             rows[".aimodel fp16 (Core AI runtime)"] = greedy(driver, prompt, NEW_TOKENS, eos=None)
     out.print(f"\n[bold]greedy continuation of[/bold] {PROMPT!r} ({NEW_TOKENS} tokens)")

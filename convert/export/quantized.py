@@ -91,11 +91,14 @@ class QuantizedLinear(nn.Module):
         self.rotation = _rotation_module(quantized, inverse=isinstance(self, QuantizedEmbedding))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch.export is the Core AI path (Core ML traces with torch.jit.trace): there the packed form ships
-        weight = self.packed() if torch.compiler.is_exporting() or self.released else self.weight
         if self.rotation is not None:
             x = self.rotation(x)
-        return nn.functional.linear(x, weight.to(x.dtype), self.bias)
+        return nn.functional.linear(x, self.shipped_weight().to(x.dtype), self.bias)
+
+    def shipped_weight(self) -> torch.Tensor:
+        """The fp16 weight [O, I] as the call computes it: from the packed codes where they ship (``torch.export`` is
+        the Core AI path; Core ML traces with ``torch.jit.trace``) or once released, else the dense weight."""
+        return self.packed() if torch.compiler.is_exporting() or self.released else self.weight
 
     def quantized_weight(self) -> QuantizedWeight:
         """The ``QuantizedWeight`` this layer ships (its codes and tables, not copies)."""
@@ -118,8 +121,7 @@ class QuantizedEmbedding(QuantizedLinear):
     (the table is a [vocab, hidden] weight), read with a gather instead of a matmul."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        table = self.packed() if torch.compiler.is_exporting() or self.released else self.weight
-        rows = nn.functional.embedding(ids, table)
+        rows = nn.functional.embedding(ids, self.shipped_weight())
         return rows if self.rotation is None else self.rotation(rows)
 
 

@@ -42,8 +42,9 @@ class FunctionSpec:
         return next(by_name[n].shape[1] for n in ("position_ids", "input_ids", "hidden_states") if n in by_name)
 
 
-def function_lines(specs: list[FunctionSpec]) -> list[str]:
-    """A plan's lines for one part: each function's inputs and outputs, then the states they share."""
+def function_lines(specs: list[FunctionSpec], host_buffers=()) -> list[str]:
+    """A plan's lines for one part: each function's inputs and outputs, then the states they share, and the inputs
+    named in ``host_buffers`` (the ane layout's history, which the host owns and writes)."""
 
     def tensors(ts: tuple[TensorSpec, ...]) -> str:
         return ", ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in ts)
@@ -54,7 +55,16 @@ def function_lines(specs: list[FunctionSpec]) -> list[str]:
                   f"      outputs: {tensors(spec.outputs)}"]
     lines.append("    states (all functions):")
     lines += [f"      {t.name} {list(t.shape)} {t.dtype}: {size_text(t.nbytes)}" for t in specs[0].states]
+    owned = [t for t in specs[0].inputs if t.name in host_buffers]
+    if owned:
+        lines.append("    host buffers (all functions; the host writes each call's rows into them):")
+        lines += [f"      {t.name} {list(t.shape)} {t.dtype}: {size_text(t.nbytes)}" for t in owned]
     return lines
+
+
+def buffer_bytes(specs: list[FunctionSpec], host_buffers) -> int:
+    """Bytes of the inputs named in ``host_buffers`` (the host's history in the ane layout)."""
+    return sum(t.nbytes for t in specs[0].inputs if t.name in host_buffers)
 
 
 def size_lines(parameters: int, backends: list[str], indent: str = "  ") -> list[str]:

@@ -221,6 +221,10 @@ class Target(Strict):
     source: str = Field(description="path:DIR (relative to the recipe) or hf://org/name@revision")
     graphs: Graphs = Graphs()
     context: int = Field(512, gt=0, description="KV cache capacity in tokens")
+    layout: Literal["stateful", "ane"] = Field(
+        "stateful", description="stateful: the packages keep the KV caches as states (the GPU path, as Apple's own "
+        "exports); ane: no states, the host owns the history and writes each call's rows, activations channels first "
+        "with 1x1 convolutions (the Neural Engine's layout, as anemll-forge ships; README \"Layouts\")")
     taps: list[int] | None = Field(None, description="layers whose outputs are returned, in this order (0-based)")
     logits: bool = Field(False, description="also return full [1,S,vocab] logits from every function")
     hidden: bool = Field(
@@ -350,6 +354,10 @@ class Recipe(Strict):
             )
         if drafter.kind == "mtp" and self.target.graphs.verify < 2:
             raise ValueError("an MTP drafter needs target.graphs.verify >= 2 (the bonus token and one draft)")
+        if self.target.layout == "ane":
+            raise ValueError("target.layout ane is built for a target alone so far: the drafters' ane functions (the "
+                             "DFlash2 ring and the MTP head as host buffers) are not exported yet; build the pair with "
+                             "layout stateful")
         return self
 
 

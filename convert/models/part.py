@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from convert.export.ane import pointwise, rms_norm, rows_of
 from convert.export.spec import TensorSpec
 
 HIDDEN_OUT = "hidden_states_out"  # a part's rows for the next part (Core ML refuses one name for an input and output)
@@ -124,6 +125,27 @@ def part_outputs(core: nn.Module, x: torch.Tensor, tapped: list) -> dict[str, to
         out["max_logit"] = logits.amax(-1)
         ids = ids + part.head[0]
     out.update(argmax_ids=ids.to(torch.int32), logits=logits, hidden=hidden)
+    return out
+
+
+def ane_outputs(core: nn.Module, x: torch.Tensor, tapped: list) -> dict[str, torch.Tensor]:
+    """``part_outputs`` in the ane layout: ``x`` and the tapped rows channels first [1, H, 1, S], the final norm over
+    the channels and the lm_head a 1x1 convolution (``convert/export/ane.py``); the outputs in ``part_outputs``'
+    shapes."""
+    out = {}
+    if tapped:
+        out["taps"] = torch.cat([rows_of(t) for _, t in sorted(tapped, key=lambda p: p[0])], dim=-1)[None]
+    part = core.part
+    if part.head is None:
+        out[HIDDEN_OUT] = rows_of(x)[None]
+        return out
+    hidden = rms_norm(core.norm, x)
+    logits = pointwise(core.lm_head, hidden)  # [1, V, 1, S]
+    ids = logits.argmax(1).reshape(1, -1)
+    if part.splits_head:
+        out["max_logit"] = logits.amax(1).reshape(1, -1)
+        ids = ids + part.head[0]
+    out.update(argmax_ids=ids.to(torch.int32), logits=rows_of(logits)[None], hidden=rows_of(hidden)[None])
     return out
 
 

@@ -42,6 +42,7 @@ from convert.runtime.host import TargetDriver
 from convert.verify import gates
 from convert.verify.checks import part_calls, recorded_calls, short_schedule
 from convert.verify.gates import GateReport
+from convert.verify.placement import REFERENCE
 from convert.weights.quantize import QuantizeResult, pack_modules, quantize_checkpoint
 from convert.weights.shipped import PartLoader
 from convert.weights.target import TargetModules, build_modules
@@ -128,10 +129,11 @@ def quantize_stage(plan: Plan, cache: BuildCache, file_hashes: dict[str, str] | 
                                file_hashes=file_hashes)
 
 
-def build(plan: Plan, cache: BuildCache | None = None) -> Manifest:
+def build(plan: Plan, cache: BuildCache | None = None, strict: bool = False) -> Manifest:
     """Build, gate, check and publish the bundle; returns the target's manifest. Raises InputError / GateError.
 
     With a drafter the bundle holds ``target/`` and ``drafter/``, and the pair check runs before publishing.
+    ``strict``: any finding of the placement lint fails the build (nothing is published).
     """
     failed_report = plan.output.resolve().parent / f"{plan.output.name}.{gates.REPORT_FILE}"
     cache = cache or BuildCache()
@@ -139,14 +141,38 @@ def build(plan: Plan, cache: BuildCache | None = None) -> Manifest:
         target_dir = tmp / plan.target_dir.relative_to(plan.output)
         target_dir.mkdir(exist_ok=True)
         manifest, modules, reload_layers = _build_target(plan, target_dir, failed_report, cache, stack)
+        manifests = [manifest]
         if plan.drafter:
             drafter_manifest = build_drafter(plan, modules, manifest, target_dir, tmp / "drafter", cache,
                                              reload_layers)
+            manifests.append(drafter_manifest)
             with stage("check-pair: the drafter's binding against the target bundle"):
                 problems = identity.pair_mismatches(drafter_manifest, manifest, target_dir)
             if problems:
                 raise GateError(f"check-pair: {problems[0]}")
+        findings = report_placement(manifests, listed=plan.recipe.target.layout == "ane")
+        if strict and findings:
+            raise GateError(f"--strict: the placement lint found {len(findings)} findings, the first {findings[0]} "
+                            "(README \"Layouts\"); nothing was published")
     return manifest
+
+
+def report_placement(manifests: list[Manifest], listed: bool) -> list[str]:
+    """Print the placement lint's findings of every package (``convert/verify/placement.py``): a count per package,
+    each finding too when ``listed`` (the ane layout, which means to have none); returns them all, each naming its
+    package."""
+    findings = []
+    for manifest in manifests:
+        for package in manifest.packages:
+            if package.placement is None:
+                continue
+            console.print(f"placement lint ({package.format} {package.path}): {len(package.placement)} findings "
+                          f"against {REFERENCE}")
+            findings += [f"{package.path}: {finding}" for finding in package.placement]
+            if listed:
+                for finding in package.placement:
+                    console.print(f"  {finding}")
+    return findings
 
 
 def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,

@@ -15,7 +15,7 @@ from torch import nn
 from convert import fields
 from convert.errors import InputError, SourceUnavailable
 from convert.export.functions import parameters_on_meta
-from convert.export.spec import SHIP_DTYPE, FunctionSpec, function_lines, size_lines, size_text
+from convert.export.spec import SHIP_DTYPE, FunctionSpec, buffer_bytes, function_lines, size_lines, size_text
 from convert.inputs import contract
 from convert.inputs.checkpoint import checkpoint_shapes
 from convert.inputs.contract import _MISSING, as_config, lookup
@@ -61,6 +61,11 @@ class Plan:
     @property
     def parameter_count(self) -> int:
         return self.args.parameter_count
+
+    @property
+    def host_buffers(self) -> tuple[str, ...]:
+        """The inputs the host owns (the ane layout's history; none in the stateful layout)."""
+        return tuple(family_of(self.args).host_contract(self.args, self.recipe.target).get("buffers", {}))
 
     @property
     def state_bytes(self) -> int:
@@ -186,6 +191,14 @@ def _drafter_stage_parts(plan: Plan) -> str:
     return text
 
 
+def host_buffer_lines(specs: list[FunctionSpec], owned: tuple[str, ...]) -> list[str]:
+    """The host's buffers in all (the ane layout: the memory a runtime holds beside the package for a session)."""
+    if not owned:
+        return []
+    return [f"  host buffers: {buffer_bytes(specs, owned) / 2**20:.1f} MiB in all, owned and written by the host "
+            "(layout ane)"]
+
+
 def describe_plan(plan: Plan) -> list[str]:
     """The plan as lines: functions and shapes, parameters, package size and peak memory estimates."""
     recipe, args = plan.recipe, plan.args
@@ -195,12 +208,13 @@ def describe_plan(plan: Plan) -> list[str]:
         *family_of(args).plan_lines(args, recipe.target),
         *(f"  {note}" for note in plan.layout.notes()),
         "  functions:",
-        *function_lines(plan.specs),
+        *function_lines(plan.specs, plan.host_buffers),
         *size_lines(plan.parameter_count, recipe.backends),
         shipped_line(args, recipe.target),
         *plan_lines(args, recipe.target, plan.parts),
         *(rotation_lines(args, recipe.target, pack_block(plan.snapshot.packed)) if plan.snapshot.packed else []),
         f"  states: {plan.state_bytes / mib:.1f} MiB in all",
+        *host_buffer_lines(plan.specs, plan.host_buffers),
         *estimate_lines(args, recipe.target),
         memory_line(recipe.target, plan.peak_memory_bytes),
         *([f"  estimated drafter stage: {plan.drafter_stage_bytes / 1e9:.1f} GB ({_drafter_stage_parts(plan)})"]
@@ -307,6 +321,7 @@ def _target_lines(pinned: dict, target, backends: list[str], where: str) -> tupl
     args = family.Args.from_config(pinned, where)
     specs = family.function_specs(args, target, torch.float16)
     total = sum(s.nbytes for s in specs[0].states) / 2**20
+    owned = tuple(family.host_contract(args, target).get("buffers", {}))
 
     parts = plan_parts(args, target)
     block = lookup(pinned, BLOCK_FIELD)
@@ -314,9 +329,10 @@ def _target_lines(pinned: dict, target, backends: list[str], where: str) -> tupl
         fields.check_integer(block, BLOCK_FIELD, where)
     rotations = rotation_lines(args, target, None if block is _MISSING else block) \
         if target.quantization.method == "exact" else []
-    return [*family.plan_lines(args, target), "  functions:", *function_lines(specs),
+    return [*family.plan_lines(args, target), "  functions:", *function_lines(specs, owned),
             *size_lines(args.parameter_count, backends), shipped_line(args, target), *plan_lines(args, target, parts),
-            *rotations, f"  states: {total:.1f} MiB in all", *estimate_lines(args, target)], (args, specs, parts)
+            *rotations, f"  states: {total:.1f} MiB in all", *host_buffer_lines(specs, owned),
+            *estimate_lines(args, target)], (args, specs, parts)
 
 
 def _dflash2_lines(recipe: Recipe, recipe_path: Path, hidden: int, vocab: int,

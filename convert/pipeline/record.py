@@ -21,6 +21,7 @@ from convert.inputs.sources import (
 from convert.models import family_of
 from convert.pipeline.plan import Plan
 from convert.verify.gates import GateReport
+from convert.verify.placement import PLACEMENT
 from convert.weights.quantize import QuantizeResult, summary
 from convert.weights.target import TargetModules
 from manifests import identity
@@ -66,7 +67,8 @@ def package_entry(name: str, path: Path, bundle: Path, check: dict, compiled, pa
         "files": files,
         "stable_hash": backend.stable_hash(path),
         "stable_hash_scope": backend.STABLE_HASH_SCOPE,
-        "check": check,
+        "check": {k: v for k, v in check.items() if k != PLACEMENT},
+        "placement": check.get(PLACEMENT),
         "compile": [vars(c) for c in compiled],
     }
 

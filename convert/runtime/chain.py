@@ -14,7 +14,7 @@ from convert import backends
 from convert.errors import InputError
 from convert.export.spec import FunctionSpec
 from convert.models.part import HIDDEN_OUT, Part
-from convert.runtime.host import ModuleFunctions
+from convert.runtime.host import ModuleFunctions, host_owned
 
 
 class Chain:
@@ -91,20 +91,30 @@ def coreai_target(folder: Path, manifest) -> Iterator[object]:
     packages = {p.part: p for p in manifest.packages if p.format == "coreai"}
     if not packages:
         raise InputError(f"{folder}: no .aimodel package (built without the coreai backend); use --runtime torch")
-    parts = manifest_parts(manifest)
+    parts, contract = manifest_parts(manifest), manifest.host_contract.model_dump()
     if not parts:
-        with backends.load("coreai").open_session(folder / packages[None].path) as session:
-            yield session
+        with coreai_functions(folder / packages[None].path, contract) as functions:
+            yield functions
         return
     with coreai_chain(parts, [folder / packages[p.name].path for p in parts],
-                      manifest.taps.layers if manifest.taps else ()) as chain:
+                      manifest.taps.layers if manifest.taps else (), contract) as chain:
         yield chain
 
 
 @contextmanager
-def coreai_chain(parts: list[Part], paths: list[Path], taps) -> Iterator[Chain]:
-    """A ``Chain`` over a Core AI session of each part's ``.aimodel`` (``paths``, in the parts' order)."""
+def coreai_functions(path: Path, contract: dict) -> Iterator[object]:
+    """A Core AI session of one ``.aimodel`` as a runtime drives it under the target's host ``contract``: with the
+    host's buffers where it has them (``convert.runtime.host.host_owned``)."""
+    with backends.load("coreai").open_session(path) as session:
+        yield host_owned(session, session.specs(), contract)
+
+
+@contextmanager
+def coreai_chain(parts: list[Part], paths: list[Path], taps, contract: dict) -> Iterator[Chain]:
+    """A ``Chain`` over a Core AI session of each part's ``.aimodel`` (``paths``, in the parts' order), each driven
+    under the target's host ``contract``."""
     coreai = backends.load("coreai")
     with ExitStack() as stack:
         sessions = [stack.enter_context(coreai.open_session(path)) for path in paths]
-        yield Chain([(p, s.specs(), s) for p, s in zip(parts, sessions, strict=True)], taps)
+        yield Chain([(p, s.specs(), host_owned(s, s.specs(), contract)) for p, s in zip(parts, sessions, strict=True)],
+                    taps)

@@ -109,8 +109,73 @@ class TargetDriver:
         return ids, logits
 
 
+class HostBuffers:
+    """``Functions`` of a package whose states the host owns (the ane layout, ``contract["buffers"]``): each buffer is
+    passed to every call that takes it, and the call's rows for it (the output the contract names, taken out of
+    what the call returns) are written into it at the call's positions. ``reset`` zeros the buffers and ``states``
+    returns them, so a driver sees what a package with states shows: after each call the buffers hold what its states
+    would hold."""
+
+    def __init__(self, functions: Functions, specs: dict, buffers: dict):
+        self.functions, self.specs, self.rules = functions, specs, buffers
+        inputs = {t.name: t for spec in specs.values() for t in spec.inputs}
+        missing = sorted(set(buffers) - set(inputs))
+        if missing:
+            raise InputError(f"the host contract names buffers {missing} that no function takes")
+        self.buffers = {name: np.zeros(inputs[name].shape, dtype=inputs[name].dtype) for name in buffers}
+
+    def reset(self) -> None:
+        self.functions.reset()
+        for buffer in self.buffers.values():
+            buffer[...] = 0
+
+    def states(self) -> dict[str, np.ndarray]:
+        return dict(self.buffers)
+
+    def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        taken = {t.name for t in self.specs[function].inputs}
+        out = dict(self.functions.call(function, {**inputs, **{k: v for k, v in self.buffers.items() if k in taken}}))
+        where = np.asarray(inputs["position_ids"]).reshape(-1).astype(np.int64)
+        for name, rule in self.rules.items():
+            rows = out.pop(rule["rows"], None)
+            if rows is None:
+                continue
+            buffer, axis = self.buffers[name], rule["axis"]
+            slots = where % rule["ring"] if rule.get("ring") else where
+            kept = slots < buffer.shape[axis]  # a padding row past the buffer is never read
+            index = [slice(None)] * buffer.ndim
+            index[axis] = slots[kept]
+            buffer[tuple(index)] = np.compress(kept, np.asarray(rows), axis=axis)
+        return out
+
+
+def host_owned(functions: Functions, specs: dict, contract: dict) -> Functions:
+    """``functions`` as a runtime drives them under ``contract``: with the host's buffers where the contract has any
+    (``HostBuffers``), else themselves."""
+    return HostBuffers(functions, specs, contract["buffers"]) if contract.get("buffers") else functions
+
+
 class ModuleFunctions:
-    """``Functions`` over target export modules (numpy in and out; every core output, logits included)."""
+    """``Functions`` over target export modules (numpy in and out; every core output, logits included), with the
+    host's buffers where the modules' contract has them (``host_owned``)."""
+
+    def __init__(self, modules):
+        self.modules = modules
+        specs = {name: spec for name, (_, spec) in modules.functions.items()}
+        self.driven = host_owned(_ModuleCalls(modules), specs, getattr(modules, "contract", {}))
+
+    def reset(self) -> None:
+        self.driven.reset()
+
+    def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.driven.call(function, inputs)
+
+    def states(self) -> dict[str, np.ndarray]:
+        return self.driven.states()
+
+
+class _ModuleCalls:
+    """The modules' own calls and states, in numpy (``ModuleFunctions`` adds the host's buffers)."""
 
     def __init__(self, modules):
         self.modules = modules
@@ -119,14 +184,14 @@ class ModuleFunctions:
         self.modules.reset()
 
     def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self.numpy(self.modules.call(function, **inputs))
+        return numpy_outputs(self.modules.call(function, **inputs))
 
     def states(self) -> dict[str, np.ndarray]:
-        return self.numpy(self.modules.states())
+        return numpy_outputs(self.modules.states())
 
-    @staticmethod
-    def numpy(out: dict) -> dict[str, np.ndarray]:
-        return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in out.items()}
+
+def numpy_outputs(out: dict) -> dict[str, np.ndarray]:
+    return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in out.items()}
 
 
 def module_driver(modules) -> TargetDriver:

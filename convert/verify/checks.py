@@ -31,7 +31,9 @@ from convert.fp16 import like_the_runtime
 from convert.inputs.thresholds import NEAR_TIE_LOGITS
 from convert.models.part import HIDDEN_OUT, Part
 from convert.runtime.chain import link_inputs, module_chain
-from convert.runtime.host import COMMIT, ModuleFunctions, TargetDriver
+from convert.runtime.host import COMMIT, ModuleFunctions, TargetDriver, host_owned
+from convert.verify import placement
+from convert.verify.placement import PLACEMENT
 from convert.weights.target import TargetModules
 from quant.types import QuantizedWeight
 
@@ -65,20 +67,30 @@ def check_package(name: str, path, modules, calls: list | None = None, every_fun
     specs = [spec for _, spec in modules.functions.values()]
     every_function = calls is None if every_function is None else every_function
     weights = compress.quantized_weights(modules.core)
+    contract = getattr(modules, "contract", {})  # a drafter has none
     if name == "coreai":
         quantized = quantized_constants(name, path, weights, every_function) if weights else {}
-        forms = device_safe_forms(name, path, modules)
+        types = backends.load(name).operation_types(path)
+        forms = device_safe_forms(name, path, modules, types)
         with backends.load("coreai").open_session(path) as session:  # one ODIX lowering for both checks
             check_specs(session.specs(), specs, path.name)
-            run = run_coreai(session, modules) if calls is None else replay_coreai(session, calls)
-            return {**run, **quantized, **forms}
+            driven = host_owned(session, session.specs(), contract)
+            run = run_coreai(driven, modules) if calls is None else replay_coreai(driven, calls)
+            return {**run, **quantized, **forms, **_placement(name, specs, types, contract)}
     comparison = QuantizedComparison(path, weights, every_function) if weights else None
     # one read of the package for every check below, a function's program at a time
     found = backends.load(name).contents(path, comparison.function if comparison else None)
     quantized = comparison.result() if comparison else {}
     forms = device_safe_forms(name, path, modules, found.operation_types)
     check_specs(found.specs, specs, path.name)
-    return {**coreml_constants(path, modules, every_function, found.weight_digests), **quantized, **forms}
+    return {**coreml_constants(path, modules, every_function, found.weight_digests), **quantized, **forms,
+            **_placement(name, specs, found.operation_types, contract)}
+
+
+def _placement(name: str, specs: list[FunctionSpec], types: dict[str, set[str]], contract: dict) -> dict:
+    """The placement lint's findings (``convert/verify/placement.py``), under ``placement`` (a list: the manifest
+    keeps it beside the check's numbers, ``record.package_entry``)."""
+    return {PLACEMENT: placement.lint(name, {s.name: s for s in specs}, types, tuple(contract.get("buffers", {})))}
 
 
 def device_safe_forms(name: str, path, modules, types: dict[str, set[str]] | None = None) -> dict:

@@ -9,14 +9,16 @@ from torch import nn
 from convert.export import functions as export
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.part import Part, function_widths, part_tensors
-from convert.models.qwen3.config import FAMILY, HOST_CONTRACT, STATE_NAMES, Qwen3Args
+from convert.models.qwen3.ane import HISTORY, Qwen3AneCore
+from convert.models.qwen3.config import ANE_HOST_CONTRACT, FAMILY, HOST_CONTRACT, STATE_NAMES, Qwen3Args
 from convert.models.qwen3.core import Qwen3Core
 
 FunctionModule = export.NamedFunction
 
 
 def build_core(args: Qwen3Args, target, part: Part | None = None) -> Qwen3Core:
-    return Qwen3Core(args, target.context, tuple(target.taps or ()), part)
+    core = Qwen3AneCore if target.layout == "ane" else Qwen3Core
+    return core(args, target.context, tuple(target.taps or ()), part)
 
 
 def function_specs(args: Qwen3Args, target, dtype: torch.dtype = torch.float16,
@@ -25,17 +27,23 @@ def function_specs(args: Qwen3Args, target, dtype: torch.dtype = torch.float16,
     own static width S; a part's take and return what it needs (``convert/pipeline/partition.py``)."""
     part = part or Part.whole(args)
     fdtype = DTYPE_NAMES[dtype]
-    cache = (len(part.layer_indices), args.num_key_value_heads, target.context, args.head_dim)
-    states = tuple(TensorSpec(name, cache, fdtype) for name in STATE_NAMES) if part.layer_indices else ()
+    layers = len(part.layer_indices)
+    cache = (layers, args.num_key_value_heads, target.context, args.head_dim)
+    ane = target.layout == "ane" and layers
+    states = tuple(TensorSpec(name, cache, fdtype) for name in STATE_NAMES) if layers and not ane else ()
     specs = []
     for name, width in function_widths(target):
         inputs, outputs = part_tensors(args, target, part, width, fdtype)
+        if ane:  # the host's history in, the call's rows out (its host contract's buffers)
+            rows = (layers, args.num_key_value_heads, width, args.head_dim)
+            inputs += tuple(TensorSpec(buffer, cache, fdtype) for buffer in HISTORY)
+            outputs += tuple(TensorSpec(out, rows, fdtype) for out in HISTORY.values())
         specs.append(FunctionSpec(name, inputs, outputs, states))
     return specs
 
 
 def host_contract(args: Qwen3Args, target) -> dict:
-    return HOST_CONTRACT
+    return ANE_HOST_CONTRACT if target.layout == "ane" else HOST_CONTRACT
 
 
 def architecture_record(args: Qwen3Args, target) -> dict:

@@ -32,6 +32,7 @@ passes its real row count) and leaves nothing pending. Attention layers keep pos
 does. The state after any accept is therefore exactly the state of running only the accepted tokens.
 """
 
+from convert.export.ane import silu
 from convert.models.qwen3_5.checkpoint import sanitize
 from convert.models.qwen3_5.config import (
     FAMILY,
@@ -61,7 +62,6 @@ from convert.models.qwen3_5.gated_delta import (
     ChunkMasks,
     causal_conv,
     delta_rule,
-    silu,
     softplus,
     unit_lower_inverse,
 )

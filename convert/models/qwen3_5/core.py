@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from convert.export.ane import silu
 from convert.export.spec import DTYPE_NAMES, TensorSpec
 from convert.models.layout import Layout
 from convert.models.part import Part, build_embedding, build_head, part_input, part_outputs
@@ -23,7 +24,7 @@ from convert.models.qwen3.core import (
     rotate,
 )
 from convert.models.qwen3_5.config import LINEAR, QUERY_SCALE, VALUE_SCALE, Qwen35Args
-from convert.models.qwen3_5.gated_delta import ChunkMasks, causal_conv, chunk_sizes, delta_rule, l2norm, silu, softplus
+from convert.models.qwen3_5.gated_delta import ChunkMasks, causal_conv, chunk_sizes, delta_rule, l2norm, softplus
 
 
 class ZeroCentredRMSNorm(RMSNorm):

@@ -8,6 +8,7 @@ from math import ceil, log2
 import torch
 from torch import nn
 
+from convert.errors import InputError
 from convert.export.functions import NamedFunction
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.part import Part, function_widths, part_tensors
@@ -40,6 +41,10 @@ def function_specs(args: Qwen35Args, target, dtype: torch.dtype = torch.float16,
                    part: Part | None = None) -> list[FunctionSpec]:
     """prefill / decode / verify over the same states; every function with layers takes ``accept``, prefill also
     ``valid``; a part's take and return what it needs (``convert/pipeline/partition.py``)."""
+    if target.layout != "stateful":
+        raise InputError(f"target.layout {target.layout}: the hybrid (Gated DeltaNet) target's ane functions, its "
+                         "conv, recurrent and pending buffers owned by the host, are not exported yet; use layout "
+                         "stateful")
     part = part or Part.whole(args)
     fdtype = DTYPE_NAMES[dtype]
     states = state_specs(args, target.context, pending_rows(target), fdtype, part.layer_indices)

@@ -16,13 +16,6 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x) + torch.log1p(torch.exp(-x.abs()))
 
 
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """SiLU as ``x / (1 + exp(-x))``: the ANE's native silu has ~1e-3 absolute error near 0, and coremltools fuses
-    ``x * sigmoid(x)`` back into that op (``mil_backend::fuse_activation_silu``); this form has no sigmoid to fuse.
-    For x below about -11, fp16's exp(-x) overflows to inf and the quotient is -0, the right limit."""
-    return x / (1.0 + torch.exp(-x))
-
-
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """transformers' ``l2norm`` (the FLA form): ``x * rsqrt(sum x^2 + eps)``."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

@@ -1,0 +1,94 @@
+"""The ane layout's pieces, shared by every family that exports it (``layout: ane``, README "Layouts").
+
+The Neural Engine runs a program whole only when every op in it is one it runs: anemll-forge's builder (the
+reference for what a fully placed program looks like, ``../shared/reference/turn3-anchors.md`` section 1) keeps
+activations channels first, ``(1, C, 1, T)``, makes every projection a 1x1 convolution, and keeps no states (a state
+write lowers to a scatter, which runs on the GPU): the host owns every history buffer, passes it in, and writes the
+rows a call returns. These are the ops a family's ane forward is written with; everything here computes in the
+activations' dtype (fp16 in a package) and stays finite there.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from convert.export.quantized import QuantizedLinear
+
+SMALLEST_PEAK = 2.0**-14  # fp16's smallest normal: an all-zero row is divided by this, not by 0
+MASKED = -1e4  # a masked score: exp underflows to 0 in fp16 and fp32, and the sum of a few cannot overflow fp16
+
+
+def channels_first(rows: torch.Tensor) -> torch.Tensor:
+    """Rows [T, C] -> [1, C, 1, T]."""
+    return rows.transpose(0, 1)[None, :, None, :]
+
+
+def rows_of(x: torch.Tensor) -> torch.Tensor:
+    """[1, C, 1, T] -> rows [T, C]."""
+    return x[0, :, 0, :].transpose(0, 1)
+
+
+def pointwise(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``linear`` as a 1x1 convolution: [1, I, 1, T] -> [1, O, 1, T], the weight [O, I, 1, 1] as the package stores
+    it (a quantized weight's codes and tables, as ``QuantizedLinear.forward`` takes them). A linear that only ever
+    computes in torch (a lean target's ``CodesLinear``, a compute copy's ``HalfLinear``) is called on the rows
+    instead: the same product, with its own blocking."""
+    if type(linear) is nn.Linear:
+        weight, rotation = linear.weight, None
+    elif type(linear) is QuantizedLinear:
+        weight, rotation = linear.shipped_weight(), linear.rotation
+    else:
+        return channels_first(linear(rows_of(x)))
+    if rotation is not None:  # a rotation acts on the input's channels: the last dim of its own layout
+        x = rotation(x.transpose(1, 3)).transpose(1, 3)
+    return nn.functional.conv2d(x, weight.to(x.dtype)[:, :, None, None], linear.bias)
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """RMSNorm over ``dim`` in the activations' dtype, finite in fp16: the values are divided by their largest
+    magnitude first, so their squares stay within 1 (a hidden row of values near 300 has squares past fp16's 65504),
+    and ``eps`` is divided by that magnitude's square with them (the same quotient)."""
+    peak = torch.clamp(x.abs().amax(dim, keepdim=True), min=SMALLEST_PEAK)
+    y = x / peak
+    scale = torch.rsqrt(y.pow(2).mean(dim, keepdim=True) + norm.eps / peak.pow(2))
+    shape = [1] * x.dim()
+    shape[dim] = -1
+    return y * scale * norm.weight.to(x.dtype).reshape(shape)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU as ``x / (1 + exp(-x))``: the ANE's native silu has ~1e-3 absolute error near 0, and coremltools fuses
+    ``x * sigmoid(x)`` back into that op (``mil_backend::fuse_activation_silu``); this form has no sigmoid to fuse.
+    For x below about -11, fp16's exp(-x) overflows to inf and the quotient is -0, the right limit."""
+    return x / (1.0 + torch.exp(-x))
+
+
+def history_bias(rows: torch.Tensor, position_ids: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mask bias [history + T, T] of a call's keys (the history's ``rows`` row numbers, then the call's own rows)
+    against its queries: a history row is visible below the call's first position (rows at or past it are stale: a
+    rejected draft's, or not written yet), a call row to the queries at or after it. The queries are the call's
+    consecutive positions, so the history's part is the same for every query."""
+    first = position_ids[0, :1]
+    history = torch.where(rows < first, 0.0, MASKED).to(dtype)[:, None] + torch.zeros(width, dtype=dtype)  # no tile
+    own = torch.triu(torch.full((width, width), MASKED, dtype=dtype), diagonal=1).transpose(0, 1)
+    return torch.cat([history, own], dim=0)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_history: torch.Tensor, value_history: torch.Tensor,
+           bias: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """Grouped-query attention of a call's queries over the host's history and the call's own rows, channels first.
+
+    ``q`` [Hkv, G, d, T] (``shape``, given rather than read: a shape read in the graph is an ``int`` op Core ML's
+    converter refuses; query head ``h = kv * G + g``, already scaled by ``d**-0.5``), ``k``, ``v`` [Hkv, d, T],
+    ``key_history``, ``value_history`` [Hkv, rows, d], ``bias`` [rows + T, T]. Scores are keys by queries,
+    [Hkv, rows + T, G * T], normalised over the keys (max-subtracted: finite in fp16); returns [1, Hkv * G * d, 1, T].
+    """
+    kv_heads, group, head_dim, width = shape
+    queries = q.permute(0, 2, 1, 3).reshape(kv_heads, head_dim, group * width)
+    keys = torch.cat([key_history.to(q.dtype), k.transpose(1, 2)], dim=1)  # [Hkv, rows + T, d]
+    values = torch.cat([value_history.to(q.dtype), v.transpose(1, 2)], dim=1)
+    scores = (keys @ queries).reshape(kv_heads, -1, group, width) + bias[:, None, :]  # broadcast: no tile
+    probs = torch.softmax(scores, dim=1).reshape(kv_heads, -1, group * width)
+    out = values.transpose(1, 2) @ probs  # [Hkv, d, G * T]
+    return out.reshape(kv_heads, head_dim, group, width).permute(0, 2, 1, 3).reshape(1, -1, 1, width)

@@ -1,0 +1,70 @@
+"""Qwen3 dense in the ane layout (``convert/export/ane.py``): the same modules and weights as ``core.py``, computed
+channels first with 1x1 convolutions, over the host's KV history: a call takes ``key_history`` / ``value_history``
+[layers, Hkv, context, head_dim], reads the rows below its first position and its own rows, and returns its new rows
+``key_rows`` / ``value_rows`` [layers, Hkv, S, head_dim] for the host to write at its positions (no state, no
+scatter)."""
+
+from __future__ import annotations
+
+import torch
+
+from convert.export.ane import attend, channels_first, history_bias, pointwise, rms_norm, silu
+from convert.models.part import ane_outputs, part_input
+from convert.models.qwen3.core import MLP, Attention, DecoderLayer, Qwen3Core
+
+HISTORY = {"key_history": "key_rows", "value_history": "value_rows"}  # a host buffer and the output it is written from
+
+
+class Qwen3AneCore(Qwen3Core):
+    """``Qwen3Core`` in the ane layout: ``forward`` takes the host's history instead of states and returns the
+    call's KV rows beside the outputs ``part_outputs`` names."""
+
+    def forward(self, input_ids=None, position_ids=None, key_history=None, value_history=None, hidden_states=None, *,
+                width: int = 0):
+        x = channels_first(part_input(self, input_ids, hidden_states))
+        tapped, out = [], {}
+        if self.layers:
+            positions = position_ids[0].long()
+            cos = self.rope_cos[positions].to(x.dtype).transpose(0, 1)  # [head_dim / 2, S]
+            sin = self.rope_sin[positions].to(x.dtype).transpose(0, 1)
+            bias = history_bias(self.cache_rows, position_ids, width, x.dtype)
+            keys, values = [], []
+            for j, (i, layer) in enumerate(zip(self.part.layer_indices, self.layers, strict=True)):
+                x, k, v = decoder_layer(layer, x, cos, sin, bias, key_history[j], value_history[j], width)
+                keys.append(k)
+                values.append(v)
+                if i in self.taps:
+                    tapped.append((self.taps.index(i), x))
+            out = {"key_rows": torch.cat([k[None] for k in keys]), "value_rows": torch.cat([v[None] for v in values])}
+        return {**ane_outputs(self, x, tapped), **out}
+
+
+def decoder_layer(layer: DecoderLayer, x, cos, sin, bias, key_history, value_history, width: int):
+    """One decoder layer on channels-first rows ``x`` [1, H, 1, S]: the new rows, and the call's k and v rows
+    [Hkv, S, head_dim]."""
+    mixed, k, v = attention(layer.self_attn, rms_norm(layer.input_layernorm, x), cos, sin, bias, key_history,
+                            value_history, width)
+    x = x + mixed
+    return x + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x)), k, v
+
+
+def attention(attn: Attention, x, cos, sin, bias, key_history, value_history, width: int):
+    heads, kv_heads, d = attn.heads, attn.kv_heads, attn.head_dim
+    q = rotate(rms_norm(attn.q_norm, pointwise(attn.q_proj, x).reshape(heads, d, width)), cos, sin)
+    k = rotate(rms_norm(attn.k_norm, pointwise(attn.k_proj, x).reshape(kv_heads, d, width)), cos, sin)
+    v = pointwise(attn.v_proj, x).reshape(kv_heads, d, width)
+    shape = (kv_heads, heads // kv_heads, d, width)
+    queries = (q * d**-0.5).reshape(shape)  # scaled before the product (fp16)
+    out = attend(queries, k, v, key_history, value_history, bias, shape)
+    return pointwise(attn.o_proj, out), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in transformers' rotate-half layout on channels-first heads [N, head_dim, S]; cos / sin [head_dim/2, S]."""
+    x1, x2 = x.chunk(2, dim=1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=1)
+
+
+def mlp(block: MLP, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU with the device-safe SiLU (``export.ane.silu``) whatever the stateful modules' activation."""
+    return pointwise(block.down_proj, silu(pointwise(block.gate_proj, x)) * pointwise(block.up_proj, x))

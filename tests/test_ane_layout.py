@@ -1,0 +1,135 @@
+"""The ane layout (``layout: ane``): functions without states over the host's history, the host's buffers
+(``convert.runtime.host.HostBuffers``), and arithmetic that stays finite in fp16."""
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import write_checkpoint
+
+from convert.errors import InputError
+from convert.export.ane import rms_norm
+from convert.export.spec import FunctionSpec, TensorSpec
+from convert.inputs.recipe import Graphs, Target
+from convert.inputs.sources import load_tensors, read_json
+from convert.models.qwen3 import Qwen3Args
+from convert.models.qwen3.core import RMSNorm
+from convert.runtime.host import HostBuffers, ModuleFunctions, TargetDriver
+from convert.weights.target import build_modules
+from manifests.schema import HostContract
+
+
+def _modules(tmp_path, layout: str, dtype=torch.float32, **variant):
+    write_checkpoint(tmp_path / "ckpt", **variant)
+    args = Qwen3Args.from_config(read_json(tmp_path / "ckpt" / "config.json"))
+    target = Target(source="path:x", graphs=Graphs(prefill=16, verify=8), context=64, taps=[1, 0], layout=layout)
+    return build_modules(args, target, load_tensors(tmp_path / "ckpt"), dtype)
+
+
+def test_ane_functions_keep_no_state_and_return_their_rows(tmp_path):
+    modules = _modules(tmp_path, "ane")
+    args = modules.core.args
+    HostContract.model_validate(modules.contract)
+    assert set(modules.contract["buffers"]) == {"key_history", "value_history"}
+    history = (args.num_hidden_layers, args.num_key_value_heads, 64, args.head_dim)
+    for name, (_, spec) in modules.functions.items():
+        assert spec.states == ()
+        inputs = {t.name: t.shape for t in spec.inputs}
+        outputs = {t.name: t.shape for t in spec.outputs}
+        assert inputs["key_history"] == inputs["value_history"] == history
+        rows = (args.num_hidden_layers, args.num_key_value_heads, spec.width, args.head_dim)
+        assert outputs["key_rows"] == outputs["value_rows"] == rows, name
+
+
+def test_ane_greedy_equals_stateful_and_its_history_the_states(tmp_path):
+    """Through the host (prefill chunks, decode, a verify rolled back to 3 accepted): the same ids, logits within
+    fp32 rounding, and the host's history equal to the stateful package's KV states."""
+    stateful, ane = (ModuleFunctions(_modules(tmp_path / layout, layout)) for layout in ("stateful", "ane"))
+    widths = {"prefill": 16, "decode": 1, "verify": 8}
+    contracts = [f.modules.contract for f in (stateful, ane)]
+    drivers = [TargetDriver(f, widths, c) for f, c in zip((stateful, ane), contracts, strict=True)]
+    prompt = list(range(5, 25))
+    greedy = [d.greedy(prompt, 12)[0] for d in drivers]
+    assert greedy[0] == greedy[1]
+    for d in drivers:
+        d.run("verify", [greedy[0][-1], 7, 8, 9, 10, 11, 12, 13], len(prompt) + 11)
+    outs = [d.run("verify", [3, 4, 5, 6], len(prompt) + 14) for d in drivers]  # accepted 3 of 8
+    assert np.array_equal(outs[0]["argmax_ids"], outs[1]["argmax_ids"])
+    states, history = stateful.states(), ane.states()
+    used = len(prompt) + 18
+    for state, buffer in (("key_cache", "key_history"), ("value_cache", "value_history")):
+        assert np.abs(states[state][:, :, :used] - history[buffer][:, :, :used]).max() < 1e-5
+
+
+def test_host_buffers_write_rows_at_positions_and_ring_slots():
+    spec = FunctionSpec("step", (TensorSpec("position_ids", (1, 3), "int32"), TensorSpec("ring", (1, 4, 2), "float32")),
+                        (TensorSpec("ring_rows", (1, 3, 2), "float32"),))
+
+    class Echo:
+        def call(self, function, inputs):
+            return {"ring_rows": np.arange(6, dtype=np.float32).reshape(1, 3, 2) + 100 * inputs["position_ids"][0, 0]}
+
+        def reset(self):
+            pass
+
+    host = HostBuffers(Echo(), {"step": spec}, {"ring": {"rows": "ring_rows", "axis": 1, "ring": 4}})
+    assert host.call("step", {"position_ids": np.array([[3, 4, 5]], np.int32)}) == {}
+    ring = host.states()["ring"][0]
+    assert ring.tolist() == [[302, 303], [304, 305], [0, 0], [300, 301]]  # slots 3, 0, 1 = positions mod 4
+    flat = HostBuffers(Echo(), {"step": spec}, {"ring": {"rows": "ring_rows", "axis": 1}})
+    flat.call("step", {"position_ids": np.array([[2, 3, 4]], np.int32)})
+    assert flat.states()["ring"][0].tolist() == [[0, 0], [0, 0], [200, 201], [202, 203]]  # position 4: past, dropped
+    with pytest.raises(InputError, match="no function takes"):
+        HostBuffers(Echo(), {"step": spec}, {"kv": {"rows": "ring_rows", "axis": 1}})
+
+
+def test_ane_rms_norm_stays_finite_in_fp16():
+    """A hidden row of values near 400: their squares pass fp16's 65504, so a norm that squares them in fp16 gives
+    0; the ane form divides by the row's largest magnitude first and matches the fp32 norm."""
+    norm = RMSNorm(256, 1e-6)
+    norm.weight.data.uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(0))
+    x = torch.empty(1, 256, 1, 4).uniform_(-420, 420, generator=torch.Generator().manual_seed(1))
+    naive = x.half() * torch.rsqrt(x.half().pow(2).mean(1, keepdim=True) + 1e-6)
+    assert not torch.isfinite(x.half().pow(2).mean(1)).all() and (naive == 0).all()
+    want = norm(x.transpose(1, 3)).transpose(1, 3)  # the stateful norm in fp32 over the channels
+    got = rms_norm(norm.half(), x.half()).float()
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max() / want.abs().max() < 2e-3
+
+
+def test_a_hybrid_target_or_a_pair_refuses_the_ane_layout():
+    from qwen3_5_checkpoints import text_config
+
+    from convert.inputs.recipe import Recipe
+    from convert.models import qwen3_5
+
+    with pytest.raises(ValueError, match="drafters' ane functions"):
+        Recipe.model_validate({"name": "x", "target": {"source": "path:x", "layout": "ane"},
+                               "drafter": {"kind": "mtp"}})
+    args = qwen3_5.Args.from_config(text_config())
+    with pytest.raises(InputError, match="hybrid .* ane functions"):
+        qwen3_5.function_specs(args, Target(source="path:x", layout="ane"))
+    assert qwen3_5.function_specs(args, Target(source="path:x"))  # stateful: planned
+
+
+def test_the_placement_lint_names_states_ops_dtypes_and_dims():
+    from convert.verify.placement import lint
+
+    history = TensorSpec("key_history", (2, 4, 65_530, 64), "float16")
+    verify = FunctionSpec("verify", (TensorSpec("position_ids", (1, 8), "int32"), history),
+                          (TensorSpec("logits", (1, 8, 70_000), "float16"),))
+    decode = FunctionSpec("decode", (TensorSpec("position_ids", (1, 1), "int32"),),
+                          (TensorSpec("hidden", (1, 1, 64), "float32"),),
+                          (TensorSpec("key_cache", (2, 4, 64, 8), "float16"),))
+    placed = {"conv2d", "softmax", "broadcasting_batch_matmul", "lut_to_dense", "constant", "output"}
+    assert lint("coreai", {"verify": verify}, {"verify": placed}) == [
+        "verify: logits [1, 8, 70000] has a dim over the ANE's 65,536"]
+    found = lint("coreai", {"verify": verify, "decode": decode},
+                 {"verify": placed, "decode": placed | {"scatter_nd", "gather_nd"}}, ("key_history",))
+    assert len(found) == 6, found
+    assert found[1].startswith("verify: key_history's rows and the call's (65,538) are one attention axis")
+    assert found[2].startswith("decode: keeps 1 states (key_cache)")
+    assert found[3].startswith("decode: op gather_nd: a lookup")
+    assert found[4].startswith("decode: op scatter_nd: a state or buffer write")
+    assert found[5] == "decode: hidden is float32 (forge's programs are fp16 throughout)"
+    assert lint("coreml", {"decode": decode}, {"decode": {"conv", "clip", "inverse", "const"}})[1:] == [
+        "decode: hidden is float32 (forge's programs are fp16 throughout)"]
