@@ -13,7 +13,7 @@ from convert.inputs.recipe import Graphs, Target
 from convert.inputs.sources import load_tensors, read_json
 from convert.models.qwen3 import Qwen3Args
 from convert.models.qwen3.core import RMSNorm
-from convert.runtime.host import HostBuffers, ModuleFunctions, TargetDriver
+from convert.runtime.host import HostBuffers, ModuleFunctions, TargetDriver, host_owned
 from convert.weights.target import build_modules
 from manifests.schema import HostContract
 
@@ -78,8 +78,8 @@ def test_host_buffers_write_rows_at_positions_and_ring_slots():
     flat = HostBuffers(Echo(), {"step": spec}, {"ring": {"rows": "ring_rows", "axis": 1}})
     flat.call("step", {"position_ids": np.array([[2, 3, 4]], np.int32)})
     assert flat.states()["ring"][0].tolist() == [[0, 0], [0, 0], [200, 201], [202, 203]]  # position 4: past, dropped
-    with pytest.raises(InputError, match="no function takes"):
-        HostBuffers(Echo(), {"step": spec}, {"kv": {"rows": "ring_rows", "axis": 1}})
+    plain = Echo()  # a part without layers takes no buffer: driven as it is
+    assert host_owned(plain, {"step": spec}, {"buffers": {"kv": {"rows": "kv_rows", "axis": 2}}}) is plain
 
 
 def test_ane_rms_norm_stays_finite_in_fp16():

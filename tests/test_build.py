@@ -272,6 +272,16 @@ def test_an_ane_layout_bundle(built, tiny_checkpoint):
         assert result.exit_code == 0, result.output
         generated[name, runtime] = json.loads(result.output.strip().splitlines()[-1])["generated_ids"]
     assert generated["ane", "coreai"] == generated["ane", "torch"] == generated["a", "coreai"]
+    # parted: each part with layers takes its own layers' history (gated one piece at a time, chained on the runtime)
+    code, output = build(tmp, tiny_checkpoint, "ane-parted", "  layout: ane\n  max_part_mb: 0.8\n")
+    assert code == 0, output
+    parts = manifest(tmp / "ane-parted")["parts"]
+    assert len(parts) > 2 and f"artifact gate: {len(parts)} parts chained on the Core AI runtime" in output
+    assert all(("key_history" in {t["name"] for t in f["inputs"]}) == (p["layers"][1] > p["layers"][0])
+               for p in parts for f in p["functions"])
+    result = CliRunner().invoke(main, ["generate", str(tmp / "ane-parted"), "--prompt", prompt, "-n", "6", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output.strip().splitlines()[-1])["generated_ids"] == generated["a", "coreai"]
 
 
 # `spec-convert generate` with the threads that hand results to the event loop (the Core AI runtime's) held up to 3 s

@@ -66,9 +66,10 @@ class Chain:
 
 
 def link_inputs(spec: FunctionSpec, inputs: dict[str, np.ndarray], rows: np.ndarray | None) -> dict[str, np.ndarray]:
-    """What one part's function takes of a whole target's call ``inputs`` and the previous part's ``rows``."""
+    """What one part's function takes of a whole target's call ``inputs`` and the previous part's ``rows`` (the
+    host's buffers, which the part's ``host_owned`` functions add, are not the call's)."""
     given = {**inputs, "hidden_states": rows}
-    return {t.name: np.asarray(given[t.name], dtype=t.dtype) for t in spec.inputs}
+    return {t.name: np.asarray(given[t.name], dtype=t.dtype) for t in spec.inputs if t.name in given}
 
 
 def module_chain(parts: list[Part], pieces: list, taps, wrap=None) -> Chain:

@@ -117,11 +117,9 @@ class HostBuffers:
     would hold."""
 
     def __init__(self, functions: Functions, specs: dict, buffers: dict):
+        """``buffers``: the contract's, each taken by some function of ``specs`` (``host_owned`` picks them)."""
         self.functions, self.specs, self.rules = functions, specs, buffers
         inputs = {t.name: t for spec in specs.values() for t in spec.inputs}
-        missing = sorted(set(buffers) - set(inputs))
-        if missing:
-            raise InputError(f"the host contract names buffers {missing} that no function takes")
         self.buffers = {name: np.zeros(inputs[name].shape, dtype=inputs[name].dtype) for name in buffers}
 
     def reset(self) -> None:
@@ -150,9 +148,12 @@ class HostBuffers:
 
 
 def host_owned(functions: Functions, specs: dict, contract: dict) -> Functions:
-    """``functions`` as a runtime drives them under ``contract``: with the host's buffers where the contract has any
-    (``HostBuffers``), else themselves."""
-    return HostBuffers(functions, specs, contract["buffers"]) if contract.get("buffers") else functions
+    """``functions`` (one package's, with ``specs``) as a runtime drives them under the target's ``contract``: with
+    the host's buffers that these functions take (``HostBuffers``; a part without layers takes none), else
+    themselves."""
+    taken = {t.name for spec in specs.values() for t in spec.inputs}
+    buffers = {name: rule for name, rule in contract.get("buffers", {}).items() if name in taken}
+    return HostBuffers(functions, specs, buffers) if buffers else functions
 
 
 class ModuleFunctions:
@@ -172,6 +173,10 @@ class ModuleFunctions:
 
     def states(self) -> dict[str, np.ndarray]:
         return self.driven.states()
+
+    def host_buffers(self) -> dict[str, np.ndarray]:
+        """The host's buffers themselves (the ane layout's; none for modules with states)."""
+        return self.driven.buffers if isinstance(self.driven, HostBuffers) else {}
 
 
 class _ModuleCalls:

@@ -336,18 +336,23 @@ def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy
     results: list[_Window | None] = [None] * len(windows)
 
     with tempfile.TemporaryDirectory(prefix="spec-convert-gate-") as scratch:
-        def run(piece, function: str, given: dict, rows) -> dict[str, np.ndarray]:
-            return ModuleFunctions(piece).call(function, link_inputs(piece.functions[function][1], given, rows))
+        def run(piece: ModuleFunctions, function: str, given: dict, rows) -> dict[str, np.ndarray]:
+            return piece.call(function, link_inputs(piece.modules.functions[function][1], given, rows))
 
-        def keep(piece, w: int, u: int) -> None:  # window w's states of piece u, for the next pass
-            torch.save(piece.states(), Path(scratch) / f"{w}-{u}.pt")
+        def keep(piece: ModuleFunctions, w: int, u: int) -> None:  # window w's states of piece u, for the next pass
+            buffers = {k: torch.from_numpy(v.copy()) for k, v in piece.host_buffers().items()}
+            torch.save({**piece.modules.states(), **buffers}, Path(scratch) / f"{w}-{u}.pt")
 
-        def restore(piece, w: int, u: int) -> None:
+        def restore(piece: ModuleFunctions, w: int, u: int) -> None:
+            buffers = piece.host_buffers()
             for name, value in torch.load(Path(scratch) / f"{w}-{u}.pt").items():
-                piece.states()[name].copy_(value)
+                if name in buffers:
+                    buffers[name][...] = value.numpy()
+                else:
+                    piece.modules.states()[name].copy_(value)
 
-        def load(unit):
-            return loader.load([unit], compute_dtype)[0]
+        def load(unit) -> ModuleFunctions:  # one host over the piece: the ane layout's buffers carry between calls
+            return ModuleFunctions(loader.load([unit], compute_dtype)[0])
 
         passes = greedy_tokens
         with steps(f"numeric gate: the candidate, one piece at a time ({len(units)} pieces x {passes} passes)",
