@@ -133,3 +133,8 @@ def test_the_placement_lint_names_states_ops_dtypes_and_dims():
     assert found[5] == "decode: hidden is float32 (forge's programs are fp16 throughout)"
     assert lint("coreml", {"decode": decode}, {"decode": {"conv", "clip", "inverse", "const"}})[1:] == [
         "decode: hidden is float32 (forge's programs are fp16 throughout)"]
+    # each op explained by a word of its name, not a fragment ("broadcasting" holds "cast")
+    explained = lint("coreai", {"verify": verify}, {"verify": placed | {"broadcasting_greater", "cast", "stack"}})
+    assert explained[:3] == ["verify: op broadcasting_greater: an integer comparison (forge passes masks as fp16 "
+                             "inputs)", "verify: op cast: a dtype conversion (forge's graphs are fp16 throughout, with "
+                             "no integer arithmetic)", "verify: op stack: not an op of forge's program"]

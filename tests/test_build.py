@@ -260,6 +260,10 @@ def test_an_ane_layout_bundle(built, tiny_checkpoint):
                                    "op gather_nd"},
                         "coreml": {"op cast", "op gather", "op greater_equal", "op less", "op reduce_argmax",
                                    "op select"}}[package["format"]]
+    shown = " ".join(CliRunner().invoke(main, ["inspect", str(bundle)]).output.split())  # rich wraps its lines
+    assert "host buffer key_history: the host writes each call's key_rows into it along axis 2" in shown
+    coreai_findings = len(next(p for p in m["packages"] if p["format"] == "coreai")["placement"])
+    assert f"placement lint tiny.aimodel: {coreai_findings} findings" in shown and "op gather_nd: a lookup" in shown
     code, output = build(tmp, tiny_checkpoint, "ane-strict", "  layout: ane\n", "--strict")
     assert code == 1 and "--strict: the placement lint found" in output and not (tmp / "ane-strict").exists()
     prompt = "def add(a, b):\n    return"

@@ -37,6 +37,10 @@ def print_manifest(m: Manifest | DrafterManifest) -> None:
     extra = f", inputs {', '.join(c.inputs)}" if c.inputs else ""
     pending = f", pending rows {c.pending_rows}" if c.pending_rows else ""
     out.print(f"  host contract {c.name} v{c.version}: rollback {c.rollback}{extra}{pending}")
+    for name, buffer in c.buffers.items():
+        ring = f" (slot = position mod {buffer.ring})" if buffer.ring else ""
+        out.print(f"  host buffer {name}: the host writes each call's {buffer.rows} into it along axis "
+                  f"{buffer.axis}, row j at position j{ring}")
     out.print(f"  weights {m.weights.dtype}, {m.weights.parameter_count:,} parameters")
     out.print(f"  lm_head {m.weights.lm_head_sha256[:16]}{' (tied)' if m.weights.lm_head_tied else ''}"
               f"  embedding {m.weights.embedding_sha256[:16]}")
@@ -68,6 +72,10 @@ def print_manifest(m: Manifest | DrafterManifest) -> None:
         compiled = "\n".join(f"{c.kind}: {c.status}" + (f" ({c.reason})" if c.reason else "") for c in p.compile)
         packages.add_row(p.path, f"{size / 2**20:.1f} MiB", p.stable_hash[:16], check, compiled)
     out.print(packages)
+    for p in m.packages:
+        if p.placement is not None:
+            out.print(f"  placement lint {p.path}: {len(p.placement)} findings" + "".join(
+                f"\n    {finding}" for finding in p.placement))
 
 
 def _print_drafter(m: DrafterManifest) -> None:

@@ -36,8 +36,10 @@ VOCABULARY = {
         "slice_by_size", "expand_dims", "squeeze", "const", "constexpr_lut_to_dense",
         "constexpr_blockwise_shift_scale"}),
 }
-_WHY = {  # what an op outside the vocabulary usually is here, by name fragment
+_WHY = {  # what an op outside the vocabulary usually is here, by a word of its name
     "scatter": "a state or buffer write (forge: index_copy_ lowers to scatter_nd, which runs on the GPU)",
+    "state": "a state read or write (forge keeps no states: the host owns every buffer)",
+    "linear": "a linear layer (forge makes every projection a 1x1 convolution on (1, C, 1, T) activations)",
     "gather": "a lookup (forge's host looks up embeddings and passes positions as cos / sin tables)",
     "handle": "a state read or write (forge keeps no states: the host owns every buffer)",
     "token": "a state's ordering token (forge keeps no states)",
@@ -45,6 +47,8 @@ _WHY = {  # what an op outside the vocabulary usually is here, by name fragment
     "cast": "a dtype conversion (forge's graphs are fp16 throughout, with no integer arithmetic)",
     "argmax": "an argmax (forge returns logits and takes the argmax on the host)",
     "greater": "an integer comparison (forge passes masks as fp16 inputs)",
+    "less": "an integer comparison (forge passes masks as fp16 inputs)",
+    "select": "a select on a computed mask (forge passes masks as fp16 inputs)",
     "where": "a select on a computed mask (forge passes masks as fp16 inputs)",
     "not": "a logical op (forge passes masks as fp16 inputs)",
     "silu": "a native SiLU (forge writes it with tanh: the ANE's silu is about 1e-3 off near 0)",
@@ -62,7 +66,8 @@ def lint(fmt: str, specs: dict[str, FunctionSpec], op_types: dict[str, set[str]]
             findings.append(f"{name}: keeps {len(spec.states)} states ({', '.join(s.name for s in spec.states)}): "
                             "written in the graph, they leave the ANE (forge keeps every buffer on the host)")
         for op in sorted(op_types.get(name, set()) - vocabulary):
-            why = next((text for fragment, text in _WHY.items() if fragment in op), "not an op of forge's program")
+            words = op.split("_")
+            why = next((text for word, text in _WHY.items() if word in words), "not an op of forge's program")
             findings.append(f"{name}: op {op}: {why}")
         for tensor in (*spec.inputs, *spec.outputs, *spec.states):
             if tensor.dtype == "float32":
