@@ -115,6 +115,16 @@ class HostBuffer(Model):
     ring: Size | None = Field(None, description="rows wrap: slot = position mod ring")
 
 
+class HostPositions(Model):
+    """What the host computes from a call's positions for the ane layout's functions (which take no position_ids):
+    ``rope_cos`` / ``rope_sin`` [S, rotary_dim / 2], cos and sin of position x ``1 / rope_theta ** (2i / rotary_dim)``
+    in fp32 (transformers' default RoPE), and ``history_mask`` [1, rows]: 0 below the call's first position, -1e4 at
+    and past it."""
+
+    rope_theta: Positive
+    rotary_dim: Size
+
+
 class HostContract(Model):
     """What a runtime sets between calls and must never do: README "Hybrid targets" and docs/hybrid.md explain it.
     A drafter binds the name and version of its target's contract."""
@@ -127,6 +137,7 @@ class HostContract(Model):
     inputs: dict[str, str] = Field(description="function inputs beyond input_ids and position_ids, by name")
     pending_rows: dict[str, int] = Field(description="functions that leave their rows pending, with the rows they "
                                          "can leave (the most the next call's accept may keep)")
+    positions: HostPositions | None = Field(None, description="the ane layout's position inputs the host computes")
     buffers: dict[str, HostBuffer] = Field(
         default_factory=dict, description="the ane layout's host-owned buffers by input name (none: the package keeps "
         "its states itself)")

@@ -30,12 +30,15 @@ def test_ane_functions_keep_no_state_and_return_their_rows(tmp_path):
     args = modules.core.args
     HostContract.model_validate(modules.contract)
     assert set(modules.contract["buffers"]) == {"key_history", "value_history"}
+    assert modules.contract["positions"] == {"rope_theta": args.rope_theta, "rotary_dim": args.head_dim}
     history = (args.num_hidden_layers, args.num_key_value_heads, 64, args.head_dim)
     for name, (_, spec) in modules.functions.items():
         assert spec.states == ()
         inputs = {t.name: t.shape for t in spec.inputs}
         outputs = {t.name: t.shape for t in spec.outputs}
         assert inputs["key_history"] == inputs["value_history"] == history
+        assert "position_ids" not in inputs and inputs["history_mask"] == (1, 64)  # positions: the host's
+        assert inputs["rope_cos"] == inputs["rope_sin"] == (spec.width, args.head_dim // 2)
         rows = (args.num_hidden_layers, args.num_key_value_heads, spec.width, args.head_dim)
         assert outputs["key_rows"] == outputs["value_rows"] == rows, name
 

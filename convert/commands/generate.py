@@ -48,14 +48,15 @@ def target_bundle(bundle: Path, run_formats: tuple[str, ...] = ()) -> tuple[Path
 
 
 def widths(manifest: Manifest, folder: Path | None = None) -> dict[str, int]:
-    """Tokens per call of each function (its ``position_ids`` input's ``[1, S]``); a manifest without prefill and
-    decode functions of that form is refused."""
+    """Tokens per call of each function (its ``position_ids`` input's ``[1, S]``, ``input_ids``' in the ane layout); a
+    manifest without prefill and decode functions of that form is refused."""
     found = {}
     for i, f in enumerate(manifest.functions):
-        shapes = [t.shape for t in f.inputs if t.name == "position_ids"]
+        shapes = [t.shape for t in f.inputs if t.name == "position_ids"] or \
+            [t.shape for t in f.inputs if t.name == "input_ids"]  # the ane layout's take no position_ids
         if len(shapes) != 1 or len(shapes[0]) != 2 or shapes[0][1] < 1:
             raise InputError(f"{folder or manifest.name}: manifest.json functions[{i}] ({quote(f.name, 40)}): no "
-                             "position_ids input [1, S]; rebuild the bundle")
+                             "position_ids or input_ids input [1, S]; rebuild the bundle")
         found[f.name] = shapes[0][1]
     missing = [name for name in ("prefill", "decode") if name not in found]
     if missing:

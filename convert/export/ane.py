@@ -10,6 +10,7 @@ activations' dtype (fp16 in a package) and stays finite there.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -17,6 +18,15 @@ from convert.export.quantized import QuantizedLinear
 
 SMALLEST_PEAK = 2.0**-14  # fp16's smallest normal: an all-zero row is divided by this, not by 0
 MASKED = -1e4  # a masked score: exp underflows to 0 in fp16 and fp32, and the sum of a few cannot overflow fp16
+
+
+def rope_rows(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin [n, rotary_dim / 2] in fp32 at ``positions`` [n] (``inv_freq`` as transformers'
+    ``compute_default_rope_parameters``): the stateful cores' tables (``register_positions``) and the rows the host
+    passes the ane functions are this one computation."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    angles = positions.to(torch.int64).float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
 
 
 def channels_first(rows: torch.Tensor) -> torch.Tensor:
@@ -64,15 +74,21 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1.0 + torch.exp(-x))
 
 
-def history_bias(rows: torch.Tensor, position_ids: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """The mask bias [history + T, T] of a call's keys (the history's ``rows`` row numbers, then the call's own rows)
-    against its queries: a history row is visible below the call's first position (rows at or past it are stale: a
-    rejected draft's, or not written yet), a call row to the queries at or after it. The queries are the call's
-    consecutive positions, so the history's part is the same for every query."""
-    first = position_ids[0, :1]
-    history = torch.where(rows < first, 0.0, MASKED).to(dtype)[:, None] + torch.zeros(width, dtype=dtype)  # no tile
+def history_bias(history_mask: torch.Tensor, width: int) -> torch.Tensor:
+    """The mask bias [history + T, T] of a call's keys (the history's rows, then the call's own rows) against its
+    queries: the host's ``history_mask`` [1, history] (0 below the call's first position, ``MASKED`` at and past it:
+    a rejected draft's rows, or rows not written yet; ``history_mask_row``) for every query, then the call's rows
+    causally (a constant: the queries are the call's consecutive positions)."""
+    dtype = history_mask.dtype
+    history = history_mask.transpose(0, 1) + torch.zeros(width, dtype=dtype)  # broadcast, no tile
     own = torch.triu(torch.full((width, width), MASKED, dtype=dtype), diagonal=1).transpose(0, 1)
     return torch.cat([history, own], dim=0)
+
+
+def history_mask_row(first: int, rows: int) -> np.ndarray:
+    """The host's ``history_mask`` [1, rows] for a call whose first position is ``first`` (fp32; cast to the input's
+    dtype, exact)."""
+    return np.where(np.arange(rows) < first, 0.0, MASKED).astype(np.float32)[None]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_history: torch.Tensor, value_history: torch.Tensor,

@@ -14,7 +14,7 @@ from convert import backends
 from convert.errors import InputError
 from convert.export.spec import FunctionSpec
 from convert.models.part import HIDDEN_OUT, Part
-from convert.runtime.host import ModuleFunctions, host_owned
+from convert.runtime.host import POSITION_INPUTS, ModuleFunctions, host_owned
 
 
 class Chain:
@@ -69,7 +69,10 @@ def link_inputs(spec: FunctionSpec, inputs: dict[str, np.ndarray], rows: np.ndar
     """What one part's function takes of a whole target's call ``inputs`` and the previous part's ``rows`` (the
     host's buffers, which the part's ``host_owned`` functions add, are not the call's)."""
     given = {**inputs, "hidden_states": rows}
-    return {t.name: np.asarray(given[t.name], dtype=t.dtype) for t in spec.inputs if t.name in given}
+    linked = {t.name: np.asarray(given[t.name], dtype=t.dtype) for t in spec.inputs if t.name in given}
+    if POSITION_INPUTS & {t.name for t in spec.inputs}:  # the part's host computes them from the positions
+        linked["position_ids"] = np.asarray(inputs["position_ids"], dtype=np.int32)
+    return linked
 
 
 def module_chain(parts: list[Part], pieces: list, taps, wrap=None) -> Chain:

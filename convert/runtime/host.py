@@ -22,8 +22,10 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from convert.errors import InputError
+from convert.export.ane import history_mask_row, rope_rows
 
 COMMIT = "commit-next-call"
 
@@ -116,9 +118,11 @@ class HostBuffers:
     returns them, so a driver sees what a package with states shows: after each call the buffers hold what its states
     would hold."""
 
-    def __init__(self, functions: Functions, specs: dict, buffers: dict):
-        """``buffers``: the contract's, each taken by some function of ``specs`` (``host_owned`` picks them)."""
-        self.functions, self.specs, self.rules = functions, specs, buffers
+    def __init__(self, functions: Functions, specs: dict, buffers: dict, positions: dict | None = None):
+        """``buffers``: the contract's, each taken by some function of ``specs`` (``host_owned`` picks them);
+        ``positions``: the contract's ``positions`` (rope_theta, rotary_dim), when these functions take the position
+        inputs the host computes (``POSITION_INPUTS``)."""
+        self.functions, self.specs, self.rules, self.positions = functions, specs, buffers, positions
         inputs = {t.name: t for spec in specs.values() for t in spec.inputs}
         self.buffers = {name: np.zeros(inputs[name].shape, dtype=inputs[name].dtype) for name in buffers}
 
@@ -131,9 +135,11 @@ class HostBuffers:
         return dict(self.buffers)
 
     def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        taken = {t.name for t in self.specs[function].inputs}
-        out = dict(self.functions.call(function, {**inputs, **{k: v for k, v in self.buffers.items() if k in taken}}))
+        """``inputs`` as a driver gives them (``position_ids`` included); the package gets what its function takes."""
+        spec = self.specs[function]
         where = np.asarray(inputs["position_ids"]).reshape(-1).astype(np.int64)
+        given = {**inputs, **self.buffers, **(self.position_inputs(spec, where) if self.positions else {})}
+        out = dict(self.functions.call(function, {t.name: given[t.name] for t in spec.inputs}))
         for name, rule in self.rules.items():
             rows = out.pop(rule["rows"], None)
             if rows is None:
@@ -147,13 +153,30 @@ class HostBuffers:
         return out
 
 
+    def position_inputs(self, spec, where: np.ndarray) -> dict[str, np.ndarray]:
+        """RoPE's rows and the history mask of a call at positions ``where`` (the contract's ``positions``), in the
+        dtypes the function takes them."""
+        dtypes = {t.name: t.dtype for t in spec.inputs}
+        shapes = {t.name: t.shape for t in spec.inputs}
+        if "rope_cos" not in dtypes:
+            return {}
+        cos, sin = rope_rows(torch.from_numpy(where), self.positions["rotary_dim"], self.positions["rope_theta"])
+        mask = history_mask_row(int(where[0]), shapes["history_mask"][1])
+        return {"rope_cos": cos.numpy().astype(dtypes["rope_cos"]), "rope_sin": sin.numpy().astype(dtypes["rope_sin"]),
+                "history_mask": mask.astype(dtypes["history_mask"])}
+
+
+POSITION_INPUTS = frozenset({"rope_cos", "rope_sin", "history_mask"})  # what the host computes from position_ids
+
+
 def host_owned(functions: Functions, specs: dict, contract: dict) -> Functions:
     """``functions`` (one package's, with ``specs``) as a runtime drives them under the target's ``contract``: with
-    the host's buffers that these functions take (``HostBuffers``; a part without layers takes none), else
-    themselves."""
+    the host's buffers and position inputs that these functions take (``HostBuffers``; a part without layers takes
+    none), else themselves."""
     taken = {t.name for spec in specs.values() for t in spec.inputs}
     buffers = {name: rule for name, rule in contract.get("buffers", {}).items() if name in taken}
-    return HostBuffers(functions, specs, buffers) if buffers else functions
+    positions = contract.get("positions") if taken & POSITION_INPUTS else None
+    return HostBuffers(functions, specs, buffers, positions) if buffers or positions else functions
 
 
 class ModuleFunctions:

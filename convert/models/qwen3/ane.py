@@ -2,7 +2,9 @@
 channels first with 1x1 convolutions, over the host's KV history: a call takes ``key_history`` / ``value_history``
 [layers, Hkv, context, head_dim], reads the rows below its first position and its own rows, and returns its new rows
 ``key_rows`` / ``value_rows`` [layers, Hkv, S, head_dim] for the host to write at its positions (no state, no
-scatter)."""
+scatter). The host passes what the stateful cores compute from ``position_ids``: RoPE's ``rope_cos`` / ``rope_sin``
+[S, head_dim / 2] and the ``history_mask`` [1, context], so the graph holds no lookup by position and no integer
+arithmetic."""
 
 from __future__ import annotations
 
@@ -19,15 +21,13 @@ class Qwen3AneCore(Qwen3Core):
     """``Qwen3Core`` in the ane layout: ``forward`` takes the host's history instead of states and returns the
     call's KV rows beside the outputs ``part_outputs`` names."""
 
-    def forward(self, input_ids=None, position_ids=None, key_history=None, value_history=None, hidden_states=None, *,
-                width: int = 0):
+    def forward(self, input_ids=None, rope_cos=None, rope_sin=None, history_mask=None, key_history=None,
+                value_history=None, hidden_states=None, *, width: int = 0):
         x = channels_first(part_input(self, input_ids, hidden_states))
         tapped, out = [], {}
         if self.layers:
-            positions = position_ids[0].long()
-            cos = self.rope_cos[positions].to(x.dtype).transpose(0, 1)  # [head_dim / 2, S]
-            sin = self.rope_sin[positions].to(x.dtype).transpose(0, 1)
-            bias = history_bias(self.cache_rows, position_ids, width, x.dtype)
+            cos, sin = rope_cos.transpose(0, 1), rope_sin.transpose(0, 1)  # [head_dim / 2, S]
+            bias = history_bias(history_mask, width)
             keys, values = [], []
             for j, (i, layer) in enumerate(zip(self.part.layer_indices, self.layers, strict=True)):
                 x, k, v = decoder_layer(layer, x, cos, sin, bias, key_history[j], value_history[j], width)

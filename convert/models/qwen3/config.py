@@ -30,15 +30,20 @@ ANE_HOST_CONTRACT = {  # the ane layout (convert/models/qwen3/ane.py): the same 
     "name": "spec-convert/positional-host-history",
     "version": 1,
     "rollback": "positional",
-    "inputs": {"key_history": "the host's key rows [layers, kv heads, context, head_dim], row c at position c",
+    "inputs": {"rope_cos": "cos of the call's positions times RoPE's inverse frequencies [S, head_dim / 2]",
+               "rope_sin": "their sin, as rope_cos",
+               "history_mask": "[1, context]: 0 for the rows below the call's first position, -1e4 for the rest",
+               "key_history": "the host's key rows [layers, kv heads, context, head_dim], row c at position c",
                "value_history": "the host's value rows, as key_history"},
     "pending_rows": {},
     "buffers": {"key_history": {"rows": "key_rows", "axis": 2}, "value_history": {"rows": "value_rows", "axis": 2}},
     "rules": [
         "the package keeps no state: the host owns key_history and value_history, passes them to every call, and after "
         "each call writes the call's key_rows / value_rows (row j of each layer and head) at row position_ids[j]",
-        "a call reads the history rows below its first position and its own rows up to each query's position (the "
-        "masks are computed in the graph from position_ids); rows at or past its first position are never read",
+        "the functions take no position_ids: the host passes rope_cos / rope_sin (position x inverse "
+        "frequencies, as transformers' default RoPE, in fp32 then the input's dtype) and history_mask",
+        "a call reads the history rows below its first position and its own rows up to each query's position; rows "
+        "at or past its first position are never read",
         "after a verify, continue at the position after the last accepted token: the rejected rows lie at or past the "
         "next call's first position and are overwritten before any call reads them; nothing is copied",
         "positions must be below the context; a prompt's last prefill chunk may be right-padded (read the row of "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from convert.export.ane import rope_rows
 from convert.models.layout import Layout
 from convert.models.part import Part, build_embedding, build_head, part_input, part_outputs
 from convert.models.qwen3.checkpoint import load_checkpoint_tensors
@@ -156,10 +157,9 @@ def register_positions(module: nn.Module, rotary_dim: int, theta: float, rows: i
     """The constants an export core reads positions through: RoPE cos/sin tables [rows, rotary_dim/2] in fp32
     (``inv_freq`` as transformers' ``compute_default_rope_parameters``), the cache row numbers and the KV head index
     (constants rather than aranges in forward: coremltools warns on every int64 arange it meets)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
-    angles = torch.arange(rows, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-    module.register_buffer("rope_cos", angles.cos(), persistent=False)
-    module.register_buffer("rope_sin", angles.sin(), persistent=False)
+    cos, sin = rope_rows(torch.arange(rows), rotary_dim, theta)
+    module.register_buffer("rope_cos", cos, persistent=False)
+    module.register_buffer("rope_sin", sin, persistent=False)
     module.register_buffer("cache_rows", torch.arange(rows, dtype=torch.int32), persistent=False)
     module.register_buffer("kv_head_index", torch.arange(kv_heads)[:, None], persistent=False)
 

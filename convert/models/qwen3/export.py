@@ -34,16 +34,22 @@ def function_specs(args: Qwen3Args, target, dtype: torch.dtype = torch.float16,
     specs = []
     for name, width in function_widths(target):
         inputs, outputs = part_tensors(args, target, part, width, fdtype)
-        if ane:  # the host's history in, the call's rows out (its host contract's buffers)
+        if ane:  # positions as the host computes them, its history in, the call's rows out (its host contract)
             rows = (layers, args.num_key_value_heads, width, args.head_dim)
-            inputs += tuple(TensorSpec(buffer, cache, fdtype) for buffer in HISTORY)
+            rope = (width, args.head_dim // 2)
+            inputs = tuple(t for t in inputs if t.name != "position_ids") + (
+                TensorSpec("rope_cos", rope, fdtype), TensorSpec("rope_sin", rope, fdtype),
+                TensorSpec("history_mask", (1, target.context), fdtype),
+                *(TensorSpec(buffer, cache, fdtype) for buffer in HISTORY))
             outputs += tuple(TensorSpec(out, rows, fdtype) for out in HISTORY.values())
         specs.append(FunctionSpec(name, inputs, outputs, states))
     return specs
 
 
 def host_contract(args: Qwen3Args, target) -> dict:
-    return ANE_HOST_CONTRACT if target.layout == "ane" else HOST_CONTRACT
+    if target.layout != "ane":
+        return HOST_CONTRACT
+    return {**ANE_HOST_CONTRACT, "positions": {"rope_theta": args.rope_theta, "rotary_dim": args.head_dim}}
 
 
 def architecture_record(args: Qwen3Args, target) -> dict:
