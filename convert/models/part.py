@@ -111,41 +111,50 @@ def part_outputs(core: nn.Module, x: torch.Tensor, tapped: list) -> dict[str, to
     """Every output a part's function may expose, from its last layer's rows ``x`` [S, H] and the ``tapped``
     (index among the part's taps, layer output) pairs: with the head, argmax ids (and the best logit when the head is
     split), logits and the final-norm hidden states; without it the rows for the next part; and the taps."""
-    out = {}
-    if tapped:
-        out["taps"] = torch.cat([t for _, t in sorted(tapped, key=lambda p: p[0])], dim=-1)[None]
-    part = core.part
-    if part.head is None:
-        out[HIDDEN_OUT] = x[None]
+    out = _rows_outputs(core.part, x, tapped)
+    if core.part.head is None:
         return out
     hidden = core.norm(x)[None]
     logits = core.lm_head(hidden)
-    ids = logits.argmax(-1)
-    if part.splits_head:
-        out["max_logit"] = logits.amax(-1)
-        ids = ids + part.head[0]
-    out.update(argmax_ids=ids.to(torch.int32), logits=logits, hidden=hidden)
-    return out
+    return {**out, **_head_outputs(core.part, hidden, logits, logits, -1)}
 
 
 def ane_outputs(core: nn.Module, x: torch.Tensor, tapped: list) -> dict[str, torch.Tensor]:
     """``part_outputs`` in the ane layout: ``x`` and the tapped rows channels first [1, H, 1, S], the final norm over
     the channels and the lm_head a 1x1 convolution (``convert/export/ane.py``); the outputs in ``part_outputs``'
     shapes."""
-    out = {}
-    if tapped:
-        out["taps"] = torch.cat([rows_of(t) for _, t in sorted(tapped, key=lambda p: p[0])], dim=-1)[None]
-    part = core.part
-    if part.head is None:
-        out[HIDDEN_OUT] = rows_of(x)[None]
+    out = _rows_outputs(core.part, rows_of(x), [(i, rows_of(t)) for i, t in tapped])
+    if core.part.head is None:
         return out
     hidden = rms_norm(core.norm, x)
-    logits = pointwise(core.lm_head, hidden)  # [1, V, 1, S]
-    ids = logits.argmax(1).reshape(1, -1)
+    logits = pointwise(core.lm_head, hidden)  # [1, V, 1, S]: the ids reduced over its channels, not transposed first
+    return {**out, **_head_outputs(core.part, rows_of(hidden)[None], rows_of(logits)[None], logits, 1)}
+
+
+def _rows_outputs(part: Part, x: torch.Tensor, tapped: list) -> dict[str, torch.Tensor]:
+    """The taps (concatenated in the recipe's order) and, without the head, the rows ``x`` [S, H] for the next part."""
+    out = {}
+    if tapped:
+        out["taps"] = torch.cat([t for _, t in sorted(tapped, key=lambda p: p[0])], dim=-1)[None]
+    if part.head is None:
+        out[HIDDEN_OUT] = x[None]
+    return out
+
+
+def _head_outputs(part: Part, hidden: torch.Tensor, logits: torch.Tensor, scores: torch.Tensor,
+                  axis: int) -> dict[str, torch.Tensor]:
+    """The head's outputs: ``hidden`` and ``logits`` [1, S, ...] as returned, the argmax ids (and a split head's best
+    logit) reduced over the vocabulary ``axis`` of ``scores`` (the logits in the layout the graph computes them)."""
+
+    def per_row(reduced: torch.Tensor) -> torch.Tensor:  # [1, S]
+        return reduced if reduced.dim() == 2 else reduced.reshape(1, -1)
+
+    out = {}
+    ids = per_row(scores.argmax(axis))
     if part.splits_head:
-        out["max_logit"] = logits.amax(1).reshape(1, -1)
+        out["max_logit"] = per_row(scores.amax(axis))
         ids = ids + part.head[0]
-    out.update(argmax_ids=ids.to(torch.int32), logits=rows_of(logits)[None], hidden=rows_of(hidden)[None])
+    out.update(argmax_ids=ids.to(torch.int32), logits=logits, hidden=hidden)
     return out
 
 

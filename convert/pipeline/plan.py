@@ -64,8 +64,7 @@ class Plan:
 
     @property
     def host_buffers(self) -> tuple[str, ...]:
-        """The inputs the host owns (the ane layout's history; none in the stateful layout)."""
-        return tuple(family_of(self.args).host_contract(self.args, self.recipe.target).get("buffers", {}))
+        return host_buffer_names(self.args, self.recipe.target)
 
     @property
     def state_bytes(self) -> int:
@@ -189,6 +188,11 @@ def _drafter_stage_parts(plan: Plan) -> str:
         text += (f", {sessions} session{'s' if sessions > 1 else ''} of prompts run at once, "
                  f"{'their' if sessions > 1 else 'its'} states {size_text(shares['sessions'])}")
     return text
+
+
+def host_buffer_names(args, target) -> tuple[str, ...]:
+    """The inputs the host owns (the ane layout's history; none in the stateful layout)."""
+    return tuple(family_of(args).host_contract(args, target).get("buffers", {}))
 
 
 def host_buffer_lines(specs: list[FunctionSpec], owned: tuple[str, ...]) -> list[str]:
@@ -321,7 +325,7 @@ def _target_lines(pinned: dict, target, backends: list[str], where: str) -> tupl
     args = family.Args.from_config(pinned, where)
     specs = family.function_specs(args, target, torch.float16)
     total = sum(s.nbytes for s in specs[0].states) / 2**20
-    owned = tuple(family.host_contract(args, target).get("buffers", {}))
+    owned = host_buffer_names(args, target)
 
     parts = plan_parts(args, target)
     block = lookup(pinned, BLOCK_FIELD)

@@ -12,6 +12,10 @@ The contract (``host_contract`` of the architecture family, recorded in the mani
   position), and refuses a position the contract cannot reach (rolling back past the previous call); a prefill also
   gets ``valid``, its real rows.
 
+A contract with ``buffers`` (the ane layout: packages without states) is served under the driver, per package, by
+``HostBuffers`` (``host_owned``): the host's history passed in, each call's rows written back, and the position
+inputs computed from ``position_ids``.
+
 A call's rows are right-padded to the function's width with the last token at positions continuing past the real
 rows (never the same position twice: on a hybrid target a padding row computes something else than the real row
 at its position, and both would write that attention row).
@@ -114,9 +118,10 @@ class TargetDriver:
 class HostBuffers:
     """``Functions`` of a package whose states the host owns (the ane layout, ``contract["buffers"]``): each buffer is
     passed to every call that takes it, and the call's rows for it (the output the contract names, taken out of
-    what the call returns) are written into it at the call's positions. ``reset`` zeros the buffers and ``states``
-    returns them, so a driver sees what a package with states shows: after each call the buffers hold what its states
-    would hold."""
+    what the call returns) are written into it at the call's positions; the inputs the host computes from the
+    positions (``contract["positions"]``: RoPE's rows, the history mask) are passed with them, in place of
+    ``position_ids``. ``reset`` zeros the buffers and ``states`` returns them, so a driver sees what a package with
+    states shows: after each call the buffers hold what its states would hold."""
 
     def __init__(self, functions: Functions, specs: dict, buffers: dict, positions: dict | None = None):
         """``buffers``: the contract's, each taken by some function of ``specs`` (``host_owned`` picks them);
@@ -151,7 +156,6 @@ class HostBuffers:
             index[axis] = slots[kept]
             buffer[tuple(index)] = np.compress(kept, np.asarray(rows), axis=axis)
         return out
-
 
     def position_inputs(self, spec, where: np.ndarray) -> dict[str, np.ndarray]:
         """RoPE's rows and the history mask of a call at positions ``where`` (the contract's ``positions``), in the

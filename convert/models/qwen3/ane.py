@@ -14,12 +14,10 @@ from convert.export.ane import attend, channels_first, history_bias, pointwise, 
 from convert.models.part import ane_outputs, part_input
 from convert.models.qwen3.core import MLP, Attention, DecoderLayer, Qwen3Core
 
-HISTORY = {"key_history": "key_rows", "value_history": "value_rows"}  # a host buffer and the output it is written from
-
 
 class Qwen3AneCore(Qwen3Core):
-    """``Qwen3Core`` in the ane layout: ``forward`` takes the host's history instead of states and returns the
-    call's KV rows beside the outputs ``part_outputs`` names."""
+    """``Qwen3Core`` in the ane layout: ``forward`` takes the host's history and position inputs instead of states
+    and ``position_ids``, and returns the call's KV rows beside the outputs ``part_outputs`` names."""
 
     def forward(self, input_ids=None, rope_cos=None, rope_sin=None, history_mask=None, key_history=None,
                 value_history=None, hidden_states=None, *, width: int = 0):

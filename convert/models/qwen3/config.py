@@ -26,6 +26,7 @@ HOST_CONTRACT = {
     ],
 }
 
+HISTORY = {"key_history": "key_rows", "value_history": "value_rows"}  # the ane layout's host buffers and their rows
 ANE_HOST_CONTRACT = {  # the ane layout (convert/models/qwen3/ane.py): the same rollback, the history the host's
     "name": "spec-convert/positional-host-history",
     "version": 1,
@@ -36,7 +37,7 @@ ANE_HOST_CONTRACT = {  # the ane layout (convert/models/qwen3/ane.py): the same 
                "key_history": "the host's key rows [layers, kv heads, context, head_dim], row c at position c",
                "value_history": "the host's value rows, as key_history"},
     "pending_rows": {},
-    "buffers": {"key_history": {"rows": "key_rows", "axis": 2}, "value_history": {"rows": "value_rows", "axis": 2}},
+    "buffers": {buffer: {"rows": rows, "axis": 2} for buffer, rows in HISTORY.items()},
     "rules": [
         "the package keeps no state: the host owns key_history and value_history, passes them to every call, and after "
         "each call writes the call's key_rows / value_rows (row j of each layer and head) at row position_ids[j]",

@@ -9,8 +9,8 @@ from torch import nn
 from convert.export import functions as export
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.part import Part, function_widths, part_tensors
-from convert.models.qwen3.ane import HISTORY, Qwen3AneCore
-from convert.models.qwen3.config import ANE_HOST_CONTRACT, FAMILY, HOST_CONTRACT, STATE_NAMES, Qwen3Args
+from convert.models.qwen3.ane import Qwen3AneCore
+from convert.models.qwen3.config import ANE_HOST_CONTRACT, FAMILY, HISTORY, HOST_CONTRACT, STATE_NAMES, Qwen3Args
 from convert.models.qwen3.core import Qwen3Core
 
 FunctionModule = export.NamedFunction
