@@ -33,7 +33,6 @@ from convert.models.part import HIDDEN_OUT, Part
 from convert.runtime.chain import link_inputs, module_chain
 from convert.runtime.host import COMMIT, ModuleFunctions, TargetDriver, host_owned
 from convert.verify import placement
-from convert.verify.placement import PLACEMENT
 from convert.weights.target import TargetModules
 from quant.types import QuantizedWeight
 
@@ -90,7 +89,8 @@ def check_package(name: str, path, modules, calls: list | None = None, every_fun
 def _placement(name: str, specs: list[FunctionSpec], types: dict[str, set[str]], contract: dict) -> dict:
     """The placement lint's findings (``convert/verify/placement.py``), under ``placement`` (a list: the manifest
     keeps it beside the check's numbers, ``record.package_entry``)."""
-    return {PLACEMENT: placement.lint(name, {s.name: s for s in specs}, types, tuple(contract.get("buffers", {})))}
+    findings = placement.lint(name, {s.name: s for s in specs}, types, tuple(contract.get("buffers", {})))
+    return {placement.PLACEMENT: findings}
 
 
 def device_safe_forms(name: str, path, modules, types: dict[str, set[str]] | None = None) -> dict:
