@@ -6,7 +6,9 @@ format: the op kinds of each function's program and those outside the placement 
 findings, the package's bytes, and per call the bytes that cross the call's boundary (its inputs and outputs, and the
 states the package keeps), and the bytes the host writes after it (the ane layout's rows). It then computes the same
 per-call figures for the attention layers of Qwen3.8-27B (16 attention layers, 4 KV heads of 256, context 8192) from
-the same formulas; the 27B's Gated DeltaNet layers have no ane functions yet.
+the same formulas; the 27B's Gated DeltaNet layers have no ane functions yet. In the ane layout the host also looks
+up each call's embedding rows (the call's ``hidden_states`` input) and takes the argmax of the ``logits`` output:
+both are in the call's inputs and outputs.
 
     PYTHONPATH=. python3 -m bench.layouts [--json docs/bench-logs/layouts-tiny-qwen3.json]
 """
@@ -93,9 +95,10 @@ def main() -> None:
         for fmt in ("coreai", "coreml"):
             got = formats[fmt]
             verify = got["functions"]["verify"]
+            outside = ", ".join(verify["op_kinds_outside_vocabulary"]) or "none"
             print(f"  {fmt}: {got['package_bytes'] / 2**20:.2f} MiB, {got['placement_findings']} lint findings; "
-                  f"verify: {len(verify['op_kinds'])} op kinds ({', '.join(verify['op_kinds_outside_vocabulary'])} "
-                  f"outside the vocabulary), inputs {verify['call_input_bytes']:,} B, outputs "
+                  f"verify: {len(verify['op_kinds'])} op kinds ({outside} outside the vocabulary), inputs "
+                  f"{verify['call_input_bytes']:,} B, outputs "
                   f"{verify['call_output_bytes']:,} B, states {verify['state_bytes']:,} B, host writes "
                   f"{verify['host_rows_written_bytes']:,} B")
     for name, got in results["attention_27b"].items():

@@ -125,6 +125,15 @@ class HostPositions(Model):
     rotary_dim: Size
 
 
+class HostEmbedding(Model):
+    """The embedding lookup the host does for the ane layout's functions (which take no input_ids): the rows of the
+    call's ids, from the bundle's ``file`` (the fp16 rows as the target's lookups return them), as ``input`` [1, S,
+    hidden] of the first part (or of the whole target)."""
+
+    input: str = Field(description="the input the looked-up rows are passed as")
+    file: str = Field(description="the bundle's file holding the rows (tensor weight [vocab, hidden])")
+
+
 class HostContract(Model):
     """What a runtime sets between calls and must never do: README "Hybrid targets" and docs/hybrid.md explain it.
     A drafter binds the name and version of its target's contract."""
@@ -138,6 +147,10 @@ class HostContract(Model):
     pending_rows: dict[str, int] = Field(description="functions that leave their rows pending, with the rows they "
                                          "can leave (the most the next call's accept may keep)")
     positions: HostPositions | None = Field(None, description="the ane layout's position inputs the host computes")
+    embedding: HostEmbedding | None = Field(None, description="the ane layout's embedding lookup the host does")
+    argmax: Literal["function", "host"] = Field(
+        "function", description="function: the head returns argmax_ids (and a split head its max_logit); host: the "
+        "head returns logits and the host takes their argmax (the lowest id among equal maxima)")
     buffers: dict[str, HostBuffer] = Field(
         default_factory=dict, description="the ane layout's host-owned buffers by input name (none: the package keeps "
         "its states itself)")
@@ -252,7 +265,9 @@ class Part(Model):
 
     name: str
     embedding_rows: list[int] | None = Field(description="[first, end) vocabulary rows of the embedding it looks up "
-                                             "(zero for other ids; the host adds the parts' rows up)")
+                                             "(zero for other ids; the host adds the parts' rows up); in the ane "
+                                             "layout the whole table of the host's lookup, whose rows this part takes "
+                                             "as hidden_states (its package does not hold them)")
     layers: list[int] = Field(description="[first, end) decoder layers it runs; their states are its own")
     head_rows: list[int] | None = Field(description="[first, end) vocabulary rows of the lm_head it computes; a split "
                                         "head returns argmax_ids (vocabulary ids) and max_logit: the host keeps the "

@@ -1,5 +1,5 @@
 """The ane layout (``layout: ane``): functions without states over the host's history, the host's buffers
-(``convert.runtime.host.HostBuffers``), and arithmetic that stays finite in fp16."""
+(``convert.runtime.host.HostOwned``), and arithmetic that stays finite in fp16."""
 
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ from convert.inputs.recipe import Graphs, Target
 from convert.inputs.sources import load_tensors, read_json
 from convert.models.qwen3 import Qwen3Args
 from convert.models.qwen3.core import RMSNorm
-from convert.runtime.host import HostBuffers, ModuleFunctions, TargetDriver, host_owned
+from convert.runtime.host import HostOwned, ModuleFunctions, TargetDriver, host_owned, table_lookup
 from convert.weights.target import build_modules
 from manifests.schema import HostContract
 
@@ -39,6 +39,8 @@ def test_ane_functions_keep_no_state_and_return_their_rows(tmp_path):
         assert inputs["key_history"] == inputs["value_history"] == history
         assert "position_ids" not in inputs and inputs["history_mask"] == (1, 64)  # positions: the host's
         assert inputs["rope_cos"] == inputs["rope_sin"] == (spec.width, args.head_dim // 2)
+        assert "input_ids" not in inputs and inputs["hidden_states"] == (1, spec.width, args.hidden_size)  # looked up
+        assert "argmax_ids" not in outputs and outputs["logits"] == (1, spec.width, args.vocab_size)  # host's argmax
         rows = (args.num_hidden_layers, args.num_key_value_heads, spec.width, args.head_dim)
         assert outputs["key_rows"] == outputs["value_rows"] == rows, name
 
@@ -74,15 +76,48 @@ def test_host_buffers_write_rows_at_positions_and_ring_slots():
         def reset(self):
             pass
 
-    host = HostBuffers(Echo(), {"step": spec}, {"ring": {"rows": "ring_rows", "axis": 1, "ring": 4}})
+    host = HostOwned(Echo(), {"step": spec}, {"buffers": {"ring": {"rows": "ring_rows", "axis": 1, "ring": 4}}})
     assert host.call("step", {"position_ids": np.array([[3, 4, 5]], np.int32)}) == {}
     ring = host.states()["ring"][0]
     assert ring.tolist() == [[302, 303], [304, 305], [0, 0], [300, 301]]  # slots 3, 0, 1 = positions mod 4
-    flat = HostBuffers(Echo(), {"step": spec}, {"ring": {"rows": "ring_rows", "axis": 1}})
+    flat = HostOwned(Echo(), {"step": spec}, {"buffers": {"ring": {"rows": "ring_rows", "axis": 1}}})
     flat.call("step", {"position_ids": np.array([[2, 3, 4]], np.int32)})
     assert flat.states()["ring"][0].tolist() == [[0, 0], [0, 0], [200, 201], [202, 203]]  # position 4: past, dropped
     plain = Echo()  # a part without layers takes no buffer: driven as it is
     assert host_owned(plain, {"step": spec}, {"buffers": {"kv": {"rows": "kv_rows", "axis": 2}}}) is plain
+
+
+def test_the_host_looks_up_embedding_rows_and_takes_the_argmax():
+    """A package that takes the host's rows gets the table's rows of the call's ids; its head's logits come back with
+    the argmax a package computes (the first of equal maxima; a split head's counted from its first row, with its best
+    logit)."""
+    spec = FunctionSpec("step", (TensorSpec("hidden_states", (1, 3, 2), "float16"),),
+                        (TensorSpec("logits", (1, 3, 4), "float16"),))
+    seen = {}
+
+    class Head:
+        def call(self, function, inputs):
+            seen.update(inputs)
+            return {"logits": np.array([[[0, 5, 5, 1], [2, 0, 0, 0], [0, 0, 1, 3]]], np.float16)}
+
+        def reset(self):
+            pass
+
+    table = np.arange(20, dtype=np.float16).reshape(10, 2)
+    contract = {"embedding": {"input": "hidden_states", "file": "embeddings.safetensors"}, "argmax": "host"}
+    host = host_owned(Head(), {"step": spec}, contract, table_lookup(table), split_head=(100, 104))
+    rows_ids = np.array([[7, 0, 7]], np.int32)
+    out = host.call("step", {"input_ids": rows_ids, "position_ids": np.zeros((1, 3), np.int32)})
+    assert set(seen) == {"hidden_states"} and seen["hidden_states"].tolist() == [[[14, 15], [0, 1], [14, 15]]]
+    assert out["argmax_ids"].tolist() == [[101, 100, 103]] and out["argmax_ids"].dtype == np.int32
+    assert out["max_logit"].tolist() == [[5, 2, 3]]
+    whole = host_owned(Head(), {"step": spec}, contract, table_lookup(table)).call("step", {"input_ids": rows_ids})
+    assert whole["argmax_ids"].tolist() == [[1, 0, 3]] and "max_logit" not in whole
+    rows = np.ones((1, 3, 2), np.float16)  # a later part: the previous part's rows, not a lookup
+    host.call("step", {"hidden_states": rows, "input_ids": np.zeros((1, 3), np.int32)})
+    assert seen["hidden_states"] is rows
+    with pytest.raises(ValueError, match="no embedding table"):
+        host_owned(Head(), {"step": spec}, contract).call("step", {"input_ids": np.zeros((1, 3), np.int32)})
 
 
 def test_ane_rms_norm_stays_finite_in_fp16():

@@ -452,5 +452,5 @@ def test_generate_refuses_a_manifest_without_its_functions(bundle_copy):
             paths=(str(bundle_copy),))
     manifest["functions"][0]["inputs"] = []
     (bundle_copy / "manifest.json").write_text(json.dumps(manifest))
-    refused(run("generate", bundle_copy, "-p", "def f"), 2, "manifest.json functions[0] ('prefill'): no position_ids "
-            "or input_ids input [1, S]", paths=(str(bundle_copy),))
+    refused(run("generate", bundle_copy, "-p", "def f"), 2, "manifest.json functions[0] ('prefill'): no position_ids, "
+            "input_ids or hidden_states input [1, S, ...]", paths=(str(bundle_copy),))

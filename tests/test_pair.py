@@ -209,7 +209,8 @@ def test_accept_cli(pair):
 
 
 BOUND = ("architecture", "taps", "tokenizer", "host_contract", "weights", "drafter_interface")
-SWAPS = {"qwen3": "qwen3_5", "qwen3_5": "qwen3", "positional": "commit-next-call", "commit-next-call": "positional"}
+SWAPS = {"qwen3": "qwen3_5", "qwen3_5": "qwen3", "positional": "commit-next-call", "commit-next-call": "positional",
+         "function": "host", "host": "function"}
 
 
 def leaves(value, path: str):

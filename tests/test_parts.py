@@ -31,15 +31,15 @@ FP32_BOUND = 1e-5
 GROUPS = {"lut4": 8, "affine4": 32}  # divide every width of the tiny models (the hybrid's in_proj_qkv has 136 rows)
 
 
-def _target(limit: float, taps, method: str = "none") -> Target:
+def _target(limit: float, taps, method: str = "none", layout: str = "stateful") -> Target:
     return Target(source="path:x", graphs=Graphs(prefill=16, verify=4), context=64, taps=taps, logits=True,
-                  hidden=True, max_part_mb=limit,
+                  hidden=True, max_part_mb=limit, layout=layout,
                   quantization=Quantization(method=method, group_size=GROUPS.get(method)))
 
 
-def _limit_for(args, taps, method: str) -> float:
+def _limit_for(args, taps, method: str, layout: str = "stateful") -> float:
     """A limit that splits the tables along the vocabulary and the layers into several chunks."""
-    sizes = piece_sizes(args, _target(1e6, taps, method))
+    sizes = piece_sizes(args, _target(1e6, taps, method, layout))
     return (2 * max(sizes.layers) + sizes.layer_constants) / 1e6
 
 
@@ -53,7 +53,7 @@ def _quantize(modules, method: str) -> None:
     apply_quantized(modules.core, weights)
 
 
-def _modules(tmp_path, kind: str, taps, method: str):
+def _modules(tmp_path, kind: str, taps, method: str, layout: str = "stateful"):
     directory = tmp_path / kind
     if kind == "dense":
         write_dense(directory, num_hidden_layers=4)
@@ -61,7 +61,7 @@ def _modules(tmp_path, kind: str, taps, method: str):
         write_hybrid(directory, seed=1, num_hidden_layers=6, layer_types=["linear_attention"] * 2 + [
             "full_attention", "linear_attention", "full_attention", "linear_attention"])
     args = read_args(read_json(directory / "config.json"))
-    target = _target(_limit_for(args, taps, method), taps, method)
+    target = _target(_limit_for(args, taps, method, layout), taps, method, layout)
     modules = build_modules(args, target, load_tensors(directory), torch.float16)
     if method != "none":
         _quantize(modules, method)
@@ -86,14 +86,21 @@ def _calls(widths: dict[str, int], rollback: str, vocab: int):
     yield "decode", [prompt[0]], p + kept + 1
 
 
-@pytest.mark.parametrize(("kind", "taps", "method"), [("dense", [2, 0], "affine4"), ("hybrid", [4, 1], "lut4"),
-                                                      ("hybrid", None, "none")])
-def test_the_chained_parts_compute_what_the_whole_target_computes(tmp_path, kind, taps, method):
-    args, target, modules = _modules(tmp_path, kind, taps, method)
+@pytest.mark.parametrize(("kind", "taps", "method", "layout"), [
+    ("dense", [2, 0], "affine4", "stateful"), ("hybrid", [4, 1], "lut4", "stateful"),
+    ("hybrid", None, "none", "stateful"), ("dense", [2, 0], "affine4", "ane")])
+def test_the_chained_parts_compute_what_the_whole_target_computes(tmp_path, kind, taps, method, layout):
+    """Parted equals whole in fp32; in the ane layout the host looks the first part's rows up (no embedding part),
+    takes the argmax over the split head's logits and holds each part's history."""
+    args, target, modules = _modules(tmp_path, kind, taps, method, layout)
     parts = plan_parts(args, target)
     layer_parts = [p for p in parts if p.layer_indices]
-    assert len(layer_parts) >= 2 and [p for p in parts if p.splits_head] and \
-        len([p for p in parts if p.embedding]) >= 2, [p.name for p in parts]
+    tables = [p for p in parts if p.embedding]
+    assert len(layer_parts) >= 2 and [p for p in parts if p.splits_head], [p.name for p in parts]
+    if layout == "ane":
+        assert tables == [parts[0]] == layer_parts[:1] and parts[0].embedding == (0, args.vocab_size)
+    else:
+        assert len(tables) >= 2, [p.name for p in parts]
     assert [i for p in layer_parts for i in p.layer_indices] == list(range(args.num_hidden_layers))
     for name in ("embedding", "head"):
         rows = [getattr(p, name) for p in parts if getattr(p, name)]
@@ -115,10 +122,12 @@ def test_the_chained_parts_compute_what_the_whole_target_computes(tmp_path, kind
             assert np.abs(got[name] - want[name]).max() <= FP32_BOUND, (function, name)
         compared += len(tokens)
     assert compared == whole32.widths["prefill"] + 5 + 3 + 2 * whole32.widths["verify"] + 1
-    # every state of the whole target is the parts' states of their own layers, in order
-    for name, state in whole32.states().items():
-        pieces = [m.states()[name] for m in pieces32 if name in m.states()]
-        assert torch.allclose(torch.cat(pieces), state, rtol=0, atol=FP32_BOUND), name
+    # every state (or host buffer) of the whole target is the parts' of their own layers, in order
+    states, held = whole.functions.states(), chained.functions.states()
+    assert states
+    for name, state in states.items():
+        pieces = [held[f"{p.name}/{name}"] for p in layer_parts if f"{p.name}/{name}" in held]
+        assert np.abs(np.concatenate(pieces) - state).max() <= FP32_BOUND, name
 
 
 def test_parts_respect_the_limit_and_hold_the_same_weights(tmp_path):

@@ -18,7 +18,7 @@ from convert.inputs.sources import load_tensors
 from convert.pipeline.build import SHIP_DTYPE, build
 from convert.pipeline.plan import make_plan
 from convert.runtime.chain import coreai_functions
-from convert.runtime.host import TargetDriver, module_driver
+from convert.runtime.host import TargetDriver, module_driver, module_lookup
 from convert.weights.target import build_modules
 
 PROMPT = "class Stack:\n    def push(self, item):"
@@ -49,7 +49,7 @@ def run_demo(recipe: Path, output: str) -> None:
     rows["export modules fp16 (torch)"] = greedy(module_driver(modules), prompt, NEW_TOKENS, eos=None)
     if "coreai" in plan.recipe.backends:
         package = plan.output / next(p.path for p in manifest.packages if p.format == "coreai")
-        with coreai_functions(package, modules.contract) as session:
+        with coreai_functions(package, modules.contract, module_lookup(modules.core)) as session:
             driver = TargetDriver(session, modules.widths, modules.contract)
             rows[".aimodel fp16 (Core AI runtime)"] = greedy(driver, prompt, NEW_TOKENS, eos=None)
     out.print(f"\n[bold]greedy continuation of[/bold] {PROMPT!r} ({NEW_TOKENS} tokens)")

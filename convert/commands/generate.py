@@ -17,6 +17,7 @@ from pathlib import Path
 from convert.commands.gate import weights_match
 from convert.commands.inspect import open_target
 from convert.errors import InputError, quote
+from convert.export.spec import WIDTH_INPUTS
 from convert.pipeline.build import shipped_modules
 from convert.pipeline.bundle import MANIFEST
 from convert.pipeline.plan import make_plan
@@ -48,16 +49,17 @@ def target_bundle(bundle: Path, run_formats: tuple[str, ...] = ()) -> tuple[Path
 
 
 def widths(manifest: Manifest, folder: Path | None = None) -> dict[str, int]:
-    """Tokens per call of each function (its ``position_ids`` input's ``[1, S]``, ``input_ids``' in the ane layout); a
-    manifest without prefill and decode functions of that form is refused."""
+    """Tokens per call of each function (the ``[1, S]`` of its ``position_ids`` input, or in the ane layout of its
+    ``hidden_states``: ``WIDTH_INPUTS``); a manifest without prefill and decode functions of that form is refused."""
     found = {}
     for i, f in enumerate(manifest.functions):
-        shapes = [t.shape for t in f.inputs if t.name == "position_ids"] or \
-            [t.shape for t in f.inputs if t.name == "input_ids"]  # the ane layout's take no position_ids
-        if len(shapes) != 1 or len(shapes[0]) != 2 or shapes[0][1] < 1:
+        by_name = {t.name: t.shape for t in f.inputs}
+        shape = next((by_name[n] for n in WIDTH_INPUTS if n in by_name), None)
+        if shape is None or len(shape) < 2 or shape[0] != 1 or shape[1] < 1:
             raise InputError(f"{folder or manifest.name}: manifest.json functions[{i}] ({quote(f.name, 40)}): no "
-                             "position_ids or input_ids input [1, S]; rebuild the bundle")
-        found[f.name] = shapes[0][1]
+                             f"{', '.join(WIDTH_INPUTS[:-1])} or {WIDTH_INPUTS[-1]} input [1, S, ...]; rebuild the "
+                             "bundle")
+        found[f.name] = shape[1]
     missing = [name for name in ("prefill", "decode") if name not in found]
     if missing:
         raise InputError(f"{folder or manifest.name}: manifest.json functions: no {' or '.join(missing)} function; "

@@ -74,7 +74,8 @@ def print_manifest(m: Manifest | DrafterManifest) -> None:
     out.print(packages)
     for p in m.packages:
         if p.placement is not None:
-            out.print(f"  placement lint {p.path}: {len(p.placement)} findings" + "".join(
+            count = f"{len(p.placement)} findings" if p.placement else "no finding"
+            out.print(f"  placement lint {p.path}: {count}" + "".join(
                 f"\n    {finding}" for finding in p.placement))
 
 

@@ -13,6 +13,9 @@ DTYPES = ("int32", "float16", "float32")
 DTYPE_BYTES = {"int32": 4, "float16": 2, "float32": 4}
 
 
+WIDTH_INPUTS = ("position_ids", "input_ids", "hidden_states")  # a function's width: [1, S] of the first it takes
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -39,7 +42,7 @@ class FunctionSpec:
         """Tokens (rows) per call: the width of its ``position_ids``, or of the ids or rows a part without layers
         takes (every function has one of them)."""
         by_name = {t.name: t for t in self.inputs}
-        return next(by_name[n].shape[1] for n in ("position_ids", "input_ids", "hidden_states") if n in by_name)
+        return next(by_name[n].shape[1] for n in WIDTH_INPUTS if n in by_name)
 
 
 def function_lines(specs: list[FunctionSpec], host_buffers=()) -> list[str]:

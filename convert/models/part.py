@@ -49,7 +49,7 @@ class Part:
 
     @property
     def is_whole(self) -> bool:
-        return self.embedding == (0, self.vocab) and self.head == (0, self.vocab) and not self.takes_hidden
+        return self.embedding == (0, self.vocab) == self.head
 
     def own_taps(self, taps) -> tuple[int, ...]:
         """The tapped layers this part runs, in the recipe's order."""
@@ -116,19 +116,40 @@ def part_outputs(core: nn.Module, x: torch.Tensor, tapped: list) -> dict[str, to
         return out
     hidden = core.norm(x)[None]
     logits = core.lm_head(hidden)
-    return {**out, **_head_outputs(core.part, hidden, logits, logits, -1)}
+    ids = logits.argmax(-1)
+    if core.part.splits_head:
+        out["max_logit"] = logits.amax(-1)
+        ids = ids + core.part.head[0]
+    return {**out, "argmax_ids": ids.to(torch.int32), "logits": logits, "hidden": hidden}
+
+
+def host_tables(core: nn.Module) -> tuple[str, ...]:
+    """The modules of ``core`` whose weights its functions never read: an ane core's embedding table (``host_lookup``:
+    only the host looks rows up in it), unless the head is tied to it. The package checks leave them out."""
+    table = getattr(core, "embed_tokens", None)
+    if not getattr(core, "host_lookup", False) or table is None:
+        return ()
+    head = getattr(core, "lm_head", None)
+    if head is not None and any(p is q for p in table.parameters() for q in head.parameters()):
+        return ()
+    return ("embed_tokens",)
+
+
+def host_rows(core: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The rows [S, H] an ane part's layers start from: ``hidden_states`` [1, S, H] as given (the host's embedding
+    lookup for the first part, the previous part's rows for the others), in the core's dtype."""
+    return hidden_states[0].to(next(core.parameters()).dtype)
 
 
 def ane_outputs(core: nn.Module, x: torch.Tensor, tapped: list) -> dict[str, torch.Tensor]:
     """``part_outputs`` in the ane layout: ``x`` and the tapped rows channels first [1, H, 1, S], the final norm over
     the channels and the lm_head a 1x1 convolution (``convert/export/ane.py``); the outputs in ``part_outputs``'
-    shapes."""
+    shapes, but the head returns logits and no argmax (the host takes it: ``convert.runtime.host.HostOwned``)."""
     out = _rows_outputs(core.part, rows_of(x), [(i, rows_of(t)) for i, t in tapped])
     if core.part.head is None:
         return out
     hidden = rms_norm(core.norm, x)
-    logits = pointwise(core.lm_head, hidden)  # [1, V, 1, S]: the ids reduced over its channels, not transposed first
-    return {**out, **_head_outputs(core.part, rows_of(hidden)[None], rows_of(logits)[None], logits, 1)}
+    return {**out, "logits": rows_of(pointwise(core.lm_head, hidden))[None], "hidden": rows_of(hidden)[None]}
 
 
 def _rows_outputs(part: Part, x: torch.Tensor, tapped: list) -> dict[str, torch.Tensor]:
@@ -141,49 +162,36 @@ def _rows_outputs(part: Part, x: torch.Tensor, tapped: list) -> dict[str, torch.
     return out
 
 
-def _head_outputs(part: Part, hidden: torch.Tensor, logits: torch.Tensor, scores: torch.Tensor,
-                  axis: int) -> dict[str, torch.Tensor]:
-    """The head's outputs: ``hidden`` and ``logits`` [1, S, ...] as returned, the argmax ids (and a split head's best
-    logit) reduced over the vocabulary ``axis`` of ``scores`` (the logits in the layout the graph computes them)."""
-
-    def per_row(reduced: torch.Tensor) -> torch.Tensor:  # [1, S]
-        return reduced if reduced.dim() == 2 else reduced.reshape(1, -1)
-
-    out = {}
-    ids = per_row(scores.argmax(axis))
-    if part.splits_head:
-        out["max_logit"] = per_row(scores.amax(axis))
-        ids = ids + part.head[0]
-    out.update(argmax_ids=ids.to(torch.int32), logits=logits, hidden=hidden)
-    return out
 
 
 def part_tensors(args, target, part: Part, width: int, dtype: str) -> tuple[tuple[TensorSpec, ...], tuple]:
     """The inputs and outputs every family's function of ``part`` has at ``width`` (the family adds its own inputs,
     e.g. a hybrid's ``accept`` / ``valid``). The whole target's: ``input_ids``, ``position_ids`` in; ``argmax_ids``
     [1,S] int32 (the host reads the row of its last real token, so a prompt's final chunk may be right-padded), then
-    ``taps``, ``hidden`` and ``logits`` when the recipe asks for them."""
-    h = args.hidden_size
+    ``taps``, ``hidden`` and ``logits`` when the recipe asks for them. In the ane layout the host looks the embedding
+    rows up (the part holding the table takes them as ``hidden_states``) and takes the argmax of the ``logits`` the
+    head always returns."""
+    h, ane = args.hidden_size, target.layout == "ane"
     inputs = []
-    if part.embedding is not None:
+    if part.embedding is not None and not ane:
         inputs.append(TensorSpec("input_ids", (1, width), "int32"))
-    if part.takes_hidden:
+    if part.takes_hidden or ane:
         inputs.append(TensorSpec("hidden_states", (1, width, h), dtype))
     if part.layer_indices:
         inputs.append(TensorSpec("position_ids", (1, width), "int32"))
     outputs = []
-    if part.head is not None:
+    if part.head is not None and not ane:
         outputs.append(TensorSpec("argmax_ids", (1, width), "int32"))
         if part.splits_head:
             outputs.append(TensorSpec("max_logit", (1, width), dtype))
-    else:
+    elif part.head is None:
         outputs.append(TensorSpec(HIDDEN_OUT, (1, width, h), dtype))
     taps = part.own_taps(target.taps)
     if taps:
         outputs.append(TensorSpec("taps", (1, width, len(taps) * h), dtype))
     if part.head is not None and target.hidden and part.head[0] == 0:
         outputs.append(TensorSpec("hidden", (1, width, h), dtype))
-    if part.head is not None and target.logits:
+    if part.head is not None and (target.logits or ane):
         outputs.append(TensorSpec("logits", (1, width, part.head[1] - part.head[0]), dtype))
     return tuple(inputs), tuple(outputs)
 

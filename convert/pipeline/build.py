@@ -166,8 +166,8 @@ def report_placement(manifests: list[Manifest], listed: bool) -> list[str]:
         for package in manifest.packages:
             if package.placement is None:
                 continue
-            console.print(f"placement lint ({package.format} {package.path}): {len(package.placement)} findings "
-                          f"against {REFERENCE}")
+            count = f"{len(package.placement)} findings" if package.placement else "no finding"
+            console.print(f"placement lint ({package.format} {package.path}): {count} against {REFERENCE}")
             findings += [f"{package.path}: {finding}" for finding in package.placement]
             if listed:
                 for finding in package.placement:
@@ -201,7 +201,8 @@ def _finish_target(plan: Plan, out: Path, source_files, modules: TargetModules, 
     extra_files = copy_extras(plan.snapshot.directory, out)
     target = plan.recipe.target
     feeds_drafter = plan.drafter is not None or bool(target.taps) or target.hidden
-    interface = _write_drafter_interface(plan, modules, out) if feeds_drafter else None
+    host_lookup = target.layout == "ane"  # the host looks the embedding rows up in the bundle's table
+    interface = _write_drafter_interface(plan, modules, out) if feeds_drafter or host_lookup else None
     manifest = _manifest(plan, source_files, modules, packages, parts, extra_files, quantization, report, interface)
     (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
     return manifest

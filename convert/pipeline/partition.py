@@ -14,6 +14,10 @@ A 27B target is 54 GB in fp16 and about 14 GB at 4 bits; a device loads packages
   part returns its rows' best id (``argmax_ids``, a vocabulary id) and logit (``max_logit``), and the host keeps the
   first part's id on ties, which is the whole head's argmax (the lowest id among equal maxima).
 
+In the ``ane`` layout (README "Layouts") the host looks the embedding rows up, so there is no embedding part: the first
+layer chunk holds the table for the host's lookup (its package does not) and takes the rows as ``hidden_states``; a
+head part returns its logits, and the host takes the argmax over the split head's parts.
+
 Every part has the same functions (prefill / decode / verify, at the same widths) over one weight copy. A target
 that fits the limit ships as one part, the whole core, exactly as before. ``Chain`` calls the parts' functions in
 order as one target (``convert.runtime.host.Functions``), for the torch part modules and the Core AI runtime alike; the
@@ -77,10 +81,14 @@ class Sizes:
     row_align: int
     row_weights: int  # weights of one vocabulary row of the embedding or the head (the hidden size)
     layer_weights: tuple[int, ...]
+    host_lookup: bool = False  # the ane layout: the host looks the embedding rows up; no package holds the table
 
     def total(self, vocab: int, tied: bool) -> int:
-        head = self.norm + (0 if tied else self.head_row * vocab)
-        return int(self.embedding_row * vocab + sum(self.layers) + self.layer_constants + head)
+        """Bytes of every package together (a tied table once: the embedding's, or the head's when the host looks
+        the embedding up)."""
+        embedding = 0 if self.host_lookup else self.embedding_row * vocab
+        head = self.norm + (0 if tied and not self.host_lookup else self.head_row * vocab)
+        return int(embedding + sum(self.layers) + self.layer_constants + head)
 
 
 def piece_sizes(args, target) -> Sizes:
@@ -105,7 +113,7 @@ def piece_sizes(args, target) -> Sizes:
     layers = tuple(weight_bytes(f"layers.{i}") for i in range(len(core.layers)))
     layer_weights = tuple(sum(p.numel() for p in layer.parameters()) for layer in core.layers)
     return Sizes(weight_bytes("embed_tokens") / vocab, layers, constants, weight_bytes("norm"),
-                 weight_bytes("lm_head") / vocab, align, args.hidden_size, layer_weights)
+                 weight_bytes("lm_head") / vocab, align, args.hidden_size, layer_weights, target.layout == "ane")
 
 
 def held_target_bytes(args, target, lean: bool) -> int:
@@ -222,7 +230,7 @@ def plan_parts(args, target) -> list[Part]:
             whole_build_bytes(args.parameter_count) <= target.max_host_memory_gb * GB:
         return [Part.whole(args)]
     row_cost = PACKAGING_BYTES_PER_TABLE_WEIGHT * sizes.row_weights
-    parts = [Part(name, vocab, embedding=rows) for name, rows in _vocab_split(
+    parts = [] if sizes.host_lookup else [Part(name, vocab, embedding=rows) for name, rows in _vocab_split(
         "embed", vocab, sizes.embedding_row, 0, limit, sizes.row_align, row_cost, room)]
     first = 0
     while first < layers:
@@ -239,7 +247,8 @@ def plan_parts(args, target) -> list[Part]:
             raise InputError(f"target.max_part_mb: {target.max_part_mb:g} MB is below decoder layer {first}'s "
                              f"{size_text(sizes.layers[first] + sizes.layer_constants)}; raise it (a part holds "
                              "whole layers)")
-        parts.append(Part(f"layers-{first}-{end - 1}", vocab, layers=(first, end)))
+        table = (0, vocab) if sizes.host_lookup and first == 0 else None  # the host's, held beside the first layers
+        parts.append(Part(f"layers-{first}-{end - 1}", vocab, embedding=table, layers=(first, end)))
         first = end
     parts += [Part(name, vocab, head=rows) for name, rows in _vocab_split(
         "head", vocab, sizes.head_row, sizes.norm, limit, sizes.row_align, row_cost, room)]
@@ -284,7 +293,7 @@ def shipped_line(args, target) -> str:
 def part_bytes(part: Part, sizes: Sizes) -> int:
     """The planned bytes of ``part``."""
     total = sum(sizes.layers[i] for i in part.layer_indices) + (sizes.layer_constants if part.layer_indices else 0)
-    if part.embedding:
+    if part.embedding and not sizes.host_lookup:
         total += sizes.embedding_row * (part.embedding[1] - part.embedding[0])
     if part.head:
         total += sizes.norm + sizes.head_row * (part.head[1] - part.head[0])
@@ -339,7 +348,9 @@ def plan_lines(args, target, parts: list[Part]) -> list[str]:
              *bound_lines(target, args.vocab_size, sizes)]
     for part in parts:
         held = []
-        if part.embedding:
+        if part.embedding and sizes.host_lookup:
+            held.append("the host's embedding table (not packaged)")
+        elif part.embedding:
             held.append(f"embedding rows {part.embedding[0]}..{part.embedding[1] - 1}")
         if part.layer_indices:
             held.append(f"layers {part.layers[0]}..{part.layers[1] - 1}")

@@ -195,12 +195,16 @@ def host_buffer_names(args, target) -> tuple[str, ...]:
     return tuple(family_of(args).host_contract(args, target).get("buffers", {}))
 
 
-def host_buffer_lines(specs: list[FunctionSpec], owned: tuple[str, ...]) -> list[str]:
-    """The host's buffers in all (the ane layout: the memory a runtime holds beside the package for a session)."""
+def host_buffer_lines(specs: list[FunctionSpec], owned: tuple[str, ...], args) -> list[str]:
+    """The host's buffers in all (the ane layout: the memory a runtime holds beside the package for a session) and
+    the embedding table it looks rows up in (once for every session)."""
     if not owned:
         return []
+    table = 2 * args.vocab_size * args.hidden_size
     return [f"  host buffers: {buffer_bytes(specs, owned) / 2**20:.1f} MiB in all, owned and written by the host "
-            "(layout ane)"]
+            "(layout ane)",
+            f"  host embedding table: [{args.vocab_size}, {args.hidden_size}] fp16, {table / 2**20:.1f} MiB "
+            "(embeddings.safetensors: the host looks up each call's rows in it)"]
 
 
 def describe_plan(plan: Plan) -> list[str]:
@@ -218,7 +222,7 @@ def describe_plan(plan: Plan) -> list[str]:
         *plan_lines(args, recipe.target, plan.parts),
         *(rotation_lines(args, recipe.target, pack_block(plan.snapshot.packed)) if plan.snapshot.packed else []),
         f"  states: {plan.state_bytes / mib:.1f} MiB in all",
-        *host_buffer_lines(plan.specs, plan.host_buffers),
+        *host_buffer_lines(plan.specs, plan.host_buffers, args),
         *estimate_lines(args, recipe.target),
         memory_line(recipe.target, plan.peak_memory_bytes),
         *([f"  estimated drafter stage: {plan.drafter_stage_bytes / 1e9:.1f} GB ({_drafter_stage_parts(plan)})"]
@@ -335,7 +339,7 @@ def _target_lines(pinned: dict, target, backends: list[str], where: str) -> tupl
         if target.quantization.method == "exact" else []
     return [*family.plan_lines(args, target), "  functions:", *function_lines(specs, owned),
             *size_lines(args.parameter_count, backends), shipped_line(args, target), *plan_lines(args, target, parts),
-            *rotations, f"  states: {total:.1f} MiB in all", *host_buffer_lines(specs, owned),
+            *rotations, f"  states: {total:.1f} MiB in all", *host_buffer_lines(specs, owned, args),
             *estimate_lines(args, target)], (args, specs, parts)
 
 

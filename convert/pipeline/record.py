@@ -42,7 +42,8 @@ def _write_drafter_interface(plan: Plan, modules: TargetModules, out: Path) -> d
     table, the rows after the rotation).
 
     Written for every target that can feed a drafter (a drafter in the recipe, taps or the hidden output): a
-    runtime reads anchor embeddings from them, and a drafter's manifest binds to their hashes."""
+    runtime reads anchor embeddings from them, and a drafter's manifest binds to their hashes; and for every ane
+    target, whose host looks the rows of each call's ids up in embeddings.safetensors."""
     from safetensors.torch import save_file
 
     files = {}

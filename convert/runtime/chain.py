@@ -9,12 +9,13 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import load_file
 
 from convert import backends
 from convert.errors import InputError
 from convert.export.spec import FunctionSpec
 from convert.models.part import HIDDEN_OUT, Part
-from convert.runtime.host import POSITION_INPUTS, ModuleFunctions, host_owned
+from convert.runtime.host import POSITION_INPUTS, ModuleFunctions, host_owned, table_lookup
 
 
 class Chain:
@@ -67,11 +68,15 @@ class Chain:
 
 def link_inputs(spec: FunctionSpec, inputs: dict[str, np.ndarray], rows: np.ndarray | None) -> dict[str, np.ndarray]:
     """What one part's function takes of a whole target's call ``inputs`` and the previous part's ``rows`` (the
-    host's buffers, which the part's ``host_owned`` functions add, are not the call's)."""
-    given = {**inputs, "hidden_states": rows}
+    host's buffers, which the part's ``host_owned`` functions add, are not the call's; nor are the inputs its host
+    computes, from the positions or, for the first part of an ane target, from the ids)."""
+    given = {**inputs, "hidden_states": rows} if rows is not None else inputs
     linked = {t.name: np.asarray(given[t.name], dtype=t.dtype) for t in spec.inputs if t.name in given}
-    if POSITION_INPUTS & {t.name for t in spec.inputs}:  # the part's host computes them from the positions
+    taken = {t.name for t in spec.inputs}
+    if POSITION_INPUTS & taken:
         linked["position_ids"] = np.asarray(inputs["position_ids"], dtype=np.int32)
+    if "hidden_states" in taken and rows is None:
+        linked["input_ids"] = np.asarray(inputs["input_ids"], dtype=np.int32)
     return linked
 
 
@@ -91,34 +96,47 @@ def manifest_parts(manifest) -> list[Part]:
 @contextmanager
 def coreai_target(folder: Path, manifest) -> Iterator[object]:
     """A target bundle's Core AI packages as one ``convert.runtime.host.Functions``: its session, or its parts' sessions
-    chained in the manifest's order."""
+    chained in the manifest's order (the host's embedding lookup, where the contract has one, in the bundle's
+    table)."""
     packages = {p.part: p for p in manifest.packages if p.format == "coreai"}
     if not packages:
         raise InputError(f"{folder}: no .aimodel package (built without the coreai backend); use --runtime torch")
     parts, contract = manifest_parts(manifest), manifest.host_contract.model_dump()
+    lookup = bundle_lookup(folder, contract)
     if not parts:
-        with coreai_functions(folder / packages[None].path, contract) as functions:
+        with coreai_functions(folder / packages[None].path, contract, lookup) as functions:
             yield functions
         return
     with coreai_chain(parts, [folder / packages[p.name].path for p in parts],
-                      manifest.taps.layers if manifest.taps else (), contract) as chain:
+                      manifest.taps.layers if manifest.taps else (), contract, lookup) as chain:
         yield chain
 
 
+def bundle_lookup(folder: Path, contract: dict):
+    """The host's embedding lookup in the bundle's table (``contract["embedding"]["file"]``; None without one)."""
+    if not contract.get("embedding"):
+        return None
+    path = folder / contract["embedding"]["file"]
+    if not path.is_file():
+        raise InputError(f"{path}: missing; the target's host contract looks its embedding rows up in it (rebuild "
+                         "the bundle)")
+    return table_lookup(load_file(str(path))["weight"])
+
+
 @contextmanager
-def coreai_functions(path: Path, contract: dict) -> Iterator[object]:
-    """A Core AI session of one ``.aimodel`` as a runtime drives it under the target's host ``contract``: with the
-    host's buffers where it has them (``convert.runtime.host.host_owned``)."""
+def coreai_functions(path: Path, contract: dict, lookup=None) -> Iterator[object]:
+    """A Core AI session of one ``.aimodel`` as a runtime drives it under the target's host ``contract``: with what
+    the host owns (``convert.runtime.host.host_owned``; ``lookup``: its embedding lookup)."""
     with backends.load("coreai").open_session(path) as session:
-        yield host_owned(session, session.specs(), contract)
+        yield host_owned(session, session.specs(), contract, lookup)
 
 
 @contextmanager
-def coreai_chain(parts: list[Part], paths: list[Path], taps, contract: dict) -> Iterator[Chain]:
+def coreai_chain(parts: list[Part], paths: list[Path], taps, contract: dict, lookup=None) -> Iterator[Chain]:
     """A ``Chain`` over a Core AI session of each part's ``.aimodel`` (``paths``, in the parts' order), each driven
-    under the target's host ``contract``."""
+    under the target's host ``contract`` (``lookup``: its embedding lookup)."""
     coreai = backends.load("coreai")
     with ExitStack() as stack:
         sessions = [stack.enter_context(coreai.open_session(path)) for path in paths]
-        yield Chain([(p, s.specs(), host_owned(s, s.specs(), contract)) for p, s in zip(parts, sessions, strict=True)],
-                    taps)
+        yield Chain([(p, s.specs(), host_owned(s, s.specs(), contract, lookup, p.head if p.splits_head else None))
+                     for p, s in zip(parts, sessions, strict=True)], taps)

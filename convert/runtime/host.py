@@ -12,9 +12,10 @@ The contract (``host_contract`` of the architecture family, recorded in the mani
   position), and refuses a position the contract cannot reach (rolling back past the previous call); a prefill also
   gets ``valid``, its real rows.
 
-A contract with ``buffers`` (the ane layout: packages without states) is served under the driver, per package, by
-``HostBuffers`` (``host_owned``): the host's history passed in, each call's rows written back, and the position
-inputs computed from ``position_ids``.
+A contract with ``buffers`` (the ane layout: packages without states, lookups or argmax) is served under the driver,
+per package, by ``HostOwned`` (``host_owned``): the host's history passed in, each call's rows written back, the
+position inputs computed from ``position_ids``, the embedding rows looked up from ``input_ids``, the head's argmax
+taken from its logits.
 
 A call's rows are right-padded to the function's width with the last token at positions continuing past the real
 rows (never the same position twice: on a hybrid target a padding row computes something else than the real row
@@ -30,6 +31,7 @@ import torch
 
 from convert.errors import InputError
 from convert.export.ane import history_mask_row, rope_rows
+from convert.export.quantized import embedding_rows
 
 COMMIT = "commit-next-call"
 
@@ -115,21 +117,31 @@ class TargetDriver:
         return ids, logits
 
 
-class HostBuffers:
-    """``Functions`` of a package whose states the host owns (the ane layout, ``contract["buffers"]``): each buffer is
-    passed to every call that takes it, and the call's rows for it (the output the contract names, taken out of
-    what the call returns) are written into it at the call's positions; the inputs the host computes from the
-    positions (``contract["positions"]``: RoPE's rows, the history mask) are passed with them, in place of
-    ``position_ids``. ``reset`` zeros the buffers and ``states`` returns them, so a driver sees what a package with
-    states shows: after each call the buffers hold what its states would hold."""
+class HostOwned:
+    """``Functions`` of a package whose states, lookups and argmax the host owns (the ane layout, README "Layouts"):
+    each of the contract's ``buffers`` is passed to every call that takes it, and the call's rows for it (the output
+    the contract names, taken out of what the call returns) are written into it at the call's positions; the inputs
+    the host computes from the positions (``contract["positions"]``: RoPE's rows, the history mask) are passed in
+    place of ``position_ids``; the embedding rows of the call's ids (``contract["embedding"]``) in place of
+    ``input_ids`` where the package takes them and the caller passed none; and, with ``contract["argmax"]`` ``host``,
+    the head's ``logits`` are reduced to ``argmax_ids`` (and ``max_logit``) as a package with its own argmax returns
+    them. ``reset`` zeros the buffers and ``states`` returns them, so a driver sees what a package with states shows:
+    after each call the buffers hold what its states would hold."""
 
-    def __init__(self, functions: Functions, specs: dict, buffers: dict, positions: dict | None = None):
-        """``buffers``: the contract's, each taken by some function of ``specs`` (``host_owned`` picks them);
-        ``positions``: the contract's ``positions`` (rope_theta, rotary_dim), when these functions take the position
-        inputs the host computes (``POSITION_INPUTS``)."""
-        self.functions, self.specs, self.rules, self.positions = functions, specs, buffers, positions
+    def __init__(self, functions: Functions, specs: dict, contract: dict, lookup=None,
+                 split_head: tuple[int, int] | None = None):
+        """``contract``: the target's; its buffers taken by no function of ``specs`` are left out. ``lookup``: the
+        embedding rows of ids (``ids -> rows``; ``table_lookup``, ``module_lookup``), for a package that takes the
+        host's rows. ``split_head``: the vocabulary rows of the head the package computes when it is a split head's
+        part (its ids count from the first; it returns ``max_logit`` for the host to merge the parts' ids)."""
+        self.functions, self.specs, self.lookup, self.split_head = functions, specs, lookup, split_head
         inputs = {t.name: t for spec in specs.values() for t in spec.inputs}
-        self.buffers = {name: np.zeros(inputs[name].shape, dtype=inputs[name].dtype) for name in buffers}
+        self.rules = {name: rule for name, rule in contract.get("buffers", {}).items() if name in inputs}
+        self.positions = contract.get("positions") if set(inputs) & POSITION_INPUTS else None
+        embedding = contract.get("embedding") or {}
+        self.embedded = embedding.get("input") if embedding.get("input") in inputs else None
+        self.argmax = contract.get("argmax") == "host"
+        self.buffers = {name: np.zeros(inputs[name].shape, dtype=inputs[name].dtype) for name in self.rules}
 
     def reset(self) -> None:
         self.functions.reset()
@@ -140,10 +152,17 @@ class HostBuffers:
         return dict(self.buffers)
 
     def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``inputs`` as a driver gives them (``position_ids`` included); the package gets what its function takes."""
+        """``inputs`` as a driver gives them (``input_ids`` and ``position_ids`` included); the package gets what its
+        function takes."""
         spec = self.specs[function]
-        where = np.asarray(inputs["position_ids"]).reshape(-1).astype(np.int64)
-        given = {**inputs, **self.buffers, **(self.position_inputs(spec, where) if self.positions else {})}
+        given = {**inputs, **self.buffers}
+        if "position_ids" in inputs:
+            where = np.asarray(inputs["position_ids"]).reshape(-1).astype(np.int64)
+            if self.positions:
+                given.update(self.position_inputs(spec, where))
+        if self.embedded and given.get(self.embedded) is None:
+            dtype = next(t.dtype for t in spec.inputs if t.name == self.embedded)
+            given[self.embedded] = self.embedded_rows(np.asarray(inputs["input_ids"])).astype(dtype)
         out = dict(self.functions.call(function, {t.name: given[t.name] for t in spec.inputs}))
         for name, rule in self.rules.items():
             rows = out.pop(rule["rows"], None)
@@ -155,7 +174,20 @@ class HostBuffers:
             index = [slice(None)] * buffer.ndim
             index[axis] = slots[kept]
             buffer[tuple(index)] = np.compress(kept, np.asarray(rows), axis=axis)
+        if self.argmax and "logits" in out:
+            logits = np.asarray(out["logits"])  # argmax: the first of equal maxima, as the packages' own argmax
+            out["argmax_ids"] = logits.argmax(-1).astype(np.int32)
+            if self.split_head:
+                out["argmax_ids"] += self.split_head[0]
+                out["max_logit"] = logits.max(-1)
         return out
+
+    def embedded_rows(self, ids: np.ndarray) -> np.ndarray:
+        """The host's lookup: the rows [1, S, hidden] of ``ids`` [1, S]."""
+        if self.lookup is None:
+            raise HostContractError(f"the package takes the host's embedding rows as {self.embedded}, and no "
+                                    "embedding table was given to look them up in")
+        return np.asarray(self.lookup(ids.reshape(-1).astype(np.int64)))[None]
 
     def position_inputs(self, spec, where: np.ndarray) -> dict[str, np.ndarray]:
         """RoPE's rows and the history mask of a call at positions ``where`` (the contract's ``positions``), in the
@@ -173,24 +205,47 @@ class HostBuffers:
 POSITION_INPUTS = frozenset({"rope_cos", "rope_sin", "history_mask"})  # what the host computes from position_ids
 
 
-def host_owned(functions: Functions, specs: dict, contract: dict) -> Functions:
+def host_owned(functions: Functions, specs: dict, contract: dict, lookup=None,
+               split_head: tuple[int, int] | None = None) -> Functions:
     """``functions`` (one package's, with ``specs``) as a runtime drives them under the target's ``contract``: with
-    the host's buffers and position inputs that these functions take (``HostBuffers``; a part without layers takes
-    none), else themselves."""
-    taken = {t.name for spec in specs.values() for t in spec.inputs}
-    buffers = {name: rule for name, rule in contract.get("buffers", {}).items() if name in taken}
-    positions = contract.get("positions") if taken & POSITION_INPUTS else None
-    return HostBuffers(functions, specs, buffers, positions) if buffers or positions else functions
+    what the host owns of them (``HostOwned``: buffers, position inputs, the embedding lookup, the argmax), else
+    themselves (a package with states, or a part of one)."""
+    owned = HostOwned(functions, specs, contract, lookup, split_head)
+    host_argmax = owned.argmax and any(t.name == "logits" for spec in specs.values() for t in spec.outputs)
+    return owned if owned.rules or owned.positions or owned.embedded or host_argmax else functions
+
+
+def table_lookup(table: np.ndarray):
+    """The lookup of ``ids`` in a table of rows (a bundle's embeddings.safetensors)."""
+    return lambda ids: table[ids]
+
+
+def module_lookup(core):
+    """The lookup of ``ids`` in a core's ``embed_tokens`` (None without one): the rows as the bundle's
+    embeddings.safetensors holds them (``export.quantized.embedding_rows``), in the table's dtype."""
+    table = getattr(core, "embed_tokens", None)
+    if table is None:
+        return None
+    return lambda ids: torch.cat([embedding_rows(table, i, i + 1) for i in ids.tolist()]).numpy()
+
+
+def owned_as_modules(functions: Functions, specs: dict, modules) -> Functions:
+    """``host_owned`` for the package (or the torch calls) of export ``modules``: their contract, the lookup in their
+    core's table, their part's split head."""
+    part = getattr(modules.core, "part", None)  # a drafter's core has none
+    split = part.head if part is not None and part.splits_head else None
+    return host_owned(functions, specs, getattr(modules, "contract", {}), module_lookup(modules.core), split)
 
 
 class ModuleFunctions:
-    """``Functions`` over target export modules (numpy in and out; every core output, logits included), with the
-    host's buffers where the modules' contract has them (``host_owned``)."""
+    """``Functions`` over target export modules (numpy in and out; every core output, logits included), with what the
+    host owns where the modules' contract says so (``host_owned``: the lookup in the core's own table, the head's
+    first row from its part)."""
 
     def __init__(self, modules):
         self.modules = modules
         specs = {name: spec for name, (_, spec) in modules.functions.items()}
-        self.driven = host_owned(_ModuleCalls(modules), specs, getattr(modules, "contract", {}))
+        self.driven = owned_as_modules(_ModuleCalls(modules), specs, modules)
 
     def reset(self) -> None:
         self.driven.reset()
@@ -203,7 +258,7 @@ class ModuleFunctions:
 
     def host_buffers(self) -> dict[str, np.ndarray]:
         """The host's buffers themselves (the ane layout's; none for modules with states)."""
-        return self.driven.buffers if isinstance(self.driven, HostBuffers) else {}
+        return self.driven.buffers if isinstance(self.driven, HostOwned) else {}
 
 
 class _ModuleCalls:

@@ -29,9 +29,9 @@ from convert.export import quantized as compress
 from convert.export.spec import FunctionSpec
 from convert.fp16 import like_the_runtime
 from convert.inputs.thresholds import NEAR_TIE_LOGITS
-from convert.models.part import HIDDEN_OUT, Part
+from convert.models.part import HIDDEN_OUT, Part, host_tables
 from convert.runtime.chain import link_inputs, module_chain
-from convert.runtime.host import COMMIT, ModuleFunctions, TargetDriver, host_owned
+from convert.runtime.host import COMMIT, ModuleFunctions, TargetDriver, owned_as_modules
 from convert.verify import placement
 from convert.weights.target import TargetModules
 from quant.types import QuantizedWeight
@@ -65,7 +65,7 @@ def check_package(name: str, path, modules, calls: list | None = None, every_fun
     """
     specs = [spec for _, spec in modules.functions.values()]
     every_function = calls is None if every_function is None else every_function
-    weights = compress.quantized_weights(modules.core)
+    weights = packaged(compress.quantized_weights(modules.core), modules.core)
     contract = getattr(modules, "contract", {})  # a drafter has none
     if name == "coreai":
         quantized = quantized_constants(name, path, weights, every_function) if weights else {}
@@ -73,7 +73,7 @@ def check_package(name: str, path, modules, calls: list | None = None, every_fun
         forms = device_safe_forms(name, path, modules, types)
         with backends.load("coreai").open_session(path) as session:  # one ODIX lowering for both checks
             check_specs(session.specs(), specs, path.name)
-            driven = host_owned(session, session.specs(), contract)
+            driven = owned_as_modules(session, session.specs(), modules)
             run = run_coreai(driven, modules) if calls is None else replay_coreai(driven, calls)
             return {**run, **quantized, **forms, **_placement(name, specs, types, contract)}
     comparison = QuantizedComparison(path, weights, every_function) if weights else None
@@ -84,6 +84,12 @@ def check_package(name: str, path, modules, calls: list | None = None, every_fun
     check_specs(found.specs, specs, path.name)
     return {**coreml_constants(path, modules, every_function, found.weight_digests), **quantized, **forms,
             **_placement(name, specs, found.operation_types, contract)}
+
+
+def packaged(named: dict, core) -> dict:
+    """``named`` (weights or modules of ``core`` by name) but those only the host reads (``part.host_tables``)."""
+    host = host_tables(core)
+    return {name: value for name, value in named.items() if name.split(".")[0] not in host}
 
 
 def _placement(name: str, specs: list[FunctionSpec], types: dict[str, set[str]], contract: dict) -> dict:
@@ -304,7 +310,8 @@ def coreml_constants(path, modules, every_function: bool = True, digests: dict[s
     read."""
     digests = backends.load("coreml").contents(path).weight_digests if digests is None else digests
     dense = compress.dense_weight_names(modules.core)  # quantized: compared as such (quantized_constants)
-    weights = {name: p for name, p in modules.core.named_parameters() if p.dim() == 2 and name not in dense}
+    weights = packaged({name: p for name, p in modules.core.named_parameters(remove_duplicate=False)
+                        if p.dim() == 2 and name not in dense}, modules.core)
     wanted = {compress.digest(p.detach().numpy()): name for name, p in weights.items()}
     stored_anywhere = set()
     for function in modules.functions:

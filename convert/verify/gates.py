@@ -65,7 +65,7 @@ from convert.models.part import HIDDEN_OUT
 from convert.progress import bar as progress_bar
 from convert.progress import steps
 from convert.runtime.chain import coreai_chain, coreai_functions, link_inputs, module_chain
-from convert.runtime.host import COMMIT, ModuleFunctions, TargetDriver, module_driver
+from convert.runtime.host import COMMIT, ModuleFunctions, TargetDriver, module_driver, module_lookup
 from convert.verify import checks
 from convert.verify.reference import streamed_reference
 from convert.weights.quantize import calibration_text
@@ -428,7 +428,7 @@ def artifact_gate(package_path: Path, modules: TargetModules, prompt: list[int] 
     """
     if package_path.suffix != ".aimodel":
         raise InputError(f"{package_path}: the artifact gate runs a Core AI .aimodel")
-    with coreai_functions(package_path, modules.contract) as session:
+    with coreai_functions(package_path, modules.contract, module_lookup(modules.core)) as session:
         return lockstep_result(session, ModuleFunctions(modules), modules, package_path.name, WHOLE_RUN, prompt)
 
 
@@ -462,7 +462,8 @@ def artifact_of_parts(checked: list, parts: list, pieces: list, taps, modules: T
                               argmax_compared=sum(h["ids_compared"] for h in heads),
                               argmax_near_ties=sum(h["id_near_ties"] for h in heads),
                               max_output_delta=max(d.check["max_output_delta"] for d in checked))
-    with coreai_chain(parts, [done.path for done in checked], taps, modules.contract) as runtime:
+    with coreai_chain(parts, [done.path for done in checked], taps, modules.contract,
+                      module_lookup(pieces[0].core)) as runtime:
         result = lockstep_result(runtime, module_chain(parts, pieces, taps), modules, names, PARTS_CHAINED)
     result.seconds += seconds
     return result

@@ -2,16 +2,18 @@
 channels first with 1x1 convolutions, over the host's KV history: a call takes ``key_history`` / ``value_history``
 [layers, Hkv, context, head_dim], reads the rows below its first position and its own rows, and returns its new rows
 ``key_rows`` / ``value_rows`` [layers, Hkv, S, head_dim] for the host to write at its positions (no state, no
-scatter). The host passes what the stateful cores compute from ``position_ids``: RoPE's ``rope_cos`` / ``rope_sin``
-[S, head_dim / 2] and the ``history_mask`` [1, context], so the graph holds no lookup by position and no integer
-arithmetic."""
+scatter). The host passes what the stateful cores compute from ``input_ids`` and ``position_ids``: the embedding
+rows as ``hidden_states`` (the core keeps its ``embed_tokens`` for the host's lookup and the bundle's
+embeddings.safetensors; the graph never reads it), RoPE's ``rope_cos`` / ``rope_sin`` [S, head_dim / 2] and the
+``history_mask`` [1, context]; the head returns logits, whose argmax the host takes. So the graph holds no lookup,
+no argmax and no integer arithmetic."""
 
 from __future__ import annotations
 
 import torch
 
 from convert.export.ane import attend, channels_first, history_bias, pointwise, rms_norm, silu
-from convert.models.part import ane_outputs, part_input
+from convert.models.part import ane_outputs, host_rows
 from convert.models.qwen3.core import MLP, Attention, DecoderLayer, Qwen3Core
 
 
@@ -19,9 +21,11 @@ class Qwen3AneCore(Qwen3Core):
     """``Qwen3Core`` in the ane layout: ``forward`` takes the host's history and position inputs instead of states
     and ``position_ids``, and returns the call's KV rows beside the outputs ``part_outputs`` names."""
 
-    def forward(self, input_ids=None, rope_cos=None, rope_sin=None, history_mask=None, key_history=None,
-                value_history=None, hidden_states=None, *, width: int = 0):
-        x = channels_first(part_input(self, input_ids, hidden_states))
+    host_lookup = True  # its embedding table is the host's (``part.host_tables``)
+
+    def forward(self, hidden_states=None, rope_cos=None, rope_sin=None, history_mask=None, key_history=None,
+                value_history=None, *, width: int = 0):
+        x = channels_first(host_rows(self, hidden_states))
         tapped, out = [], {}
         if self.layers:
             cos, sin = rope_cos.transpose(0, 1), rope_sin.transpose(0, 1)  # [head_dim / 2, S]

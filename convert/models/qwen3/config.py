@@ -29,16 +29,24 @@ HOST_CONTRACT = {
 HISTORY = {"key_history": "key_rows", "value_history": "value_rows"}  # the ane layout's host buffers and their rows
 ANE_HOST_CONTRACT = {  # the ane layout (convert/models/qwen3/ane.py): the same rollback, the history the host's
     "name": "spec-convert/positional-host-history",
-    "version": 1,
+    "version": 2,
     "rollback": "positional",
-    "inputs": {"rope_cos": "cos of the call's positions times RoPE's inverse frequencies [S, head_dim / 2]",
+    "inputs": {"hidden_states": "the embedding rows of the call's ids [1, S, hidden], looked up by the host from "
+                                "embeddings.safetensors (the first part's, or the whole target's)",
+               "rope_cos": "cos of the call's positions times RoPE's inverse frequencies [S, head_dim / 2]",
                "rope_sin": "their sin, as rope_cos",
                "history_mask": "[1, context]: 0 for the rows below the call's first position, -1e4 for the rest",
                "key_history": "the host's key rows [layers, kv heads, context, head_dim], row c at position c",
                "value_history": "the host's value rows, as key_history"},
     "pending_rows": {},
     "buffers": {buffer: {"rows": rows, "axis": 2} for buffer, rows in HISTORY.items()},
+    "embedding": {"input": "hidden_states", "file": "embeddings.safetensors"},
+    "argmax": "host",
     "rules": [
+        "the functions take no input_ids: the host looks up the call's rows in embeddings.safetensors and passes them "
+        "as hidden_states (to the first part; a part after it takes the previous part's hidden_states_out)",
+        "the head returns logits [1, S, rows] and no argmax: the host takes each row's argmax (over a split head's "
+        "parts in order, the lowest id among equal maxima)",
         "the package keeps no state: the host owns key_history and value_history, passes them to every call, and after "
         "each call writes the call's key_rows / value_rows (row j of each layer and head) at row position_ids[j]",
         "the functions take no position_ids: the host passes rope_cos / rope_sin (position x inverse "
