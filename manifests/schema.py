@@ -107,12 +107,24 @@ class Architecture(Model):
 
 class HostBuffer(Model):
     """A buffer the host owns (the ane layout: no package states): passed to every call as the input of its name,
-    and after each call the rows of ``rows`` (an output) written into it along ``axis``, row j at the call's
-    position j (modulo ``ring`` when set: a ring's slot), rows past the buffer dropped."""
+    and after each call the output ``rows`` written into it: with ``write`` positions, along ``axis``, row j at the
+    call's position j (modulo ``ring`` when set: a ring's slot), rows past the buffer dropped; leading, row j at row j
+    (a hybrid's pending rows); whole, the output replaces the buffer (a hybrid's committed conv and recurrent
+    state). An output the call does not return leaves the buffer as it is."""
 
     rows: str = Field(description="the output holding this call's rows for the buffer")
     axis: Count = Field(description="the row axis of the buffer and of the output")
     ring: Size | None = Field(None, description="rows wrap: slot = position mod ring")
+    write: Literal["positions", "leading", "whole"] = Field("positions", description="where the rows go")
+
+
+class HostCommit(Model):
+    """The inputs the host computes from a commit count (a hybrid's ``accept`` or ``valid``, n) for the ane layout's
+    functions, which take no integers: ``mask`` [1, R], 1 for rows below n and 0 for the rest, and ``select`` [K-1,
+    K-1+R], the one-hot rows n .. n+K-2 (the conv history after the first n rows of a [history | rows] window)."""
+
+    mask: str
+    select: str
 
 
 class HostPositions(Model):
@@ -148,6 +160,9 @@ class HostContract(Model):
                                          "can leave (the most the next call's accept may keep)")
     positions: HostPositions | None = Field(None, description="the ane layout's position inputs the host computes")
     embedding: HostEmbedding | None = Field(None, description="the ane layout's embedding lookup the host does")
+    commits: dict[str, HostCommit] = Field(
+        default_factory=dict, description="the ane layout's inputs the host computes from each commit count, by the "
+        "count's name (accept, valid)")
     argmax: Literal["function", "host"] = Field(
         "function", description="function: the head returns argmax_ids (and a split head its max_logit); host: the "
         "head returns logits and the host takes their argmax (the lowest id among equal maxima)")

@@ -6,7 +6,6 @@ import pytest
 import torch
 from checkpoints import write_checkpoint
 
-from convert.errors import InputError
 from convert.export.ane import rms_norm
 from convert.export.spec import FunctionSpec, TensorSpec
 from convert.inputs.recipe import Graphs, Target
@@ -120,6 +119,61 @@ def test_the_host_looks_up_embedding_rows_and_takes_the_argmax():
         host_owned(Head(), {"step": spec}, contract).call("step", {"input_ids": np.zeros((1, 3), np.int32)})
 
 
+def test_the_host_writes_leading_rows_whole_buffers_and_commit_inputs():
+    """A hybrid's buffers: pending rows at the leading rows, the committed state replacing the buffer; the commit
+    inputs from a count: a mask of the rows below it and the one-hot rows of the conv history after them."""
+    from convert.runtime.host import commit_inputs, write
+
+    pending = np.zeros((1, 4, 2), np.float32)
+    write(pending, np.ones((1, 2, 2), np.float32), {"axis": 1, "write": "leading"}, None)
+    assert pending[0].tolist() == [[1, 1], [1, 1], [0, 0], [0, 0]]
+    state = np.zeros((2, 2), np.float32)
+    write(state, np.full((2, 2), 3, np.float32), {"axis": 0, "write": "whole"}, None)
+    assert state.tolist() == [[3, 3], [3, 3]]
+    spec = FunctionSpec("verify", (TensorSpec("commit_mask", (1, 4), "float16"),
+                                   TensorSpec("commit_select", (2, 6), "float16")), ())
+    got = commit_inputs(spec, {"mask": "commit_mask", "select": "commit_select"}, 3)
+    assert got["commit_mask"].tolist() == [[1, 1, 1, 0]] and got["commit_mask"].dtype == np.float16
+    assert got["commit_select"].tolist() == [[0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 0]]  # window rows 3 and 4
+
+
+def test_hybrid_ane_functions_match_the_stateful_ones(tmp_path):
+    """The hybrid target in both layouts through the host (prefill chunks, decodes, verifies kept 3, 0 and all 8 by
+    the next call): the same ids, logits within fp32 rounding, and the host's buffers equal to the stateful states."""
+    from qwen3_5_checkpoints import write_checkpoint as write_hybrid
+
+    from convert.models import read_args
+
+    write_hybrid(tmp_path / "ckpt")
+    args = read_args(read_json(tmp_path / "ckpt" / "config.json"))
+    functions = {}
+    for layout in ("stateful", "ane"):
+        target = Target(source="path:x", graphs=Graphs(prefill=16, verify=8), context=128, taps=[1, 0], logits=True,
+                        layout=layout)
+        functions[layout] = ModuleFunctions(build_modules(args, target, load_tensors(tmp_path / "ckpt"),
+                                                          torch.float32))
+    spec = functions["ane"].modules.functions["verify"][1]
+    assert spec.states == () and {"conv_state", "commit_select", "hidden_states"} <= {t.name for t in spec.inputs}
+    assert "recurrent_state_next" in {t.name for t in spec.outputs}
+    widths = {"prefill": 16, "decode": 1, "verify": 8}
+    drivers = {k: TargetDriver(f, widths, f.modules.contract) for k, f in functions.items()}
+    ids = torch.randint(4, args.vocab_size, (48,), generator=torch.Generator().manual_seed(1)).tolist()
+    script = [("prefill", ids[0:16], 0), ("prefill", ids[16:21], 16), *(("decode", [ids[p]], p) for p in (21, 22)),
+              ("verify", ids[23:31], 23), ("verify", ids[26:34], 26), ("verify", ids[26:34], 26),
+              ("decode", [ids[40]], 34)]
+    worst = 0.0
+    for function, tokens, p0 in script:
+        out = {k: d.run(function, tokens, p0) for k, d in drivers.items()}
+        assert np.array_equal(out["stateful"]["argmax_ids"], out["ane"]["argmax_ids"]), (function, p0)
+        worst = max(worst, float(np.abs(out["stateful"]["logits"] - out["ane"]["logits"]).max()))
+    assert worst < 1e-4, worst
+    states, buffers = functions["stateful"].states(), functions["ane"].states()
+    names = {"key_cache": "key_history", "value_cache": "value_history"}
+    assert len(states) == len(buffers) == 6
+    for name, state in states.items():
+        assert np.abs(state - buffers[names.get(name, name)]).max() < 1e-4, name
+
+
 def test_ane_rms_norm_stays_finite_in_fp16():
     """A hidden row of values near 400: their squares pass fp16's 65504, so a norm that squares them in fp16 gives
     0; the ane form divides by the row's largest magnitude first and matches the fp32 norm."""
@@ -134,19 +188,12 @@ def test_ane_rms_norm_stays_finite_in_fp16():
     assert (got - want).abs().max() / want.abs().max() < 2e-3
 
 
-def test_a_hybrid_target_or_a_pair_refuses_the_ane_layout():
-    from qwen3_5_checkpoints import text_config
-
+def test_a_pair_refuses_the_ane_layout():
     from convert.inputs.recipe import Recipe
-    from convert.models import qwen3_5
 
     with pytest.raises(ValueError, match="drafters' ane functions"):
         Recipe.model_validate({"name": "x", "target": {"source": "path:x", "layout": "ane"},
                                "drafter": {"kind": "mtp"}})
-    args = qwen3_5.Args.from_config(text_config())
-    with pytest.raises(InputError, match="hybrid .* ane functions"):
-        qwen3_5.function_specs(args, Target(source="path:x", layout="ane"))
-    assert qwen3_5.function_specs(args, Target(source="path:x"))  # stateful: planned
 
 
 def test_the_placement_lint_names_states_ops_dtypes_and_dims():

@@ -86,3 +86,37 @@ def test_generate_in_torch_needs_the_recipe_and_matches(bundle):
                                        "--recipe", str(ROOT / "recipes" / "tiny_qwen3_5.yaml")])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output.strip().splitlines()[-1])["generated_ids"] == _transformers_greedy(prompt)
+
+
+@pytest.fixture(scope="module")
+def ane_bundle(tmp_path_factory) -> Path:
+    """The same recipe with ``layout: ane``, built with ``--strict`` (any placement finding fails it)."""
+    tmp = tmp_path_factory.mktemp("hybrid-ane")
+    text = (ROOT / "recipes" / "tiny_qwen3_5.yaml").read_text().replace("path:../fixtures/", f"path:{ROOT}/fixtures/")
+    recipe = tmp / "ane.yaml"
+    recipe.write_text(text.replace("  context: 512", "  context: 512\n  layout: ane", 1))
+    result = CliRunner().invoke(main, ["build", str(recipe), "-o", str(tmp / "ane"), "--strict"])
+    assert result.exit_code == 0, result.output
+    return tmp / "ane"
+
+
+def test_the_ane_layout_holds_no_state_lookup_or_fp32_and_generates_the_same_ids(ane_bundle):
+    """The hybrid's ane functions: the host's buffers (the Gated DeltaNet ones replaced or written at their leading
+    rows), its commit inputs, lookup and argmax; no placement finding in either format, the delta rule in fp16 running
+    on the Core AI runtime in lockstep with the torch modules; generate gives transformers' greedy ids (as the
+    stateful bundle does) on the runtime."""
+    m = json.loads((ane_bundle / "manifest.json").read_text())
+    contract = m["host_contract"]
+    assert (contract["name"], contract["rollback"]) == (qwen3_5.ANE_HOST_CONTRACT_NAME, "commit-next-call")
+    assert {name: rule.get("write", "positions") for name, rule in contract["buffers"].items()} == {
+        "key_history": "positions", "value_history": "positions", "conv_state": "whole", "recurrent_state": "whole",
+        "pending_qkv": "leading", "pending_ba": "leading"}
+    assert all(f["states"] == [] for f in m["functions"])
+    assert [p["placement"] for p in m["packages"]] == [[], []]
+    assert m["gate"]["passed"] and m["gate"]["artifact"]["passed"]
+    prompt = _held_out_prompt()
+    result = CliRunner().invoke(main, ["generate", str(ane_bundle), "--prompt", prompt, "-n", str(NEW_TOKENS),
+                                       "--runtime", "coreai", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output.strip().splitlines()[-1])["generated_ids"] == _transformers_greedy(prompt)
+

@@ -88,7 +88,7 @@ def _calls(widths: dict[str, int], rollback: str, vocab: int):
 
 @pytest.mark.parametrize(("kind", "taps", "method", "layout"), [
     ("dense", [2, 0], "affine4", "stateful"), ("hybrid", [4, 1], "lut4", "stateful"),
-    ("hybrid", None, "none", "stateful"), ("dense", [2, 0], "affine4", "ane")])
+    ("hybrid", None, "none", "stateful"), ("dense", [2, 0], "affine4", "ane"), ("hybrid", [4, 1], "lut4", "ane")])
 def test_the_chained_parts_compute_what_the_whole_target_computes(tmp_path, kind, taps, method, layout):
     """Parted equals whole in fp32; in the ane layout the host looks the first part's rows up (no embedding part),
     takes the argmax over the split head's logits and holds each part's history."""
@@ -128,6 +128,22 @@ def test_the_chained_parts_compute_what_the_whole_target_computes(tmp_path, kind
     for name, state in states.items():
         pieces = [held[f"{p.name}/{name}"] for p in layer_parts if f"{p.name}/{name}" in held]
         assert np.abs(np.concatenate(pieces) - state).max() <= FP32_BOUND, name
+
+
+def test_an_ane_head_part_has_at_most_65536_rows():
+    """The ane head returns logits, a dim per vocabulary row: past the ANE's 65,536 the head is split even when the
+    whole target fits the part limit (the stateful one ships whole)."""
+    from checkpoints import tiny_config
+
+    from convert.models.qwen3 import Qwen3Args
+
+    args = Qwen3Args.from_config(tiny_config(vocab_size=150_000).to_dict())
+    assert plan_parts(args, _target(2000, None)) == [Part.whole(args)]
+    parts = plan_parts(args, _target(2000, None, layout="ane"))
+    heads = [p.head for p in parts if p.head]
+    assert [p.name for p in parts] == ["layers-0-2", "head-1of3", "head-2of3", "head-3of3"]
+    assert heads[0][0] == 0 and heads[-1][1] == 150_000 and max(b - a for a, b in heads) <= 65_536
+    assert all(a[1] == b[0] for a, b in zip(heads, heads[1:], strict=False))
 
 
 def test_parts_respect_the_limit_and_hold_the_same_weights(tmp_path):

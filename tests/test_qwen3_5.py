@@ -19,6 +19,10 @@ from convert.runtime.host import HostContractError, module_driver
 
 PREFILL, VERIFY, CONTEXT = 16, 8, 160
 TOLERANCE = 1e-4
+# the ane layout computes the same in another order (1x1 convolutions, channels first): 1e-5 from the stateful logits
+# at a first prefill, up to 1.8e-4 after 73 positions on the interval-3 variant (logits near 3), where the stateful
+# functions are 6.1e-5 from transformers and the ane ones 1.2e-4 (measured)
+TOLERANCE_BY_LAYOUT = {"stateful": TOLERANCE, "ane": 2e-4}
 
 
 class TokenByToken:
@@ -60,10 +64,10 @@ class FullSequence:
         return [(out.logits[0, i], tuple(h[0, i] for h in out.hidden_states)) for i in range(len(tokens))]
 
 
-def modules_for(directory, taps=(), **graphs):
+def modules_for(directory, taps=(), layout="stateful", **graphs):
     args = read_args(read_json(directory / "config.json"))
     graphs = {"prefill": PREFILL, "verify": VERIFY, **graphs}
-    target = Target(source="path:x", graphs=Graphs(**graphs), context=CONTEXT, taps=list(taps) or None)
+    target = Target(source="path:x", graphs=Graphs(**graphs), context=CONTEXT, taps=list(taps) or None, layout=layout)
     from convert.weights.target import build_modules
 
     return args, build_modules(args, target, load_tensors(directory), torch.float32)
@@ -133,8 +137,10 @@ VARIANTS = {  # (checkpoint overrides, config.json edit)
 }
 
 
+@pytest.mark.parametrize("layout", ["stateful", "ane"])
 @pytest.mark.parametrize("variant", list(VARIANTS.values()), ids=list(VARIANTS))
-def test_export_modules_match_transformers_token_by_token(tmp_path, variant):
+def test_export_modules_match_transformers_token_by_token(tmp_path, variant, layout):
+    """Both layouts (the ane one through the host: its buffers, commit inputs, lookup and argmax)."""
     overrides, edit = variant
     hf = write_checkpoint(tmp_path / "ckpt", **overrides)
     if edit:
@@ -142,13 +148,13 @@ def test_export_modules_match_transformers_token_by_token(tmp_path, variant):
     args = read_args(read_json(tmp_path / "ckpt" / "config.json"))
     assert list(args.layer_types) == list(hf.config.get_text_config().layer_types)
     taps = (args.num_hidden_layers - 2, 0)  # recipe order, not sorted
-    args, modules = modules_for(tmp_path / "ckpt", taps)
+    args, modules = modules_for(tmp_path / "ckpt", taps, layout)
     checker = Checker(hf, modules, taps)
     for function, tokens, p0 in _script(args.vocab_size):
         checker.call(function, tokens, p0)
     assert len(checker.committed) == 76 and checker.positions >= 64
-    assert checker.worst_logits < TOLERANCE, checker.worst_logits
-    assert checker.worst_taps < TOLERANCE, checker.worst_taps
+    assert checker.worst_logits < TOLERANCE_BY_LAYOUT[layout], checker.worst_logits
+    assert checker.worst_taps < TOLERANCE_BY_LAYOUT[layout], checker.worst_taps
 
 
 def test_all_linear_attention_layers(tmp_path):
@@ -162,13 +168,14 @@ def test_all_linear_attention_layers(tmp_path):
     assert checker.worst_logits < TOLERANCE and checker.worst_taps < TOLERANCE
 
 
-def test_rollback_is_exact_for_random_accepts(tmp_path):
+@pytest.mark.parametrize("layout", ["stateful", "ane"])
+def test_rollback_is_exact_for_random_accepts(tmp_path, layout):
     """200 verify rounds, each keeping a random 0..S of its rows on the next call (every k seen), some through a
     decode, all against the token-by-token reference of what was kept; a new session every ~96 positions (fp32
     rounding, not the rollback, is what grows with the position: transformers' own chunked and token-by-token
     paths differ by 1e-5 here)."""
     hf = write_checkpoint(tmp_path / "ckpt", seed=3)
-    args, modules = modules_for(tmp_path / "ckpt", (1,), prefill=8, verify=4)
+    args, modules = modules_for(tmp_path / "ckpt", (1,), layout, prefill=8, verify=4)
     checker = Checker(hf, modules, (1,))
     g = torch.Generator().manual_seed(7)
     tokens = lambda n: torch.randint(4, args.vocab_size, (n,), generator=g).tolist()  # noqa: E731

@@ -55,16 +55,19 @@ def pointwise(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.conv2d(x, weight.to(x.dtype)[:, :, None, None], linear.bias)
 
 
-def rms_norm(norm: nn.Module, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """RMSNorm over ``dim`` in the activations' dtype, finite in fp16: the values are divided by their largest
+def rms_norm(norm: nn.Module, x: torch.Tensor, dim: int = 1, eps: float | None = None) -> torch.Tensor:
+    """RMSNorm over ``dim`` in the activations' dtype, times ``norm.gain()`` (its weight, or 1 + weight for a
+    zero-centred norm), finite in fp16: the values are divided by their largest
     magnitude first, so their squares stay within 1 (a hidden row of values near 300 has squares past fp16's 65504),
-    and ``eps`` is divided by that magnitude's square with them (the same quotient)."""
+    and ``eps`` (``norm.eps`` unless given) is divided by that magnitude's square with them (the same quotient; as
+    ``(sqrt(eps) / peak)^2``: the square of a small peak underflows fp16, and eps / 0 is inf)."""
+    eps = norm.eps if eps is None else eps
     peak = torch.clamp(x.abs().amax(dim, keepdim=True), min=SMALLEST_PEAK)
     y = x / peak
-    scale = torch.rsqrt(y.pow(2).mean(dim, keepdim=True) + norm.eps / peak.pow(2))
+    scale = torch.rsqrt(y.pow(2).mean(dim, keepdim=True) + (eps**0.5 / peak).pow(2))
     shape = [1] * x.dim()
     shape[dim] = -1
-    return y * scale * norm.weight.to(x.dtype).reshape(shape)
+    return y * scale * norm.gain().to(x.dtype).reshape(shape)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ A 27B target is 54 GB in fp16 and about 14 GB at 4 bits; a device loads packages
 
 In the ``ane`` layout (README "Layouts") the host looks the embedding rows up, so there is no embedding part: the first
 layer chunk holds the table for the host's lookup (its package does not) and takes the rows as ``hidden_states``; a
-head part returns its logits, and the host takes the argmax over the split head's parts.
+head part returns its logits, and the host takes the argmax over the split head's parts; a head part has at most
+65,536 rows (the ANE's largest dim: its logits have one per row; forge ships Qwen3.8's 248,320 in 8 parts).
 
 Every part has the same functions (prefill / decode / verify, at the same widths) over one weight copy. A target
 that fits the limit ships as one part, the whole core, exactly as before. ``Chain`` calls the parts' functions in
@@ -36,6 +37,7 @@ from convert.export.functions import parameters_on_meta
 from convert.export.spec import FunctionSpec, size_text
 from convert.models import family_of
 from convert.models.part import ROW_ALIGN, Part
+from convert.verify.placement import ANE_DIM_LIMIT
 from convert.weights.quantize import kept_modules
 
 MB = 10**6
@@ -226,7 +228,8 @@ def plan_parts(args, target) -> list[Part]:
                          f"{PARTED_BASE_BYTES / GB:g} GB a parted build takes before it loads any weight; raise it")
     sizes = piece_sizes(args, target)
     vocab, layers = args.vocab_size, len(sizes.layers)
-    if sizes.total(vocab, args.tie_word_embeddings) <= limit and \
+    head_rows = ANE_DIM_LIMIT if sizes.host_lookup else vocab  # an ane head returns logits: a dim per row
+    if sizes.total(vocab, args.tie_word_embeddings) <= limit and vocab <= head_rows and \
             whole_build_bytes(args.parameter_count) <= target.max_host_memory_gb * GB:
         return [Part.whole(args)]
     row_cost = PACKAGING_BYTES_PER_TABLE_WEIGHT * sizes.row_weights
@@ -234,7 +237,8 @@ def plan_parts(args, target) -> list[Part]:
         "embed", vocab, sizes.embedding_row, 0, limit, sizes.row_align, row_cost, room)]
     first = 0
     while first < layers:
-        end, free, memory = first, limit - sizes.layer_constants, room
+        table = host_table_bytes(sizes, vocab) if first == 0 else 0  # held beside the first chunk (ane)
+        end, free, memory = first, limit - sizes.layer_constants, room - table
         while end < layers and sizes.layers[end] <= free and _layer_cost(sizes, end) <= memory:
             free -= sizes.layers[end]
             memory -= _layer_cost(sizes, end)
@@ -251,7 +255,7 @@ def plan_parts(args, target) -> list[Part]:
         parts.append(Part(f"layers-{first}-{end - 1}", vocab, embedding=table, layers=(first, end)))
         first = end
     parts += [Part(name, vocab, head=rows) for name, rows in _vocab_split(
-        "head", vocab, sizes.head_row, sizes.norm, limit, sizes.row_align, row_cost, room)]
+        "head", vocab, sizes.head_row, sizes.norm, limit, sizes.row_align, row_cost, room, head_rows)]
     return parts
 
 
@@ -260,17 +264,27 @@ def _layer_cost(sizes: Sizes, layer: int) -> int:
 
 
 def packaging_bytes(part: Part, sizes: Sizes) -> int:
-    """Host memory packaging ``part`` takes above the base (the measured costs per weight)."""
-    rows = sum(held[1] - held[0] for held in (part.embedding, part.head) if held)
+    """Host memory packaging ``part`` takes above the base (the measured costs per weight; the host's embedding table,
+    which the first ane part holds for its checks' lookups but does not convert, as its shipped bytes)."""
+    converted = [held for held in (None if sizes.host_lookup else part.embedding, part.head) if held]
+    rows = sum(held[1] - held[0] for held in converted)
+    held = host_table_bytes(sizes, part.embedding[1] - part.embedding[0]) if part.embedding else 0
     return sum(_layer_cost(sizes, i) for i in part.layer_indices) + \
-        PACKAGING_BYTES_PER_TABLE_WEIGHT * rows * sizes.row_weights
+        PACKAGING_BYTES_PER_TABLE_WEIGHT * rows * sizes.row_weights + held
+
+
+def host_table_bytes(sizes: Sizes, rows: int) -> int:
+    """What ``rows`` of the host's embedding table (the ane layout) take in the part that holds them for the host's
+    lookups: their shipped bytes (the lean load keeps a quantized table as its codes); none in the stateful layout."""
+    return int(sizes.embedding_row * rows) if sizes.host_lookup else 0
 
 
 def _vocab_split(name: str, vocab: int, row_bytes: float, fixed: int, limit: int, align: int, row_cost: int,
-                 room: int) -> list[tuple[str, tuple[int, int]]]:
-    """Row ranges of a [vocab, hidden] table, each under ``limit`` with ``fixed`` bytes beside it and packaged within
-    ``room`` (``row_cost`` a row), in as few equal parts (multiples of ``align`` rows but the last) as it takes."""
-    fits = min(int((limit - fixed) // row_bytes), room // row_cost) // align * align
+                 room: int, max_rows: int | None = None) -> list[tuple[str, tuple[int, int]]]:
+    """Row ranges of a [vocab, hidden] table, each under ``limit`` with ``fixed`` bytes beside it, packaged within
+    ``room`` (``row_cost`` a row) and of at most ``max_rows`` rows, in as few equal parts (multiples of ``align`` rows
+    but the last) as it takes."""
+    fits = min(int((limit - fixed) // row_bytes), room // row_cost, max_rows or vocab) // align * align
     if fits <= 0:
         raise InputError(f"target.max_part_mb / max_host_memory_gb: {limit / MB:g} MB and {size_text(room)} of "
                          f"packaging room cannot hold {align} rows of the {name} table "
@@ -310,18 +324,21 @@ def bound_lines(target, vocab: int, sizes: Sizes) -> list[str]:
     chunk = "device" if device <= host else "host memory"
     row_cost, unbounded = PACKAGING_BYTES_PER_TABLE_WEIGHT * sizes.row_weights, 1 << 62
 
-    def table_parts(part_limit: int, part_room: int) -> int:
+    def table_parts(part_limit: int, part_room: int, max_rows: int | None = None) -> int:
         return len(_vocab_split("head", vocab, sizes.head_row, sizes.norm, part_limit, sizes.row_align, row_cost,
-                                part_room))
+                                part_room, max_rows))
 
-    table_device, table_host = table_parts(limit, unbounded), table_parts(unbounded, room)
+    # the device's bound: its part size and, for an ane head (logits: a dim a row), the ANE's largest dim
+    rows = ANE_DIM_LIMIT if sizes.host_lookup else None
+    table_device, table_host = table_parts(limit, unbounded, rows), table_parts(unbounded, room)
     table = "device" if table_device >= table_host else "host memory"
+    capped = f", at most {rows:,} rows a head part" if rows else ""
     return [f"  layer chunks: {min(device, host)} layers from the first, set by the {chunk} bound (the device's "
             f"{target.max_part_mb:g} MB alone: {device}; host memory alone: {host}, packaging about "
             f"{PACKAGING_BYTES_PER_LAYER_WEIGHT} bytes a layer weight within {size_text(room)})",
             f"  tables: {_parts(max(table_device, table_host))} each, set by the {table} bound (device alone: "
-            f"{table_device}; host memory alone: {table_host}, about {PACKAGING_BYTES_PER_TABLE_WEIGHT} bytes a "
-            "table weight)"]
+            f"{table_device}{capped}; host memory alone: {table_host}, about {PACKAGING_BYTES_PER_TABLE_WEIGHT} "
+            "bytes a table weight)"]
 
 
 def _parts(count: int) -> str:

@@ -15,7 +15,7 @@ from convert import backends
 from convert.errors import InputError
 from convert.export.spec import FunctionSpec
 from convert.models.part import HIDDEN_OUT, Part
-from convert.runtime.host import POSITION_INPUTS, ModuleFunctions, host_owned, table_lookup
+from convert.runtime.host import DERIVED_INPUTS, ModuleFunctions, host_owned, table_lookup
 
 
 class Chain:
@@ -73,8 +73,8 @@ def link_inputs(spec: FunctionSpec, inputs: dict[str, np.ndarray], rows: np.ndar
     given = {**inputs, "hidden_states": rows} if rows is not None else inputs
     linked = {t.name: np.asarray(given[t.name], dtype=t.dtype) for t in spec.inputs if t.name in given}
     taken = {t.name for t in spec.inputs}
-    if POSITION_INPUTS & taken:
-        linked["position_ids"] = np.asarray(inputs["position_ids"], dtype=np.int32)
+    for source in {DERIVED_INPUTS[name] for name in taken & set(DERIVED_INPUTS)}:
+        linked[source] = np.asarray(inputs[source], dtype=np.int32)
     if "hidden_states" in taken and rows is None:
         linked["input_ids"] = np.asarray(inputs["input_ids"], dtype=np.int32)
     return linked

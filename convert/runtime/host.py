@@ -140,6 +140,7 @@ class HostOwned:
         self.positions = contract.get("positions") if set(inputs) & POSITION_INPUTS else None
         embedding = contract.get("embedding") or {}
         self.embedded = embedding.get("input") if embedding.get("input") in inputs else None
+        self.commits = {count: names for count, names in contract.get("commits", {}).items() if names["mask"] in inputs}
         self.argmax = contract.get("argmax") == "host"
         self.buffers = {name: np.zeros(inputs[name].shape, dtype=inputs[name].dtype) for name in self.rules}
 
@@ -163,17 +164,14 @@ class HostOwned:
         if self.embedded and given.get(self.embedded) is None:
             dtype = next(t.dtype for t in spec.inputs if t.name == self.embedded)
             given[self.embedded] = self.embedded_rows(np.asarray(inputs["input_ids"])).astype(dtype)
+        for count, names in self.commits.items():
+            if count in inputs:
+                given.update(commit_inputs(spec, names, int(np.asarray(inputs[count]).reshape(-1)[0])))
         out = dict(self.functions.call(function, {t.name: given[t.name] for t in spec.inputs}))
         for name, rule in self.rules.items():
             rows = out.pop(rule["rows"], None)
-            if rows is None:
-                continue
-            buffer, axis = self.buffers[name], rule["axis"]
-            slots = where % rule["ring"] if rule.get("ring") else where
-            kept = slots < buffer.shape[axis]  # a padding row past the buffer is never read
-            index = [slice(None)] * buffer.ndim
-            index[axis] = slots[kept]
-            buffer[tuple(index)] = np.compress(kept, np.asarray(rows), axis=axis)
+            if rows is not None:
+                write(self.buffers[name], np.asarray(rows), rule, where if "position_ids" in inputs else None)
         if self.argmax and "logits" in out:
             logits = np.asarray(out["logits"])  # argmax: the first of equal maxima, as the packages' own argmax
             out["argmax_ids"] = logits.argmax(-1).astype(np.int32)
@@ -205,6 +203,38 @@ class HostOwned:
 POSITION_INPUTS = frozenset({"rope_cos", "rope_sin", "history_mask"})  # what the host computes from position_ids
 
 
+def write(buffer: np.ndarray, rows: np.ndarray, rule: dict, where: np.ndarray | None) -> None:
+    """A call's ``rows`` into a host ``buffer`` by its contract ``rule`` (``manifests.schema.HostBuffer``): at the
+    call's positions ``where`` (or their ring slots), at the leading rows, or the whole buffer."""
+    mode, axis = rule.get("write", "positions"), rule["axis"]
+    if mode == "whole":
+        buffer[...] = rows
+        return
+    slots = np.arange(rows.shape[axis]) if mode == "leading" else where % rule["ring"] if rule.get("ring") else where
+    kept = slots < buffer.shape[axis]  # a padding row past the buffer is never read
+    index = [slice(None)] * buffer.ndim
+    index[axis] = slots[kept]
+    buffer[tuple(index)] = np.compress(kept, rows, axis=axis)
+
+
+def commit_inputs(spec, names: dict, count: int) -> dict[str, np.ndarray]:
+    """The ``mask`` and ``select`` inputs (``manifests.schema.HostCommit``) of a commit of ``count`` rows, in the
+    function's shapes and dtypes: the mask [1, R] (1 below ``count``), the one-hot rows ``count .. count+K-2`` of a
+    [history (K-1) | R rows] window."""
+    taken = {t.name: t for t in spec.inputs}
+    mask, select = taken[names["mask"]], taken[names["select"]]
+    rows, (history, window) = mask.shape[1], select.shape
+    one_hot = np.zeros((history, window), dtype=select.dtype)
+    one_hot[np.arange(history), count + np.arange(history)] = 1
+    return {mask.name: (np.arange(rows) < count).astype(mask.dtype)[None], select.name: one_hot}
+
+
+# the inputs the host computes for a package, by the caller's input each comes from (``convert.runtime.chain``
+# passes a part the sources of those it takes)
+DERIVED_INPUTS = {**dict.fromkeys(POSITION_INPUTS, "position_ids"), "commit_mask": "accept",
+                  "commit_select": "accept", "valid_mask": "valid", "valid_select": "valid"}
+
+
 def host_owned(functions: Functions, specs: dict, contract: dict, lookup=None,
                split_head: tuple[int, int] | None = None) -> Functions:
     """``functions`` (one package's, with ``specs``) as a runtime drives them under the target's ``contract``: with
@@ -212,7 +242,7 @@ def host_owned(functions: Functions, specs: dict, contract: dict, lookup=None,
     themselves (a package with states, or a part of one)."""
     owned = HostOwned(functions, specs, contract, lookup, split_head)
     host_argmax = owned.argmax and any(t.name == "logits" for spec in specs.values() for t in spec.outputs)
-    return owned if owned.rules or owned.positions or owned.embedded or host_argmax else functions
+    return owned if owned.rules or owned.positions or owned.embedded or owned.commits or host_argmax else functions
 
 
 def table_lookup(table: np.ndarray):

@@ -51,14 +51,22 @@ def decoder_layer(layer: DecoderLayer, x, cos, sin, bias, key_history, value_his
 
 
 def attention(attn: Attention, x, cos, sin, bias, key_history, value_history, width: int):
+    q = rotate(rms_norm(attn.q_norm, pointwise(attn.q_proj, x).reshape(attn.heads, attn.head_dim, width)), cos, sin)
+    out, k, v = attend_heads(attn, x, q, cos, sin, bias, key_history, value_history, width)
+    return pointwise(attn.o_proj, out), k, v
+
+
+def attend_heads(attn: Attention, x, q, cos, sin, bias, key_history, value_history, width: int, rotary=None):
+    """The attention of the rotated queries ``q`` [heads, head_dim, S] over the history and the call's keys and values
+    (projected from ``x``, the keys normed and rotated by ``rotary``, default ``rotate``): the heads' outputs [1, heads
+    x head_dim, 1, S] before o_proj, and the call's k and v rows [Hkv, S, head_dim]."""
     heads, kv_heads, d = attn.heads, attn.kv_heads, attn.head_dim
-    q = rotate(rms_norm(attn.q_norm, pointwise(attn.q_proj, x).reshape(heads, d, width)), cos, sin)
-    k = rotate(rms_norm(attn.k_norm, pointwise(attn.k_proj, x).reshape(kv_heads, d, width)), cos, sin)
+    k = (rotary or rotate)(rms_norm(attn.k_norm, pointwise(attn.k_proj, x).reshape(kv_heads, d, width)), cos, sin)
     v = pointwise(attn.v_proj, x).reshape(kv_heads, d, width)
     shape = (kv_heads, heads // kv_heads, d, width)
     queries = (q * d**-0.5).reshape(shape)  # scaled before the product (fp16)
     out = attend(queries, k, v, key_history, value_history, bias, shape)
-    return pointwise(attn.o_proj, out), k.transpose(1, 2), v.transpose(1, 2)
+    return out, k.transpose(1, 2), v.transpose(1, 2)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

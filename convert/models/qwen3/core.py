@@ -25,6 +25,10 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def gain(self) -> torch.Tensor:
+        """What the normed values are multiplied by (the ane layout's norm, ``export.ane.rms_norm``, reads it)."""
+        return self.weight
+
 
 class Attention(nn.Module):
     def __init__(self, args: Qwen3Args, layer_index: int):

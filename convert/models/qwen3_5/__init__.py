@@ -15,7 +15,8 @@ Semantics are transformers' (models/qwen3_5/modeling_qwen3_5.py, the reference o
   (fp32); per token ``S <- e^g S; delta = beta (v - S^T k); S <- S + k delta^T; o = S^T q``; then
   ``out_proj(w * rmsnorm(o) * silu(z))`` with the gated norm's weight used as is (not 1 + w).
 
-The export core computes the delta rule in fp32 in chunks (the WY form transformers' ``torch_chunk_gated_delta_rule``
+The export core computes the delta rule (in fp32; in the ane layout, ``ane.py``, in the activations' dtype: fp16 on
+the device) in chunks (the WY form transformers' ``torch_chunk_gated_delta_rule``
 uses, with the unit-triangular inverse as a product of ``log2(chunk)`` factors instead of a row-by-row solve), and
 in the device-safe forms of ``docs/hybrid.md``: softplus as ``relu(x) + log1p(exp(-|x|))``, SiLU as
 ``x / (1 + exp(-x))``, q and v scaled by powers of two (so the state update has no subnormal products in fp16; exact
@@ -35,6 +36,7 @@ does. The state after any accept is therefore exactly the state of running only 
 from convert.export.ane import silu
 from convert.models.qwen3_5.checkpoint import sanitize
 from convert.models.qwen3_5.config import (
+    ANE_HOST_CONTRACT_NAME,
     FAMILY,
     HOST_CONTRACT_NAME,
     HOST_CONTRACT_VERSION,
@@ -67,7 +69,8 @@ from convert.models.qwen3_5.gated_delta import (
 )
 
 __all__ = [
-    "FAMILY", "HOST_CONTRACT_NAME", "HOST_CONTRACT_VERSION", "KEEP_FP16", "PLAN_ALTERNATIVES", "PLAN_FIELDS",
+    "ANE_HOST_CONTRACT_NAME", "FAMILY", "HOST_CONTRACT_NAME", "HOST_CONTRACT_VERSION", "KEEP_FP16",
+    "PLAN_ALTERNATIVES", "PLAN_FIELDS",
     "QUERY_SCALE", "STATE_NAMES", "VALUE_SCALE", "Args", "ChunkMasks", "FunctionModule", "Qwen35Args", "accepts",
     "architecture_record", "build_core", "cached_blocks", "calibration_runner", "causal_conv", "delta_rule",
     "expected_shapes", "function_specs", "host_contract", "linear_groups", "plan_lines", "reference_layers", "sanitize",

@@ -27,6 +27,7 @@ QUERY_SCALE, VALUE_SCALE = 16.0, 64.0
 CHUNK = 64  # rows per chunk of the delta rule (a call's rows are processed in chunks of at most this many)
 STATE_NAMES = ("key_cache", "value_cache", "conv_state", "recurrent_state", "pending_qkv", "pending_ba")
 HOST_CONTRACT_NAME, HOST_CONTRACT_VERSION = "spec-convert/commit-next-call", 1
+ANE_HOST_CONTRACT_NAME, ANE_HOST_CONTRACT_VERSION = "spec-convert/commit-next-call-host-buffers", 1  # layout ane
 LAZY_FUNCTIONS = ("decode", "verify")  # rows left pending, committed by the next call's `accept`
 
 

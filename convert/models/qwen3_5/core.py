@@ -3,12 +3,13 @@ calibrates and quantizes its layers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from convert.export.ane import silu
+from convert.export.ane import rms_norm, silu
 from convert.export.spec import DTYPE_NAMES, TensorSpec
 from convert.models.layout import Layout
 from convert.models.part import Part, build_embedding, build_head, part_input, part_outputs
@@ -24,7 +25,15 @@ from convert.models.qwen3.core import (
     rotate,
 )
 from convert.models.qwen3_5.config import LINEAR, QUERY_SCALE, VALUE_SCALE, Qwen35Args
-from convert.models.qwen3_5.gated_delta import ChunkMasks, causal_conv, chunk_sizes, delta_rule, l2norm, softplus
+from convert.models.qwen3_5.gated_delta import (
+    ChunkMasks,
+    causal_conv,
+    chunk_sizes,
+    delta_rule,
+    l2norm,
+    scaled_l2norm,
+    softplus,
+)
 
 
 class ZeroCentredRMSNorm(RMSNorm):
@@ -38,6 +47,9 @@ class ZeroCentredRMSNorm(RMSNorm):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return ((1.0 + self.weight.float()) * x32).to(x.dtype)
+
+    def gain(self) -> torch.Tensor:
+        return 1.0 + self.weight
 
 
 def zero_centre_norms(module: nn.Module) -> None:
@@ -100,6 +112,9 @@ class GatedRMSNorm(nn.Module):
         normed = (o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
         return ((self.weight * normed).float() * silu(z.float())).to(dtype)
 
+    def gain(self) -> torch.Tensor:
+        return self.weight
+
 
 class CausalConvWeight(nn.Module):
     """The depthwise conv's weight, [C, 1, K] as transformers stores it (``conv1d.weight``; no bias)."""
@@ -118,6 +133,29 @@ class Call:
     width: int
     accept: torch.Tensor
     valid: torch.Tensor | None
+
+    def commit(self, core: Qwen35Core) -> Commit:
+        """The call's commits as the stateful graph computes them from ``accept`` and ``valid``: comparisons with
+        the row numbers and a gather of the conv history."""
+        valid = self.valid
+        return Commit(self.width, core.rows[: core.pending] < self.accept,
+                      lambda window: core.select_rows(window, self.accept),
+                      None if valid is None else core.rows[: self.width] < valid,
+                      None if valid is None else lambda window: core.select_rows(window, valid))
+
+
+@dataclass
+class Commit:
+    """How a call's Gated DeltaNet layers commit rows (package docstring: rollback): ``kept`` [pending], the pending
+    rows of the previous call to commit (bool, or 1.0 / 0.0), and ``history(window)``, the conv history after them
+    (rows of the [history | pending] window); for a call that commits its own rows (prefill), ``valid`` [width] and
+    ``valid_history(window)`` the same for its rows (None for decode / verify, which leave them pending)."""
+
+    width: int
+    kept: torch.Tensor
+    history: Callable[[torch.Tensor], torch.Tensor]
+    valid: torch.Tensor | None
+    valid_history: Callable[[torch.Tensor], torch.Tensor] | None
 
 
 class GatedDeltaNet(nn.Module):
@@ -139,51 +177,48 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(args.value_dim, h, bias=False)
 
     def rule_inputs(self, window: torch.Tensor, ba: torch.Tensor, rows: int, keep: torch.Tensor | None,
-                    with_query: bool = True):
+                    core: Qwen35Core, with_query: bool = True):
         """q (None without ``with_query``: a commit needs no outputs), k, v, g, beta of the ``rows`` rows a conv
         ``window`` [K-1+rows, C] ends with, from their raw [b | a] rows ``ba`` [rows, 2 Hv]; rows where ``keep``
-        [rows] is false become identities (g = 0, beta = 0). fp32, by value head (key heads repeated), q and v
+        [rows] is false (or 0.0) become identities (g = 0, beta = 0). In ``core.recurrence_dtype`` (fp32, or the
+        activations' dtype), by value head (key heads repeated through the core's ``value_heads`` map), q and v
         carrying the device-safe scales."""
-        a = self.args
+        a, value_heads = self.args, core.value_heads
+        dtype, norm = recurrence(core, window.dtype)
         hk, hv = a.linear_num_key_heads, a.linear_num_value_heads
         dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
         mixed = silu(causal_conv(window, self.conv1d.weight.to(window.dtype), a.conv_dim))
         q, k, v = mixed.split([a.key_dim, a.key_dim, a.value_dim], dim=-1)
 
         def by_value_head(t: torch.Tensor) -> torch.Tensor:  # value head j reads key head j // (hv / hk)
-            return t[:, :, None, :].expand(rows, hk, hv // hk, dk).reshape(rows, hv, dk)
+            if hk == hv:
+                return t
+            # the 0 / 1 [hv, hk] map times the rows, summed over the key heads, rather than a repeat (which lowers to
+            # tile) or a product with a constant (which Core ML makes a linear layer): convert/verify/placement.py
+            return (value_heads.to(t.dtype)[:, :, None] * t[:, None]).sum(2)
 
         if with_query:
-            q = by_value_head(l2norm(q.reshape(rows, hk, dk).float()) * (dk**-0.5 * QUERY_SCALE))
-        k = by_value_head(l2norm(k.reshape(rows, hk, dk).float()))
-        v = v.reshape(rows, hv, dv).float() * VALUE_SCALE
-        beta = torch.sigmoid(ba[:, :hv]).float()
-        g = -torch.exp(self.A_log.float()) * softplus(ba[:, hv:].float() + self.dt_bias.float())
-        if keep is not None:
+            q = by_value_head(norm(q.reshape(rows, hk, dk).to(dtype)) * (dk**-0.5 * QUERY_SCALE))
+        k = by_value_head(norm(k.reshape(rows, hk, dk).to(dtype)))
+        v = v.reshape(rows, hv, dv).to(dtype) * VALUE_SCALE
+        beta = torch.sigmoid(ba[:, :hv]).to(dtype)
+        g = -torch.exp(self.A_log.to(dtype)) * softplus(ba[:, hv:].to(dtype) + self.dt_bias.to(dtype))
+        if keep is not None and keep.dtype == torch.bool:
             beta, g = torch.where(keep[:, None], beta, 0.0), torch.where(keep[:, None], g, 0.0)
+        elif keep is not None:  # 1.0 / 0.0 (the host's masks, ane layout): no select
+            beta, g = beta * keep[:, None].to(dtype), g * keep[:, None].to(dtype)
         return (q if with_query else None), k, v, g, beta
 
     def forward(self, x, call: Call, core: Qwen35Core, conv_state, recurrent_state, pending_qkv, pending_ba):
         """x [S, H] -> [S, H]; reads and writes this layer's rows of the GDN states (package docstring: rollback)."""
-        s, slot, pending = call.width, self.slot, core.pending
-        # 1. commit the first `accept` rows left pending by the previous call
-        window = torch.cat([conv_state[slot].to(x.dtype), pending_qkv[slot].to(x.dtype)])
-        kept = core.rows[:pending] < call.accept
-        _, k, v, g, beta = self.rule_inputs(window, pending_ba[slot].to(x.dtype), pending, kept, with_query=False)
-        _, state = delta_rule(recurrent_state[slot].float(), None, k, v, g, beta, pending, core.chunk_masks)
-        history = core.select_rows(window, call.accept)
-        # 2. this call's rows, from the committed state
+        s, slot = call.width, self.slot
         mixed = self.in_proj_qkv(x)
         ba = torch.cat([self.in_proj_b(x), self.in_proj_a(x)], dim=-1)
         # before the recurrence: a GPTQ pass capturing in_proj_qkv / in_proj_z stops before it (quant/calibrate.py)
-        z = self.in_proj_z(x).view(s, self.args.linear_num_value_heads, self.args.linear_value_head_dim)
-        window = torch.cat([history, mixed])
-        keep = None if call.valid is None else core.rows[:s] < call.valid
-        q, k, v, g, beta = self.rule_inputs(window, ba, s, keep)
-        out, after = delta_rule(state, q, k, v, g, beta, s, core.chunk_masks)
-        # 3. states: a prefill commits its valid rows; decode / verify leave theirs pending
+        z = self.in_proj_z(x)
+        out, state, history = self.recur(mixed, ba, call.commit(core), core, conv_state[slot], recurrent_state[slot],
+                                         pending_qkv[slot], pending_ba[slot])
         if call.valid is not None:
-            state, history = after, core.select_rows(window, call.valid)
             # nothing is pending after a prefill, but every function must write every state for it to stay a state
             # (an unwritten buffer converts to a constant): write a row back unchanged
             pending_qkv[slot : slot + 1, 0:1] = pending_qkv[slot : slot + 1, 0:1].clone()
@@ -193,8 +228,52 @@ class GatedDeltaNet(nn.Module):
             pending_ba[slot : slot + 1, 0:s] = ba[None].to(pending_ba.dtype)
         recurrent_state[slot : slot + 1] = state[None].to(recurrent_state.dtype)
         conv_state[slot : slot + 1] = history[None].to(conv_state.dtype)
-        out = (out * (1.0 / (QUERY_SCALE * VALUE_SCALE))).to(x.dtype)  # [S, Hv, dv]
-        return self.out_proj(self.norm(out, z).reshape(s, self.args.value_dim))
+        return self.out_proj(self.gated_output(out, z, core))
+
+    def recur(self, mixed, ba, commit: Commit, core: Qwen35Core, conv_state, recurrent_state, pending_qkv,
+              pending_ba):
+        """The recurrence of one call from this layer's states (``conv_state`` [K-1, C], ``recurrent_state`` [Hv, dk,
+        dv], ``pending_qkv`` [P, C], ``pending_ba`` [P, 2 Hv]) and its rows ``mixed`` [S, C] (in_proj_qkv's) and
+        ``ba`` [S, 2 Hv]: 1. the previous call's pending rows the commit keeps, committed; 2. this call's rows from
+        the committed state. Returns the outputs [S, Hv, dv] (in the recurrence's dtype, still carrying the
+        device-safe scales), the recurrent state and the conv
+        history to keep: after this call's valid rows for a prefill, else the committed ones (decode and verify
+        leave their rows pending)."""
+        s, dtype = commit.width, mixed.dtype
+        window = torch.cat([conv_state.to(dtype), pending_qkv.to(dtype)])
+        _, k, v, g, beta = self.rule_inputs(window, pending_ba.to(dtype), core.pending, commit.kept, core,
+                                            with_query=False)
+        state = recurrent_state.to(recurrence(core, dtype)[0])
+        _, state = delta_rule(state, None, k, v, g, beta, core.pending, core.chunk_masks)
+        history = commit.history(window)
+        window = torch.cat([history, mixed])
+        q, k, v, g, beta = self.rule_inputs(window, ba, s, commit.valid, core)
+        out, after = delta_rule(state, q, k, v, g, beta, s, core.chunk_masks)
+        if commit.valid is not None:
+            state, history = after, commit.valid_history(window)
+        return out, state, history
+
+    def gated_output(self, out: torch.Tensor, z: torch.Tensor, core: Qwen35Core) -> torch.Tensor:
+        """The recurrence's outputs [S, Hv, dv] (carrying the device-safe scales) through the gated norm with ``z``
+        [S, value_dim]: out_proj's input [S, value_dim]. With the recurrence in the activations' dtype (the ane
+        layout) the norm is taken of the scaled outputs, finite in fp16 (``export.ane.rms_norm``, its eps scaled
+        with them: the same quotient), where the unscaled ones would be subnormal."""
+        a, scale = self.args, QUERY_SCALE * VALUE_SCALE
+        z = z.view(-1, a.linear_num_value_heads, a.linear_value_head_dim)
+        if core.recurrence_dtype is None:
+            normed = rms_norm(self.norm, out.to(z.dtype), dim=-1, eps=self.norm.eps * scale**2)
+            return (normed * silu(z)).reshape(-1, a.value_dim)
+        out = (out * (1.0 / scale)).to(z.dtype)
+        return self.norm(out, z).reshape(-1, a.value_dim)
+
+
+def recurrence(core: Qwen35Core, activations: torch.dtype) -> tuple[torch.dtype, Callable]:
+    """The dtype the delta rule runs in and the l2norm it takes: fp32 and transformers' form (the stateful cores), or
+    the activations' dtype and the form finite in fp16 (the ane layout's, ``recurrence_dtype`` None: the Neural
+    Engine computes in fp16 only)."""
+    if core.recurrence_dtype is None:
+        return activations, scaled_l2norm
+    return core.recurrence_dtype, l2norm
 
 
 class DecoderLayer(nn.Module):
@@ -239,6 +318,8 @@ class Qwen35Core(nn.Module):
     ``pending`` is the rows of ``pending_qkv`` / ``pending_ba``, at least the widest decode / verify.
     """
 
+    recurrence_dtype: torch.dtype | None = torch.float32  # None: the activations' dtype (``recurrence``)
+
     def __init__(self, args: Qwen35Args, context: int, taps: tuple[int, ...] = (), pending: int = 8,
                  widths: tuple[int, ...] = (64, 1, 8), part: Part | None = None):
         super().__init__()
@@ -252,6 +333,10 @@ class Qwen35Core(nn.Module):
         register_positions(self, args.rotary_dim, args.rope_theta, context, args.num_key_value_heads)
         self.register_buffer("rows", torch.arange(max(pending, context) + args.linear_conv_kernel_dim,
                                                   dtype=torch.int32), persistent=False)
+        # value head j reads key head j // (hv / hk): a 0 / 1 map (bool: a module's .to(dtype) leaves it alone)
+        ratio = args.linear_num_value_heads // args.linear_num_key_heads
+        heads = torch.arange(args.linear_num_value_heads)[:, None] // ratio == torch.arange(args.linear_num_key_heads)
+        self.register_buffer("value_heads", heads, persistent=False)
         for size in chunk_sizes((*widths, pending)):  # only the chunks the functions use: each buffer is an input
             masks = ChunkMasks.of(size)
             for name in ("strict", "lower", "eye"):

@@ -8,12 +8,14 @@ from math import ceil, log2
 import torch
 from torch import nn
 
-from convert.errors import InputError
 from convert.export.functions import NamedFunction
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.part import Part, function_widths, part_tensors
 from convert.models.qwen3 import export as qwen3
+from convert.models.qwen3_5.ane import ATTENTION_ROWS, GDN_NEXT, GDN_PENDING, Qwen35AneCore
 from convert.models.qwen3_5.config import (
+    ANE_HOST_CONTRACT_NAME,
+    ANE_HOST_CONTRACT_VERSION,
     FAMILY,
     HOST_CONTRACT_NAME,
     HOST_CONTRACT_VERSION,
@@ -34,24 +36,27 @@ def pending_rows(target) -> int:
 
 def build_core(args: Qwen35Args, target, part: Part | None = None) -> Qwen35Core:
     widths = tuple(width for _, width in function_widths(target))
-    return Qwen35Core(args, target.context, tuple(target.taps or ()), pending_rows(target), widths, part)
+    core = Qwen35AneCore if target.layout == "ane" else Qwen35Core
+    return core(args, target.context, tuple(target.taps or ()), pending_rows(target), widths, part)
 
 
 def function_specs(args: Qwen35Args, target, dtype: torch.dtype = torch.float16,
                    part: Part | None = None) -> list[FunctionSpec]:
     """prefill / decode / verify over the same states; every function with layers takes ``accept``, prefill also
-    ``valid``; a part's take and return what it needs (``convert/pipeline/partition.py``)."""
-    if target.layout != "stateful":
-        raise InputError(f"target.layout {target.layout}: the hybrid (Gated DeltaNet) target's ane functions, its "
-                         "conv, recurrent and pending buffers owned by the host, are not exported yet; use layout "
-                         "stateful")
+    ``valid``; a part's take and return what it needs (``convert/pipeline/partition.py``). The ane layout's take
+    the host's buffers and computed inputs instead (``ane_tensors``)."""
     part = part or Part.whole(args)
     fdtype = DTYPE_NAMES[dtype]
-    states = state_specs(args, target.context, pending_rows(target), fdtype, part.layer_indices)
+    ane = target.layout == "ane"
+    states = () if ane else state_specs(args, target.context, pending_rows(target), fdtype, part.layer_indices)
     specs = []
     for name, width in function_widths(target):
         inputs, outputs = part_tensors(args, target, part, width, fdtype)
-        if part.layer_indices:
+        if part.layer_indices and ane:
+            extra_in, extra_out = ane_tensors(args, target, part, name, width, fdtype)
+            inputs = tuple(t for t in inputs if t.name != "position_ids") + extra_in
+            outputs += extra_out
+        elif part.layer_indices:
             inputs += (TensorSpec("accept", (1,), "int32"),)
             if name not in LAZY_FUNCTIONS:
                 inputs += (TensorSpec("valid", (1,), "int32"),)
@@ -59,9 +64,90 @@ def function_specs(args: Qwen35Args, target, dtype: torch.dtype = torch.float16,
     return specs
 
 
+def ane_tensors(args: Qwen35Args, target, part: Part, function: str, width: int,
+                dtype: str) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """A part's ane inputs and outputs beside ``part_tensors``' (``convert/models/qwen3_5/ane.py``): with attention
+    layers, RoPE's rows, the history mask and the KV history in, the call's KV rows out; with Gated DeltaNet layers,
+    the four GDN buffers and the commit inputs from ``accept`` (a prefill's also from ``valid``) in, the committed
+    state out and, for decode / verify, the rows left pending."""
+    a, p = args, pending_rows(target)
+    kernel = a.linear_conv_kernel_dim - 1
+    states = {s.name: s for s in state_specs(a, target.context, p, dtype, part.layer_indices)}
+    inputs, outputs = [], []
+    if "key_cache" in states:
+        kv = states["key_cache"].shape
+        rope = (width, a.rotary_dim // 2)
+        inputs += [TensorSpec("rope_cos", rope, dtype), TensorSpec("rope_sin", rope, dtype),
+                   TensorSpec("history_mask", (1, target.context), dtype),
+                   *(TensorSpec(buffer, kv, dtype) for buffer in ATTENTION_ROWS)]
+        outputs += [TensorSpec(rows, (kv[0], kv[1], width, kv[3]), dtype) for rows in ATTENTION_ROWS.values()]
+    if "conv_state" in states:
+        inputs += [TensorSpec(name, states[name].shape, dtype) for name in (*GDN_NEXT, *GDN_PENDING)]
+        inputs += [TensorSpec("commit_mask", (1, p), dtype), TensorSpec("commit_select", (kernel, kernel + p), dtype)]
+        if function not in LAZY_FUNCTIONS:
+            inputs += [TensorSpec("valid_mask", (1, width), dtype),
+                       TensorSpec("valid_select", (kernel, kernel + width), dtype)]
+        outputs += [TensorSpec(out, states[name].shape, dtype) for name, out in GDN_NEXT.items()]
+        if function in LAZY_FUNCTIONS:
+            outputs += [TensorSpec(out, (states[name].shape[0], width, states[name].shape[2]), dtype)
+                        for name, out in GDN_PENDING.items()]
+    return tuple(inputs), tuple(outputs)
+
+
 def host_contract(args: Qwen35Args, target) -> dict:
     """What a runtime does between calls (README "Hybrid targets", docs/hybrid.md): the rows a call leaves pending
-    are committed, or dropped, by the next call's ``accept``."""
+    are committed, or dropped, by the next call's ``accept``; in the ane layout the host also owns the buffers
+    (``ane_contract``)."""
+    contract = commit_contract(target)
+    return ane_contract(args, contract) if target.layout == "ane" else contract
+
+
+def ane_contract(args: Qwen35Args, contract: dict) -> dict:
+    """The commit-next-call contract with the ane layout's host work: every buffer, the positions, the commit inputs,
+    the embedding lookup and the argmax (README "Layouts")."""
+    return {
+        **contract,
+        "name": ANE_HOST_CONTRACT_NAME,
+        "version": ANE_HOST_CONTRACT_VERSION,
+        "inputs": {
+            "hidden_states": "the embedding rows of the call's ids [1, S, hidden], looked up by the host from "
+                             "embeddings.safetensors (the first part's, or the whole target's)",
+            "commit_mask": "[1, pending]: 1 for the previous call's pending rows below accept, 0 for the rest",
+            "commit_select": "[K-1, K-1+pending]: one-hot, row i picks row accept+i of [conv_state | pending_qkv]",
+            "valid_mask": "prefill: [1, S], 1 for its rows below valid",
+            "valid_select": "prefill: [K-1, K-1+S], one-hot, row i picks row valid+i of [committed history | rows]",
+            "rope_cos": "cos of the call's positions times RoPE's inverse frequencies [S, rotary_dim / 2]",
+            "rope_sin": "their sin, as rope_cos",
+            "history_mask": "[1, context]: 0 for the rows below the call's first position, -1e4 for the rest",
+            "key_history": "the host's key rows [attention layers, kv heads, context, head_dim], row c at position c",
+            "value_history": "the host's value rows, as key_history",
+            "conv_state": "the host's committed conv history [GDN layers, K-1, conv_dim]",
+            "recurrent_state": "the host's committed recurrent state [GDN layers, value heads, key dim, value dim]",
+            "pending_qkv": "the rows the previous decode / verify left pending [GDN layers, pending, conv_dim]",
+            "pending_ba": "their [b | a] rows [GDN layers, pending, 2 x value heads]",
+        },
+        "positions": {"rope_theta": args.rope_theta, "rotary_dim": args.rotary_dim},
+        "buffers": {**{buffer: {"rows": rows, "axis": 2} for buffer, rows in ATTENTION_ROWS.items()},
+                    **{buffer: {"rows": rows, "axis": 0, "write": "whole"} for buffer, rows in GDN_NEXT.items()},
+                    **{buffer: {"rows": rows, "axis": 1, "write": "leading"} for buffer, rows in GDN_PENDING.items()}},
+        "commits": {"accept": {"mask": "commit_mask", "select": "commit_select"},
+                    "valid": {"mask": "valid_mask", "select": "valid_select"}},
+        "embedding": {"input": "hidden_states", "file": "embeddings.safetensors"},
+        "argmax": "host",
+        "rules": [
+            *contract["rules"],
+            "the package keeps no state: the host owns key_history / value_history (written at the call's positions "
+            "from key_rows / value_rows), conv_state and recurrent_state (replaced by conv_state_next / "
+            "recurrent_state_next after every call) and pending_qkv / pending_ba (a decode or verify's "
+            "pending_qkv_rows / pending_ba_rows written at their leading rows); a fresh session zeroes them",
+            "the functions take no input_ids, position_ids, accept or valid: the host passes the embedding rows as "
+            "hidden_states, RoPE's rows and the history mask, and the commit masks and one-hot selections",
+            "the head returns logits and no argmax: the host takes each row's argmax",
+        ],
+    }
+
+
+def commit_contract(target) -> dict:
     return {
         "name": HOST_CONTRACT_NAME,
         "version": HOST_CONTRACT_VERSION,
@@ -129,7 +215,7 @@ def rollback_cost(args: Qwen35Args, target, dtype_bytes: int = 2) -> dict:
 def plan_lines(args: Qwen35Args, target) -> list[str]:
     a = args
     pattern = "".join("L" if t == LINEAR else "F" for t in a.layer_types)
-    cost = rollback_cost(a, target)
+    cost, contract = rollback_cost(a, target), host_contract(a, target)
     mib = 2**20
     return [
         f"  qwen3_5 (hybrid): {a.num_hidden_layers} layers {pattern} ({len(a.linear_layers)} Gated DeltaNet L, "
@@ -138,7 +224,7 @@ def plan_lines(args: Qwen35Args, target) -> list[str]:
         f"    attention: heads {a.num_attention_heads}/{a.num_key_value_heads} (head_dim {a.head_dim}, RoPE on "
         f"{a.rotary_dim} dims); Gated DeltaNet: {a.linear_num_key_heads} key / {a.linear_num_value_heads} value heads "
         f"(dims {a.linear_key_head_dim}/{a.linear_value_head_dim}), conv kernel {a.linear_conv_kernel_dim}",
-        f"    rollback: {HOST_CONTRACT_NAME} v{HOST_CONTRACT_VERSION} (decode / verify rows pending, committed by the "
+        f"    rollback: {contract['name']} v{contract['version']} (decode / verify rows pending, committed by the "
         f"next call's `accept`; prefill takes `valid`): pending {cost['pending_bytes'] / mib:.2f} MiB (per-row "
         f"snapshots would be {cost['snapshot_bytes'] / mib:.1f} MiB), commit {cost['commit_flops'] / 1e9:.3g} GFLOP "
         f"per call ({100 * cost['commit_flops'] / cost['verify_flops']:.2g}% of a verify)",

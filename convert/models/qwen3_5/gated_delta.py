@@ -7,6 +7,7 @@ from math import ceil, log2
 
 import torch
 
+from convert.export.ane import SMALLEST_PEAK
 from convert.models.qwen3_5.config import CHUNK
 
 
@@ -19,6 +20,15 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """transformers' ``l2norm`` (the FLA form): ``x * rsqrt(sum x^2 + eps)``."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def scaled_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``l2norm`` finite in fp16: the values divided by their largest magnitude first (the squares of a row of 128
+    values near 30 sum past 65504), ``eps`` by its square with them (the same quotient, as ``(sqrt(eps) / peak)^2``:
+    a zero row's peak squared underflows fp16)."""
+    peak = torch.clamp(x.abs().amax(-1, keepdim=True), min=SMALLEST_PEAK)
+    y = x / peak
+    return y * torch.rsqrt((y * y).sum(-1, keepdim=True) + (eps**0.5 / peak).pow(2))
 
 
 def causal_conv(window: torch.Tensor, weight: torch.Tensor, channels: int) -> torch.Tensor:
@@ -71,10 +81,13 @@ def delta_rule_chunk(state, q, k, v, g, beta, masks: ChunkMasks | None):
         delta = beta[:, :, None] * (v - k @ decayed)
         state = decayed + k.transpose(1, 2) @ delta
         return (None if q is None else q @ state), state
-    cumulative = torch.cumsum(g, dim=1)  # [H, C]
+    # masks as 0 / 1 factors, the running sum as a masked sum: no cumsum or select, and no product with a constant
+    # (Core ML makes it a linear layer), which the ane layout's programs hold none of (convert/verify/placement.py)
+    lower, strict = masks.lower.to(g.dtype), masks.strict.to(g.dtype)
+    cumulative = (g[:, None, :] * lower).sum(-1)  # [H, C]: G_i
     gaps = cumulative[:, :, None] - cumulative[:, None, :]  # G_i - G_j
-    decay = torch.exp(torch.where(masks.lower, gaps, -1e4))  # e^(G_i - G_j) for j <= i, else 0
-    system = torch.where(masks.strict, beta[:, :, None] * (k @ k.transpose(1, 2)) * decay, 0.0)
+    decay = torch.exp(gaps * lower + (lower - 1.0) * 1e4)  # e^(G_i - G_j) for j <= i, else 0
+    system = beta[:, :, None] * (k @ k.transpose(1, 2)) * decay * strict
     from_start = torch.exp(cumulative)[:, :, None]  # e^(G_i)
     delta = unit_lower_inverse(system, masks) @ (beta[:, :, None] * (v - from_start * (k @ state)))
     outputs = None if q is None else from_start * (q @ state) + ((q @ k.transpose(1, 2)) * decay) @ delta
