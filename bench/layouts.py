@@ -1,16 +1,19 @@
-"""Benchmark: the stateful and the ane layouts side by side on the embedded fixture (README "Layouts").
+"""Benchmark: the stateful and the ane layouts side by side on the embedded fixtures (README "Layouts").
 
-Builds ``recipes/tiny_qwen3.yaml`` (fixtures/stdlib-qwen3) twice into a scratch directory, once per ``target.layout``,
-through ``spec-convert build`` (both formats, every gate and check), then reads each bundle back and reports per
-format: the op kinds of each function's program and those outside the placement lint's vocabulary, the lint's
-findings, the package's bytes, and per call the bytes that cross the call's boundary (its inputs and outputs, and the
-states the package keeps), and the bytes the host writes after it (the ane layout's rows). It then computes the same
-per-call figures for the attention layers of Qwen3.8-27B (16 attention layers, 4 KV heads of 256, context 8192) from
-the same formulas; the 27B's Gated DeltaNet layers have no ane functions yet. In the ane layout the host also looks
-up each call's embedding rows (the call's ``hidden_states`` input) and takes the argmax of the ``logits`` output:
-both are in the call's inputs and outputs.
+Builds each fixture recipe (``recipes/tiny_qwen3.yaml``, the dense fixture, and ``recipes/tiny_qwen3_5.yaml``, the
+hybrid one) twice into a scratch directory, once per ``target.layout``, through ``spec-convert build`` (both formats,
+every gate and check), then reads each bundle back and reports per format: the op kinds of each function's program
+and those outside the placement lint's vocabulary, the lint's findings, the package's bytes, and per call the bytes
+that cross the call's boundary (its inputs and outputs, and the states the package keeps) and the bytes the host
+writes into its buffers after it (the ane layout's rows and states). In the ane layout the host also looks up each
+call's embedding rows (the ``hidden_states`` input) and takes the argmax of the ``logits`` output: both are counted
+in the call's inputs and outputs.
 
-    PYTHONPATH=. python3 -m bench.layouts [--json docs/bench-logs/layouts-tiny-qwen3.json]
+It then computes the same per-call figures for Qwen3.8-27B, the release target (``recipes/dflash2_27b.yaml``'s
+target contract: 48 Gated DeltaNet and 16 attention layers, context 8192), from the functions both layouts would
+export at that geometry (nothing is built).
+
+    PYTHONPATH=. python3 -m bench.layouts [--json docs/bench-logs/layouts-fixtures.json]
 """
 
 from __future__ import annotations
@@ -24,29 +27,40 @@ import time
 from pathlib import Path
 
 from convert import backends
+from convert.inputs.contract import as_config
+from convert.inputs.recipe import load_recipe
+from convert.models import family_of, read_args
 from convert.verify.placement import VOCABULARY
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPE = ROOT / "recipes" / "tiny_qwen3.yaml"
-ATTENTION_27B = {"layers": 16, "kv_heads": 4, "head_dim": 256, "context": 8192}  # hybrid-27b.md: 1 of 4 layers
+FIXTURES = {"dense": ROOT / "recipes" / "tiny_qwen3.yaml", "hybrid": ROOT / "recipes" / "tiny_qwen3_5.yaml"}
+RELEASE = ROOT / "recipes" / "dflash2_27b.yaml"
+LAYOUTS = ("stateful", "ane")
 
 
-def build(layout: str, scratch: Path) -> tuple[Path, float]:
-    text = RECIPE.read_text().replace("path:../fixtures/", f"path:{ROOT}/fixtures/")
+def build(recipe: Path, layout: str, scratch: Path) -> tuple[Path, float]:
+    text = recipe.read_text().replace("path:../fixtures/", f"path:{ROOT}/fixtures/")
     text = text.replace("  context: 512", f"  context: 512\n  layout: {layout}", 1)
-    recipe = scratch / f"{layout}.yaml"
-    recipe.write_text(text)
-    bundle = scratch / layout
+    path = scratch / f"{recipe.stem}-{layout}.yaml"
+    path.write_text(text)
+    bundle = scratch / f"{recipe.stem}-{layout}"
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "convert", "build", str(recipe), "-o", str(bundle), "--no-cache"],
+    subprocess.run([sys.executable, "-m", "convert", "build", str(path), "-o", str(bundle), "--no-cache"],
                    check=True, cwd=ROOT, capture_output=True)
     return bundle, time.perf_counter() - start
 
 
-def rows_written(spec, contract: dict) -> int:
-    """Bytes the host writes after one call: the outputs its buffers are written from."""
-    outputs = {t.name: t for t in spec.outputs}
-    return sum(outputs[rule["rows"]].nbytes for rule in contract.get("buffers", {}).values())
+def call_bytes(spec, contract: dict) -> dict:
+    """What crosses one call's boundary, and what the host writes into its buffers after it (the outputs its buffers
+    are written from)."""
+    outputs = {t.name: t.nbytes for t in spec.outputs}
+    inputs = {t.name: t.nbytes for t in spec.inputs}
+    return {"call_input_bytes": sum(inputs.values()), "call_output_bytes": sum(outputs.values()),
+            "state_bytes": sum(t.nbytes for t in spec.states),
+            "host_buffer_bytes": sum(inputs.get(name, 0) for name in contract.get("buffers", {})),
+            "host_rows_written_bytes": sum(outputs.get(rule["rows"], 0)
+                                           for rule in contract.get("buffers", {}).values()),
+            "logits_bytes": outputs.get("logits", 0)}
 
 
 def measure(bundle: Path) -> dict:
@@ -60,50 +74,60 @@ def measure(bundle: Path) -> dict:
         found[fmt] = {
             "package_bytes": sum(f["size"] for f in package["files"]),
             "placement_findings": len(package["placement"]),
-            "functions": {name: {
-                "op_kinds": sorted(types[name]),
-                "op_kinds_outside_vocabulary": sorted(types[name] - VOCABULARY[fmt]),
-                "call_input_bytes": sum(t.nbytes for t in spec.inputs),
-                "call_output_bytes": sum(t.nbytes for t in spec.outputs),
-                "state_bytes": sum(t.nbytes for t in spec.states),
-                "host_rows_written_bytes": rows_written(spec, contract),
-            } for name, spec in specs.items()},
+            "functions": {name: {"op_kinds": sorted(types[name]),
+                                 "op_kinds_outside_vocabulary": sorted(types[name] - VOCABULARY[fmt]),
+                                 **call_bytes(spec, contract)} for name, spec in specs.items()},
         }
     return found
 
 
-def attention_27b(width: int) -> dict:
-    """Per call at the 27B's attention geometry: the history each call reads (a state in one layout, an input in the
-    other) and the rows a call writes (in the graph, or by the host)."""
-    g = ATTENTION_27B
-    row = 2 * g["layers"] * g["kv_heads"] * g["head_dim"] * 2  # a position's key and value rows, fp16
-    return {"width": width, "history_bytes": row * g["context"], "rows_written_bytes": row * width}
+def release_target() -> dict:
+    """Per call (decode, verify) at the release target's geometry, in each layout: computed from the functions the
+    recipe's target contract plans."""
+    recipe = load_recipe(RELEASE)
+    args = read_args(as_config(recipe.target.contract), f"{RELEASE.name}: target.contract")
+    family, computed = family_of(args), {}
+    for layout in LAYOUTS:
+        target = recipe.target.model_copy(update={"layout": layout})
+        specs = {s.name: s for s in family.function_specs(args, target)}
+        contract = family.host_contract(args, target)
+        computed[layout] = {name: call_bytes(specs[name], contract) for name in ("decode", "verify")}
+    return computed
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
-    results = {"recipe": str(RECIPE.relative_to(ROOT)), "layouts": {}}
+    results = {"fixtures": {}, "release_target": {"recipe": str(RELEASE.relative_to(ROOT))}}
     with tempfile.TemporaryDirectory(prefix="bench-layouts-") as scratch:
-        for layout in ("stateful", "ane"):
-            bundle, seconds = build(layout, Path(scratch))
-            results["layouts"][layout] = {"build_seconds": round(seconds, 1), **measure(bundle)}
-    results["attention_27b"] = {name: attention_27b(width) for name, width in (("decode", 1), ("verify", 8))}
-    for layout, formats in results["layouts"].items():
-        print(f"{layout}: build {formats['build_seconds']} s")
-        for fmt in ("coreai", "coreml"):
-            got = formats[fmt]
-            verify = got["functions"]["verify"]
-            outside = ", ".join(verify["op_kinds_outside_vocabulary"]) or "none"
-            print(f"  {fmt}: {got['package_bytes'] / 2**20:.2f} MiB, {got['placement_findings']} lint findings; "
-                  f"verify: {len(verify['op_kinds'])} op kinds ({outside} outside the vocabulary), inputs "
-                  f"{verify['call_input_bytes']:,} B, outputs "
-                  f"{verify['call_output_bytes']:,} B, states {verify['state_bytes']:,} B, host writes "
-                  f"{verify['host_rows_written_bytes']:,} B")
-    for name, got in results["attention_27b"].items():
-        print(f"27B attention layers, {name}: history {got['history_bytes'] / 2**20:.0f} MiB read per call, "
-              f"{got['rows_written_bytes'] / 2**10:.0f} KiB of rows written per call")
+        for kind, recipe in FIXTURES.items():
+            results["fixtures"][kind] = {"recipe": str(recipe.relative_to(ROOT))}
+            for layout in LAYOUTS:
+                bundle, seconds = build(recipe, layout, Path(scratch))
+                results["fixtures"][kind][layout] = {"build_seconds": round(seconds, 1), **measure(bundle)}
+    results["release_target"].update(release_target())
+    for kind, layouts in results["fixtures"].items():
+        for layout in LAYOUTS:
+            got = layouts[layout]
+            print(f"{kind} {layout}: build {got['build_seconds']} s")
+            for fmt in ("coreai", "coreml"):
+                verify = got[fmt]["functions"]["verify"]
+                outside = ", ".join(verify["op_kinds_outside_vocabulary"]) or "none"
+                print(f"  {fmt}: {got[fmt]['package_bytes'] / 2**20:.2f} MiB, {got[fmt]['placement_findings']} lint "
+                      f"findings; verify: {len(verify['op_kinds'])} op kinds ({outside} outside the vocabulary), "
+                      f"inputs {verify['call_input_bytes']:,} B, outputs {verify['call_output_bytes']:,} B, states "
+                      f"{verify['state_bytes']:,} B, host writes {verify['host_rows_written_bytes']:,} B")
+    for layout in LAYOUTS:
+        for name, got in results["release_target"][layout].items():
+            print(f"27B {layout} {name}: inputs {mib(got['call_input_bytes'])}, outputs "
+                  f"{mib(got['call_output_bytes'])} (logits {mib(got['logits_bytes'])}), states "
+                  f"{mib(got['state_bytes'])}, host buffers {mib(got['host_buffer_bytes'])}, host writes "
+                  f"{mib(got['host_rows_written_bytes'])}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 
