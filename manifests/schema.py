@@ -160,6 +160,10 @@ class HostContract(Model):
                                          "can leave (the most the next call's accept may keep)")
     positions: HostPositions | None = Field(None, description="the ane layout's position inputs the host computes")
     embedding: HostEmbedding | None = Field(None, description="the ane layout's embedding lookup the host does")
+    ladder: list[Size] = Field(
+        default_factory=list, description="the ane layout's smaller contexts: each function also exists as "
+        "<function>_<context> over that much history; the host calls the smallest whose history holds the call's "
+        "positions (first position + width at most the context) and passes it the buffers' leading rows")
     commits: dict[str, HostCommit] = Field(
         default_factory=dict, description="the ane layout's inputs the host computes from each commit count, by the "
         "count's name (accept, valid)")

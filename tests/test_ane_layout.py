@@ -174,6 +174,48 @@ def test_hybrid_ane_functions_match_the_stateful_ones(tmp_path):
         assert np.abs(state - buffers[names.get(name, name)]).max() < 1e-4, name
 
 
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_a_ladder_entry_computes_what_the_full_context_computes(tmp_path, kind):
+    """``ladder: [32]`` under context 64: the host calls the 32-row entries while a call's rows fit them (passing the
+    buffers' leading rows) and the full ones after; logits and the host's buffers equal the single-context modules'."""
+    from qwen3_5_checkpoints import write_checkpoint as write_hybrid
+
+    from convert.models import read_args
+
+    (write_checkpoint if kind == "dense" else write_hybrid)(tmp_path / "ckpt")
+    args = read_args(read_json(tmp_path / "ckpt" / "config.json"))
+    called, functions = [], {}
+    for ladder in ([], [32]):
+        target = Target(source="path:x", graphs=Graphs(prefill=16, verify=8), context=64, logits=True, layout="ane",
+                        ladder=ladder)
+        modules = build_modules(args, target, load_tensors(tmp_path / "ckpt"), torch.float32)
+        functions[len(ladder)] = ModuleFunctions(modules)
+    laddered = functions[1].modules
+    assert {"prefill_32", "decode_32", "verify_32"} <= set(laddered.functions)
+    assert laddered.contract["ladder"] == [32] and laddered.functions["verify_32"][1].width == 8
+    calls = functions[1].driven.functions
+    original = calls.call
+    calls.call = lambda name, given: called.append(name) or original(name, given)
+    widths = {"prefill": 16, "decode": 1, "verify": 8}
+    drivers = [TargetDriver(f, widths, f.modules.contract) for f in (functions[0], functions[1])]
+    ids = torch.randint(4, args.vocab_size, (48,), generator=torch.Generator().manual_seed(2)).tolist()
+    script = [("prefill", ids[0:16], 0), ("prefill", ids[16:20], 16), ("verify", ids[20:28], 20),
+              ("verify", ids[22:30], 22), ("decode", [ids[30]], 30), ("verify", ids[31:39], 31), ("decode", [7], 39)]
+    for function, tokens, p0 in script:
+        plain, rung = (d.run(function, tokens, p0) for d in drivers)
+        assert np.abs(plain["logits"] - rung["logits"]).max() < 1e-5, (function, p0)
+    assert called == ["prefill_32", "prefill_32", "verify_32", "verify_32", "decode_32", "verify", "decode"]
+    for name, buffer in functions[0].states().items():
+        assert np.abs(buffer - functions[1].states()[name]).max() < 1e-5, name
+
+
+def test_a_ladder_is_the_ane_layouts_and_lies_below_the_context():
+    for ladder, layout, message in (([32], "stateful", "ladder is the ane layout"), ([64], "ane", "ladder: 64 is not"),
+                                    ([4], "ane", "ladder: 4 is not"), ([48, 32], "ane", "smallest first")):
+        with pytest.raises(ValueError, match=message):
+            Target(source="path:x", graphs=Graphs(prefill=16, verify=8), context=64, layout=layout, ladder=ladder)
+
+
 def test_ane_rms_norm_stays_finite_in_fp16():
     """A hidden row of values near 400: their squares pass fp16's 65504, so a norm that squares them in fp16 gives
     0; the ane form divides by the row's largest magnitude first and matches the fp32 norm."""

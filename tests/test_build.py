@@ -229,10 +229,11 @@ def test_generate_on_a_dense_bundle(built, tiny_checkpoint, runtime):
 
 def test_an_ane_layout_bundle(built, tiny_checkpoint):
     """``layout: ane``: both formats build and check with no states (the host's history in, each call's rows out), no
-    lookup and no argmax (the host's), so the placement lint finds nothing (``--strict`` passes), and the bundle
-    generates the stateful bundle's ids on the Core AI runtime and in torch."""
+    lookup and no argmax (the host's), so the placement lint finds nothing (``--strict`` passes), with a ladder entry
+    at 32 rows beside the 64-row functions, and the bundle generates the stateful bundle's ids on the Core AI runtime
+    and in torch."""
     tmp, stateful = built
-    code, output = build(tmp, tiny_checkpoint, "ane", "  layout: ane\n", "--strict")
+    code, output = build(tmp, tiny_checkpoint, "ane", "  layout: ane\n  ladder: [32]\n", "--strict")
     assert code == 0, output
     assert "key_history [3, 2, 64, 24] float16: 18.00 KiB" in output and "host buffers: 0.0 MiB in all" in output
     bundle = tmp / "ane"
@@ -240,6 +241,11 @@ def test_an_ane_layout_bundle(built, tiny_checkpoint):
     jsonschema.validate(m, json_schema())
     assert set(m["host_contract"]["buffers"]) == {"key_history", "value_history"}
     verify = next(f for f in m["functions"] if f["name"] == "verify")
+    assert [f["name"] for f in m["functions"]] == ["prefill", "decode", "verify", "prefill_32", "decode_32",
+                                                   "verify_32"]  # the ladder's entries: 32 rows of history
+    assert m["host_contract"]["ladder"] == [32]
+    rung = next(f for f in m["functions"] if f["name"] == "verify_32")
+    assert {"name": "key_history", "shape": [3, 2, 32, 24], "dtype": "float16"} in rung["inputs"]
     assert [t["name"] for t in verify["inputs"]] == ["hidden_states", "rope_cos", "rope_sin", "history_mask",
                                                      "key_history", "value_history"]
     assert [t["name"] for t in verify["outputs"]] == ["taps", "logits", "key_rows", "value_rows"]

@@ -230,7 +230,7 @@ def changed(value):
         return value + 1
     if isinstance(value, str):
         return SWAPS.get(value, value + "-other")
-    return value + value[-1:]  # a list: one more item of the same kind
+    return value + value[-1:] if value else [1]  # a list: one more item of the same kind (or one, e.g. a ladder)
 
 
 def light_copy(target: Path, to: Path) -> Path:

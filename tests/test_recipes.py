@@ -105,6 +105,35 @@ def test_release_targets_plan_the_hybrid_functions_and_states(recipe):
     assert f"pending_qkv [48, {verify}, 10240] float16" in out and f"pending_ba [48, {verify}, 96] float16" in out
 
 
+def test_the_27b_target_plans_the_ane_layout_with_its_ladder(tmp_path):
+    """dflash2_27b's target alone in the ane layout at forge's largest context, with a ladder: every entry's history,
+    the host's buffers and table, head parts within the ANE's 65,536 rows, and no lint finding in the planned shapes
+    (the stateful plan's states are findings)."""
+    text = (RECIPES / "dflash2_27b.yaml").read_text()
+    target = text[: text.index("\ndrafter:")] + "\n"
+    assert "  context: 8192\n" in target
+    recipe = tmp_path / "ane.yaml"
+    recipe.write_text(target.replace("  context: 8192\n", "  context: 65472\n  layout: ane\n"
+                                                          "  ladder: [8192, 16384, 32768]\n"))
+    result = dry_run(recipe)
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "rollback: spec-convert/commit-next-call-host-buffers v1" in out
+    for rung in (8192, 16384, 32768):
+        assert f"verify_{rung} inputs: hidden_states [1, 8, 5120] float16" in out
+        assert f"key_history [16, 4, {rung}, 256] float16, value_history [16, 4, {rung}, 256] float16" in out
+    assert "key_history [16, 4, 65472, 256] float16: 2.00 GiB" in out
+    assert "recurrent_state [48, 48, 128, 128] float16: 72.00 MiB" in out
+    assert "host buffers: 4174.4 MiB in all" in out and "host embedding table: [248320, 5120] fp16, 2425.0 MiB" in out
+    assert "ladder: entries at 8,192, 16,384, 32,768 beside 65,472 positions" in out
+    assert "layers-0-5: the host's embedding table (not packaged), layers 0..5, taps [5]" in out
+    assert "head-1of4: norm + lm_head rows 0..62079" in out and "head-4of4: norm + lm_head rows 186240..248319" in out
+    assert "placement lint of the planned shapes: no finding" in out
+    stateful = tmp_path / "stateful.yaml"
+    stateful.write_text(target)
+    assert "placement lint of the planned shapes: 30 findings" in " ".join(dry_run(stateful).output.split())
+
+
 def test_qwen3_mtp_27b_plans_from_its_contract():
     result = dry_run(RECIPES / "qwen3_mtp_27b.yaml")
     assert result.exit_code == 0, result.output

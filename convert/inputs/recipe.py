@@ -225,6 +225,10 @@ class Target(Strict):
         "stateful", description="stateful: the packages keep the KV caches as states (the GPU path, as Apple's own "
         "exports); ane: no states, the host owns the history and writes each call's rows, activations channels first "
         "with 1x1 convolutions (the Neural Engine's layout, as anemll-forge ships; README \"Layouts\")")
+    ladder: list[int] = Field(
+        default_factory=list, description="layout ane: smaller contexts whose prefill / decode / verify the package "
+        "also holds (named prefill_<context> ...; the same weights), each below context; the host calls the smallest "
+        "that holds a call's rows and passes that much history (forge ships an entry per context; README \"Layouts\")")
     taps: list[int] | None = Field(None, description="layers whose outputs are returned, in this order (0-based)")
     logits: bool = Field(False, description="also return full [1,S,vocab] logits from every function")
     hidden: bool = Field(
@@ -264,6 +268,14 @@ class Target(Strict):
         widest = max(self.graphs.prefill, self.graphs.verify)
         if self.context < widest:
             raise ValueError(f"context {self.context} is smaller than the widest function ({widest} tokens)")
+        if self.ladder and self.layout != "ane":
+            raise ValueError("ladder is the ane layout's (its host passes the history): set layout ane or drop it")
+        for rung in self.ladder:
+            if not widest <= rung < self.context:
+                raise ValueError(f"ladder: {rung} is not between the widest function ({widest} tokens) and the "
+                                 f"context ({self.context}, the largest entry's)")
+        if self.ladder != sorted(set(self.ladder)):
+            raise ValueError(f"ladder: {quote(self.ladder, ECHO_LIMIT)}: list each context once, smallest first")
         return self
 
 

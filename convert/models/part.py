@@ -4,13 +4,14 @@ these; how a target is cut into parts is ``convert/pipeline/partition.py``'s."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from convert.export.ane import pointwise, rms_norm, rows_of
-from convert.export.spec import TensorSpec
+from convert.export.spec import FunctionSpec, TensorSpec
 
 HIDDEN_OUT = "hidden_states_out"  # a part's rows for the next part (Core ML refuses one name for an input and output)
 
@@ -194,6 +195,22 @@ def part_tensors(args, target, part: Part, width: int, dtype: str) -> tuple[tupl
     if part.head is not None and (target.logits or ane):
         outputs.append(TensorSpec("logits", (1, width, part.head[1] - part.head[0]), dtype))
     return tuple(inputs), tuple(outputs)
+
+
+def with_ladder(target, specs_at) -> list[FunctionSpec]:
+    """The functions at ``target.context`` and, for each context of its ladder (the ane layout's), the same functions
+    at that context named ``<function>_<context>`` (``specs_at(target)``: a family's specs at a target's context);
+    a function whose shapes do not depend on the context (a part without attention layers) is not repeated."""
+    specs = specs_at(target)
+    for rung in target.ladder:
+        smaller = specs_at(target.model_copy(update={"context": rung, "ladder": []}))
+        specs += [dataclasses.replace(s, name=rung_name(s.name, rung))
+                  for s, top in zip(smaller, specs, strict=False) if s != top]
+    return specs
+
+
+def rung_name(function: str, context: int) -> str:
+    return f"{function}_{context}"
 
 
 def function_widths(target) -> tuple[tuple[str, int], ...]:

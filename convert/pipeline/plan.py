@@ -36,6 +36,7 @@ from convert.pipeline.partition import (
     plan_parts,
     shipped_line,
 )
+from convert.verify import placement
 from convert.weights.quantize import estimate_lines, kept_modules
 from convert.weights.target import function_specs
 
@@ -195,16 +196,39 @@ def host_buffer_names(args, target) -> tuple[str, ...]:
     return tuple(family_of(args).host_contract(args, target).get("buffers", {}))
 
 
-def host_buffer_lines(specs: list[FunctionSpec], owned: tuple[str, ...], args) -> list[str]:
-    """The host's buffers in all (the ane layout: the memory a runtime holds beside the package for a session) and
-    the embedding table it looks rows up in (once for every session)."""
+def host_buffer_lines(specs: list[FunctionSpec], owned: tuple[str, ...], args, target) -> list[str]:
+    """The host's buffers in all (the ane layout: the memory a runtime holds beside the package for a session), the
+    embedding table it looks rows up in (once for every session) and the ladder's entries."""
     if not owned:
         return []
     table = 2 * args.vocab_size * args.hidden_size
-    return [f"  host buffers: {buffer_bytes(specs, owned) / 2**20:.1f} MiB in all, owned and written by the host "
-            "(layout ane)",
-            f"  host embedding table: [{args.vocab_size}, {args.hidden_size}] fp16, {table / 2**20:.1f} MiB "
-            "(embeddings.safetensors: the host looks up each call's rows in it)"]
+    lines = [f"  host buffers: {buffer_bytes(specs, owned) / 2**20:.1f} MiB in all, owned and written by the host "
+             "(layout ane)",
+             f"  host embedding table: [{args.vocab_size}, {args.hidden_size}] fp16, {table / 2**20:.1f} MiB "
+             "(embeddings.safetensors: the host looks up each call's rows in it)"]
+    if target.ladder:
+        lines.append(f"  ladder: entries at {', '.join(f'{c:,}' for c in target.ladder)} beside {target.context:,} "
+                     "positions; the host calls the smallest that holds a call's rows, with that much history")
+    return lines
+
+
+def placement_lines(args, target, parts: list[Part]) -> list[str]:
+    """What the placement lint (``convert/verify/placement.py``) finds in the planned functions' shapes, dtypes and
+    states, part by part; their ops are linted once packaged (``build`` prints those findings)."""
+    family = family_of(args)
+    positional = placement.positional_buffers(family.host_contract(args, target))
+    findings = []
+    for part in parts:
+        specs = family.function_specs(args, target, torch.float16, None if part.is_whole else part)
+        where = "" if part.is_whole else f"{part.name} "
+        findings += [where + f for f in placement.lint("coreai", {s.name: s for s in specs}, {}, positional)]
+    shown = [f"    {finding}" for finding in findings[:PLAN_FINDINGS]]
+    more = [f"    ... and {len(findings) - PLAN_FINDINGS} more"] if len(findings) > PLAN_FINDINGS else []
+    count = f"{len(findings)} findings" if findings else "no finding"
+    return [f"  placement lint of the planned shapes: {count} (the ops are linted when packaged)", *shown, *more]
+
+
+PLAN_FINDINGS = 6  # the plan shows this many of the lint's findings
 
 
 def describe_plan(plan: Plan) -> list[str]:
@@ -222,7 +246,8 @@ def describe_plan(plan: Plan) -> list[str]:
         *plan_lines(args, recipe.target, plan.parts),
         *(rotation_lines(args, recipe.target, pack_block(plan.snapshot.packed)) if plan.snapshot.packed else []),
         f"  states: {plan.state_bytes / mib:.1f} MiB in all",
-        *host_buffer_lines(plan.specs, plan.host_buffers, args),
+        *host_buffer_lines(plan.specs, plan.host_buffers, args, recipe.target),
+        *placement_lines(args, recipe.target, plan.parts),
         *estimate_lines(args, recipe.target),
         memory_line(recipe.target, plan.peak_memory_bytes),
         *([f"  estimated drafter stage: {plan.drafter_stage_bytes / 1e9:.1f} GB ({_drafter_stage_parts(plan)})"]
@@ -339,7 +364,8 @@ def _target_lines(pinned: dict, target, backends: list[str], where: str) -> tupl
         if target.quantization.method == "exact" else []
     return [*family.plan_lines(args, target), "  functions:", *function_lines(specs, owned),
             *size_lines(args.parameter_count, backends), shipped_line(args, target), *plan_lines(args, target, parts),
-            *rotations, f"  states: {total:.1f} MiB in all", *host_buffer_lines(specs, owned, args),
+            *rotations, f"  states: {total:.1f} MiB in all", *host_buffer_lines(specs, owned, args, target),
+            *placement_lines(args, target, parts),
             *estimate_lines(args, target)], (args, specs, parts)
 
 

@@ -32,6 +32,7 @@ import torch
 from convert.errors import InputError
 from convert.export.ane import history_mask_row, rope_rows
 from convert.export.quantized import embedding_rows
+from convert.models.part import rung_name
 
 COMMIT = "commit-next-call"
 
@@ -142,7 +143,11 @@ class HostOwned:
         self.embedded = embedding.get("input") if embedding.get("input") in inputs else None
         self.commits = {count: names for count, names in contract.get("commits", {}).items() if names["mask"] in inputs}
         self.argmax = contract.get("argmax") == "host"
-        self.buffers = {name: np.zeros(inputs[name].shape, dtype=inputs[name].dtype) for name in self.rules}
+        self.ladder = contract.get("ladder", [])
+        self.buffers = {}  # each as large as the largest function takes it (a ladder's entries take leading rows)
+        for name in self.rules:
+            shapes = [t.shape for spec in specs.values() for t in spec.inputs if t.name == name]
+            self.buffers[name] = np.zeros(max(shapes, key=np.prod), dtype=inputs[name].dtype)
 
     def reset(self) -> None:
         self.functions.reset()
@@ -154,9 +159,16 @@ class HostOwned:
 
     def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``inputs`` as a driver gives them (``input_ids`` and ``position_ids`` included); the package gets what its
-        function takes."""
+        function takes (the smallest entry of the ladder that holds the call, with that much of the buffers)."""
+        function = self.rung(function, inputs)
         spec = self.specs[function]
         given = {**inputs, **self.buffers}
+        for name, rule in self.rules.items():
+            wanted = next((t.shape for t in spec.inputs if t.name == name), None)
+            if wanted is not None and wanted != self.buffers[name].shape:  # a smaller entry: the leading rows
+                index = [slice(None)] * len(wanted)
+                index[rule["axis"]] = slice(0, wanted[rule["axis"]])
+                given[name] = np.ascontiguousarray(self.buffers[name][tuple(index)])
         if "position_ids" in inputs:
             where = np.asarray(inputs["position_ids"]).reshape(-1).astype(np.int64)
             if self.positions:
@@ -179,6 +191,15 @@ class HostOwned:
                 out["argmax_ids"] += self.split_head[0]
                 out["max_logit"] = logits.max(-1)
         return out
+
+    def rung(self, function: str, inputs: dict[str, np.ndarray]) -> str:
+        """The entry of ``function`` to call (``contract["ladder"]``): the one at the smallest context whose history
+        holds the call's rows (its first position plus its width at most the context), else ``function`` itself."""
+        if not self.ladder or "position_ids" not in inputs:
+            return function
+        first, width = int(np.asarray(inputs["position_ids"]).reshape(-1)[0]), self.specs[function].width
+        return next((rung_name(function, c) for c in self.ladder
+                     if rung_name(function, c) in self.specs and first + width <= c), function)
 
     def embedded_rows(self, ids: np.ndarray) -> np.ndarray:
         """The host's lookup: the rows [1, S, hidden] of ``ids`` [1, S]."""

@@ -95,7 +95,7 @@ def packaged(named: dict, core) -> dict:
 def _placement(name: str, specs: list[FunctionSpec], types: dict[str, set[str]], contract: dict) -> dict:
     """The placement lint's findings (``convert/verify/placement.py``), under ``placement`` (a list: the manifest
     keeps it beside the check's numbers, ``record.package_entry``)."""
-    findings = placement.lint(name, {s.name: s for s in specs}, types, tuple(contract.get("buffers", {})))
+    findings = placement.lint(name, {s.name: s for s in specs}, types, placement.positional_buffers(contract))
     return {placement.PLACEMENT: findings}
 
 

@@ -55,6 +55,13 @@ _WHY = {  # what an op outside the vocabulary usually is here, by a word of its 
 }
 
 
+def positional_buffers(contract: dict) -> tuple[str, ...]:
+    """The host buffers written at the call's positions (an attention history: its rows and the call's are one
+    attention axis, which ``lint`` checks); a hybrid's state buffers are not."""
+    return tuple(name for name, rule in contract.get("buffers", {}).items()
+                 if rule.get("write", "positions") == "positions")
+
+
 def lint(fmt: str, specs: dict[str, FunctionSpec], op_types: dict[str, set[str]],
          host_buffers: tuple[str, ...] = ()) -> list[str]:
     """Findings for a ``fmt`` package with these functions' ``specs`` and ``op_types`` (the format's op names, by

@@ -8,7 +8,7 @@ from torch import nn
 
 from convert.export import functions as export
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
-from convert.models.part import Part, function_widths, part_tensors
+from convert.models.part import Part, function_widths, part_tensors, with_ladder
 from convert.models.qwen3.ane import Qwen3AneCore
 from convert.models.qwen3.config import ANE_HOST_CONTRACT, FAMILY, HISTORY, HOST_CONTRACT, STATE_NAMES, Qwen3Args
 from convert.models.qwen3.core import Qwen3Core
@@ -24,8 +24,12 @@ def build_core(args: Qwen3Args, target, part: Part | None = None) -> Qwen3Core:
 def function_specs(args: Qwen3Args, target, dtype: torch.dtype = torch.float16,
                    part: Part | None = None) -> list[FunctionSpec]:
     """prefill / decode / verify: same inputs (``input_ids``, ``position_ids``), states and outputs, each at its
-    own static width S; a part's take and return what it needs (``convert/pipeline/partition.py``)."""
-    part = part or Part.whole(args)
+    own static width S; a part's take and return what it needs (``convert/pipeline/partition.py``); and the same at
+    each context of the ane layout's ladder (``with_ladder``)."""
+    return with_ladder(target, lambda at: _specs_at(args, at, dtype, part or Part.whole(args)))
+
+
+def _specs_at(args: Qwen3Args, target, dtype: torch.dtype, part: Part) -> list[FunctionSpec]:
     fdtype = DTYPE_NAMES[dtype]
     layers = len(part.layer_indices)
     cache = (layers, args.num_key_value_heads, target.context, args.head_dim)
@@ -49,7 +53,8 @@ def function_specs(args: Qwen3Args, target, dtype: torch.dtype = torch.float16,
 def host_contract(args: Qwen3Args, target) -> dict:
     if target.layout != "ane":
         return HOST_CONTRACT
-    return {**ANE_HOST_CONTRACT, "positions": {"rope_theta": args.rope_theta, "rotary_dim": args.head_dim}}
+    return {**ANE_HOST_CONTRACT, "positions": {"rope_theta": args.rope_theta, "rotary_dim": args.head_dim},
+            "ladder": list(target.ladder)}
 
 
 def architecture_record(args: Qwen3Args, target) -> dict:

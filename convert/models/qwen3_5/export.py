@@ -10,7 +10,7 @@ from torch import nn
 
 from convert.export.functions import NamedFunction
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
-from convert.models.part import Part, function_widths, part_tensors
+from convert.models.part import Part, function_widths, part_tensors, with_ladder
 from convert.models.qwen3 import export as qwen3
 from convert.models.qwen3_5.ane import ATTENTION_ROWS, GDN_NEXT, GDN_PENDING, Qwen35AneCore
 from convert.models.qwen3_5.config import (
@@ -44,8 +44,12 @@ def function_specs(args: Qwen35Args, target, dtype: torch.dtype = torch.float16,
                    part: Part | None = None) -> list[FunctionSpec]:
     """prefill / decode / verify over the same states; every function with layers takes ``accept``, prefill also
     ``valid``; a part's take and return what it needs (``convert/pipeline/partition.py``). The ane layout's take
-    the host's buffers and computed inputs instead (``ane_tensors``)."""
-    part = part or Part.whole(args)
+    the host's buffers and computed inputs instead (``ane_tensors``), and are repeated at each context of its ladder
+    (``with_ladder``)."""
+    return with_ladder(target, lambda at: _specs_at(args, at, dtype, part or Part.whole(args)))
+
+
+def _specs_at(args: Qwen35Args, target, dtype: torch.dtype, part: Part) -> list[FunctionSpec]:
     fdtype = DTYPE_NAMES[dtype]
     ane = target.layout == "ane"
     states = () if ane else state_specs(args, target.context, pending_rows(target), fdtype, part.layer_indices)
@@ -99,10 +103,10 @@ def host_contract(args: Qwen35Args, target) -> dict:
     are committed, or dropped, by the next call's ``accept``; in the ane layout the host also owns the buffers
     (``ane_contract``)."""
     contract = commit_contract(target)
-    return ane_contract(args, contract) if target.layout == "ane" else contract
+    return ane_contract(args, target, contract) if target.layout == "ane" else contract
 
 
-def ane_contract(args: Qwen35Args, contract: dict) -> dict:
+def ane_contract(args: Qwen35Args, target, contract: dict) -> dict:
     """The commit-next-call contract with the ane layout's host work: every buffer, the positions, the commit inputs,
     the embedding lookup and the argmax (README "Layouts")."""
     return {
@@ -127,6 +131,7 @@ def ane_contract(args: Qwen35Args, contract: dict) -> dict:
             "pending_ba": "their [b | a] rows [GDN layers, pending, 2 x value heads]",
         },
         "positions": {"rope_theta": args.rope_theta, "rotary_dim": args.rotary_dim},
+        "ladder": list(target.ladder),
         "buffers": {**{buffer: {"rows": rows, "axis": 2} for buffer, rows in ATTENTION_ROWS.items()},
                     **{buffer: {"rows": rows, "axis": 0, "write": "whole"} for buffer, rows in GDN_NEXT.items()},
                     **{buffer: {"rows": rows, "axis": 1, "write": "leading"} for buffer, rows in GDN_PENDING.items()}},
