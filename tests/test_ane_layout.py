@@ -216,6 +216,21 @@ def test_a_ladder_is_the_ane_layouts_and_lies_below_the_context():
             Target(source="path:x", graphs=Graphs(prefill=16, verify=8), context=64, layout=layout, ladder=ladder)
 
 
+def test_the_economics_count_the_host_buffers_as_states(tmp_path):
+    """What a call reads (``accept``'s cost model): in the ane layout the host's buffers the call takes are its states'
+    bytes (the history a stateful call reads from its states)."""
+    from convert.runtime.economics import MeteredFunctions
+
+    modules, log = _modules(tmp_path, "ane"), []
+    driver = TargetDriver(MeteredFunctions(modules, modules, "target", log), modules.widths, modules.contract)
+    driver.prefill(list(range(5, 25)))
+    driver.run("verify", list(range(30, 38)), 20)
+    history = sum(t.nbytes for t in modules.functions["verify"][1].inputs if t.name in ("key_history", "value_history"))
+    assert [(side, function, read["states"]) for side, function, read in log] == [
+        ("target", "prefill", history), ("target", "prefill", history), ("target", "verify", history)]
+    assert all(read["weights"] > 0 for _, _, read in log)
+
+
 def test_ane_rms_norm_stays_finite_in_fp16():
     """A hidden row of values near 400: their squares pass fp16's 65504, so a norm that squares them in fp16 gives
     0; the ane form divides by the row's largest magnitude first and matches the fp32 norm."""
@@ -230,12 +245,6 @@ def test_ane_rms_norm_stays_finite_in_fp16():
     assert (got - want).abs().max() / want.abs().max() < 2e-3
 
 
-def test_a_pair_refuses_the_ane_layout():
-    from convert.inputs.recipe import Recipe
-
-    with pytest.raises(ValueError, match="drafters' ane functions"):
-        Recipe.model_validate({"name": "x", "target": {"source": "path:x", "layout": "ane"},
-                               "drafter": {"kind": "mtp"}})
 
 
 def test_the_placement_lint_names_states_ops_dtypes_and_dims():

@@ -250,3 +250,41 @@ def test_a_quantized_drafter_that_loses_acceptance_is_refused():
                                                        "kind": "real_flip"})
     with pytest.raises(GateError, match="not lossless: at output offset 0 it produced 3 where plain greedy"):
         raise_if_lossy(speculative.acceptance_stats([run], WIDTH), [run])
+
+
+def test_an_ane_target_decodes_speculatively_as_the_stateful_one(tmp_path):
+    """A DFlash2 drafter (stateful) and prompt lookup with the target in either layout: the ane target's taps, ids and
+    rollbacks through the host give the same rounds, the same accepted drafts and the same output, which equals plain
+    greedy decoding."""
+    from dflash2_checkpoints import random_reference, tiny_config
+
+    from convert.models import dflash2
+
+    taps = [2, 0, 1]
+    write_checkpoint(tmp_path / "t", hidden_size=64, num_hidden_layers=4)
+    args = Qwen3Args.from_config(read_json(tmp_path / "t" / "config.json"))
+    tensors = load_tensors(tmp_path / "t")
+    config = tiny_config(vocab_size=4096, dflash_config={
+        "target_layer_ids": taps, "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2, "conv_group_size": 16,
+        "selector_rank": 16, "selector_top_k": 8})
+    reference = random_reference(config, seed=2)
+    embed, lm_head = tensors["model.embed_tokens.weight"], tensors["lm_head.weight"]
+    prompt = torch.randint(4, 4000, (21,), generator=torch.Generator().manual_seed(5)).tolist()
+    runs = {}
+    for layout in ("stateful", "ane"):
+        target = Target(source="path:x", graphs=Graphs(prefill=16, verify=8), context=96, taps=taps, layout=layout)
+        driver = module_driver(build_modules(args, target, tensors, torch.float32))
+        drafter_modules = dflash2.build_modules(dflash2.DFlash2Args.from_config(config), reference.drafter_state(),
+                                                lm_head, embed[3], torch.float32, max_positions=96, ring_rows=64,
+                                                update_width=16, append_width=8)
+        drafter = speculative.DFlash2Driver(ModuleFunctions(drafter_modules), drafter_modules.widths, embed.numpy())
+        run, _ = speculative.speculate("dflash2", driver, drafter, prompt, 40)
+        lookup, _ = speculative.speculate("ngram", driver, speculative.NGramDrafter(), prompt, 60)
+        runs[layout] = (run, lookup, driver.greedy(prompt, 60)[0])
+    (stateful, stateful_lookup, greedy), (ane, ane_lookup, ane_greedy) = runs["stateful"], runs["ane"]
+    assert ane.output == stateful.output == greedy[:40] and ane_lookup.output == stateful_lookup.output == greedy
+    assert ane_greedy == greedy
+    for a, b in ((ane, stateful), (ane_lookup, stateful_lookup)):
+        assert [(r.proposal, r.accepted) for r in a.rounds] == [(r.proposal, r.accepted) for r in b.rounds]
+    # prompt lookup's drafts are partly accepted at times: the ane target rolled back through its host buffers
+    assert sum(0 < r.accepted < len(r.proposal) for r in ane_lookup.rounds) >= 3

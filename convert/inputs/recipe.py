@@ -366,10 +366,6 @@ class Recipe(Strict):
             )
         if drafter.kind == "mtp" and self.target.graphs.verify < 2:
             raise ValueError("an MTP drafter needs target.graphs.verify >= 2 (the bonus token and one draft)")
-        if self.target.layout == "ane":
-            raise ValueError("target.layout ane is built for a target alone so far: the drafters' ane functions (the "
-                             "DFlash2 ring and the MTP head as host buffers) are not exported yet; build the pair with "
-                             "layout stateful")
         return self
 
 

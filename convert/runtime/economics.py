@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from convert.export.quantized import CodesLinear, QuantizedLinear
 from convert.export.spec import size_text
-from convert.runtime.host import ModuleFunctions
+from convert.runtime.host import HostOwned, ModuleFunctions
 
 _GATHERS = {torch.ops.aten.embedding.default, torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default}
 _STATE_BYTES = {"float16": 2, "float32": 4, "int32": 4}
@@ -192,7 +192,10 @@ class MeteredFunctions(ModuleFunctions):
     def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         with _ReadMeter(self.priced) as meter:
             out = super().call(function, inputs)
-        self.log.append((self.side, function, meter.bytes_read()))
+        read = meter.bytes_read()
+        if isinstance(self.driven, HostOwned):  # the ane layout: the host's buffers are what the states would be
+            read["states"] += self.driven.buffer_bytes_read
+        self.log.append((self.side, function, read))
         return out
 
 

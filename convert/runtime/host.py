@@ -144,6 +144,7 @@ class HostOwned:
         self.commits = {count: names for count, names in contract.get("commits", {}).items() if names["mask"] in inputs}
         self.argmax = contract.get("argmax") == "host"
         self.ladder = contract.get("ladder", [])
+        self.buffer_bytes_read = 0  # the host buffers the last call took (what a package's states would be)
         self.buffers = {}  # each as large as the largest function takes it (a ladder's entries take leading rows)
         for name in self.rules:
             shapes = [t.shape for spec in specs.values() for t in spec.inputs if t.name == name]
@@ -179,7 +180,9 @@ class HostOwned:
         for count, names in self.commits.items():
             if count in inputs:
                 given.update(commit_inputs(spec, names, int(np.asarray(inputs[count]).reshape(-1)[0])))
-        out = dict(self.functions.call(function, {t.name: given[t.name] for t in spec.inputs}))
+        taken = {t.name: given[t.name] for t in spec.inputs}
+        self.buffer_bytes_read = sum(taken[name].nbytes for name in self.rules if name in taken)
+        out = dict(self.functions.call(function, taken))
         for name, rule in self.rules.items():
             rows = out.pop(rule["rows"], None)
             if rows is not None:
