@@ -124,10 +124,12 @@ class HostOwned:
     the contract names, taken out of what the call returns) are written into it at the call's positions; the inputs
     the host computes from the positions (``contract["positions"]``: RoPE's rows, the history mask) are passed in
     place of ``position_ids``; the embedding rows of the call's ids (``contract["embedding"]``) in place of
-    ``input_ids`` where the package takes them and the caller passed none; and, with ``contract["argmax"]`` ``host``,
-    the head's ``logits`` are reduced to ``argmax_ids`` (and ``max_logit``) as a package with its own argmax returns
-    them. ``reset`` zeros the buffers and ``states`` returns them, so a driver sees what a package with states shows:
-    after each call the buffers hold what its states would hold."""
+    ``input_ids`` where the package takes them and the caller passed none; a hybrid's commit masks and selections
+    from ``accept`` / ``valid`` (``contract["commits"]``); and, with ``contract["argmax"]`` ``host``, the head's
+    ``logits`` are reduced to ``argmax_ids`` (and ``max_logit``) as a package with its own argmax returns them. With
+    a ``contract["ladder"]`` a call goes to the smallest entry that holds it (``rung``). ``reset`` zeros the buffers
+    and ``states`` returns them, so a driver sees what a package with states shows: after each call the buffers hold
+    what its states would hold."""
 
     def __init__(self, functions: Functions, specs: dict, contract: dict, lookup=None,
                  split_head: tuple[int, int] | None = None):
@@ -159,34 +161,18 @@ class HostOwned:
         return dict(self.buffers)
 
     def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``inputs`` as a driver gives them (``input_ids`` and ``position_ids`` included); the package gets what its
-        function takes (the smallest entry of the ladder that holds the call, with that much of the buffers)."""
+        """``inputs`` as a driver gives them (``input_ids``, ``position_ids``, a hybrid's ``accept`` / ``valid``); the
+        package gets what its function takes (the smallest entry of the ladder that holds the call)."""
         function = self.rung(function, inputs)
         spec = self.specs[function]
-        given = {**inputs, **self.buffers}
-        for name, rule in self.rules.items():
-            wanted = next((t.shape for t in spec.inputs if t.name == name), None)
-            if wanted is not None and wanted != self.buffers[name].shape:  # a smaller entry: the leading rows
-                index = [slice(None)] * len(wanted)
-                index[rule["axis"]] = slice(0, wanted[rule["axis"]])
-                given[name] = np.ascontiguousarray(self.buffers[name][tuple(index)])
-        if "position_ids" in inputs:
-            where = np.asarray(inputs["position_ids"]).reshape(-1).astype(np.int64)
-            if self.positions:
-                given.update(self.position_inputs(spec, where))
-        if self.embedded and given.get(self.embedded) is None:
-            dtype = next(t.dtype for t in spec.inputs if t.name == self.embedded)
-            given[self.embedded] = self.embedded_rows(np.asarray(inputs["input_ids"])).astype(dtype)
-        for count, names in self.commits.items():
-            if count in inputs:
-                given.update(commit_inputs(spec, names, int(np.asarray(inputs[count]).reshape(-1)[0])))
-        taken = {t.name: given[t.name] for t in spec.inputs}
+        where = np.asarray(inputs["position_ids"]).reshape(-1).astype(np.int64) if "position_ids" in inputs else None
+        taken = self.package_inputs(spec, inputs, where)
         self.buffer_bytes_read = sum(taken[name].nbytes for name in self.rules if name in taken)
         out = dict(self.functions.call(function, taken))
         for name, rule in self.rules.items():
             rows = out.pop(rule["rows"], None)
             if rows is not None:
-                write(self.buffers[name], np.asarray(rows), rule, where if "position_ids" in inputs else None)
+                write(self.buffers[name], np.asarray(rows), rule, where)
         if self.argmax and "logits" in out:
             logits = np.asarray(out["logits"])  # argmax: the first of equal maxima, as the packages' own argmax
             out["argmax_ids"] = logits.argmax(-1).astype(np.int32)
@@ -194,6 +180,26 @@ class HostOwned:
                 out["argmax_ids"] += self.split_head[0]
                 out["max_logit"] = logits.max(-1)
         return out
+
+    def package_inputs(self, spec, inputs: dict[str, np.ndarray], where: np.ndarray | None) -> dict[str, np.ndarray]:
+        """What ``spec``'s function takes: the caller's inputs, the buffers (a smaller ladder entry's: their leading
+        rows), and what the host computes from the positions, the ids and the commit counts."""
+        given = {**inputs, **self.buffers}
+        for name, rule in self.rules.items():
+            wanted = next((t.shape for t in spec.inputs if t.name == name), None)
+            if wanted is not None and wanted != self.buffers[name].shape:
+                index = [slice(None)] * len(wanted)
+                index[rule["axis"]] = slice(0, wanted[rule["axis"]])
+                given[name] = np.ascontiguousarray(self.buffers[name][tuple(index)])
+        if self.positions and where is not None:
+            given.update(self.position_inputs(spec, where))
+        if self.embedded and given.get(self.embedded) is None:
+            dtype = next(t.dtype for t in spec.inputs if t.name == self.embedded)
+            given[self.embedded] = self.embedded_rows(np.asarray(inputs["input_ids"])).astype(dtype)
+        for count, names in self.commits.items():
+            if count in inputs:
+                given.update(commit_inputs(spec, names, int(np.asarray(inputs[count]).reshape(-1)[0])))
+        return {t.name: given[t.name] for t in spec.inputs}
 
     def rung(self, function: str, inputs: dict[str, np.ndarray]) -> str:
         """The entry of ``function`` to call (``contract["ladder"]``): the one at the smallest context whose history
