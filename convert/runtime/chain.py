@@ -9,7 +9,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file
+from safetensors import safe_open
 
 from convert import backends
 from convert.errors import InputError
@@ -113,14 +113,15 @@ def coreai_target(folder: Path, manifest) -> Iterator[object]:
 
 
 def bundle_lookup(folder: Path, contract: dict):
-    """The host's embedding lookup in the bundle's table (``contract["embedding"]["file"]``; None without one)."""
+    """The host's embedding lookup in the bundle's table (``contract["embedding"]["file"]``; None without one), read a
+    row at a time from the file (``table_lookup``)."""
     if not contract.get("embedding"):
         return None
     path = folder / contract["embedding"]["file"]
     if not path.is_file():
         raise InputError(f"{path}: missing; the target's host contract looks its embedding rows up in it (rebuild "
                          "the bundle)")
-    return table_lookup(load_file(str(path))["weight"])
+    return table_lookup(safe_open(str(path), framework="np").get_slice("weight"))
 
 
 @contextmanager

@@ -275,9 +275,10 @@ def host_owned(functions: Functions, specs: dict, contract: dict, lookup=None,
     return owned if owned.rules or owned.positions or owned.embedded or owned.commits or host_argmax else functions
 
 
-def table_lookup(table: np.ndarray):
-    """The lookup of ``ids`` in a table of rows (a bundle's embeddings.safetensors)."""
-    return lambda ids: table[ids]
+def table_lookup(table):
+    """The lookup of ``ids`` in a table of rows read a row at a time: an array, or a bundle's embeddings.safetensors
+    opened lazily (``safe_open(...).get_slice``: a 27B table is 2.4 GiB, a call reads S rows of it)."""
+    return lambda ids: np.concatenate([table[i : i + 1] for i in ids.tolist()])
 
 
 def module_lookup(core):
