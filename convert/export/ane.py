@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from convert.export.quantized import QuantizedLinear
+from manifests.identity import EMBEDDINGS_FILE
 
 SMALLEST_PEAK = 2.0**-14  # fp16's smallest normal: an all-zero row is divided by this, not by 0
 MASKED = -1e4  # a masked score: exp underflows to 0 in fp16 and fp32, and the sum of a few cannot overflow fp16
@@ -27,6 +28,14 @@ def rope_rows(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[t
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     angles = positions.to(torch.int64).float()[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
+
+
+def host_work(rope_theta: float, rotary_dim: int, ladder) -> dict:
+    """What every family's ane host contract adds for the host to do (``manifests.schema.HostContract``): the position
+    inputs (``rope_rows``, ``history_mask_row``), the ladder's entries, the embedding lookup in the bundle's table and
+    the argmax of the logits."""
+    return {"positions": {"rope_theta": rope_theta, "rotary_dim": rotary_dim}, "ladder": list(ladder),
+            "embedding": {"input": "hidden_states", "file": EMBEDDINGS_FILE}, "argmax": "host"}
 
 
 def channels_first(rows: torch.Tensor) -> torch.Tensor:
@@ -61,13 +70,19 @@ def rms_norm(norm: nn.Module, x: torch.Tensor, dim: int = 1, eps: float | None =
     magnitude first, so their squares stay within 1 (a hidden row of values near 300 has squares past fp16's 65504),
     and ``eps`` (``norm.eps`` unless given) is divided by that magnitude's square with them (the same quotient; as
     ``(sqrt(eps) / peak)^2``: the square of a small peak underflows fp16, and eps / 0 is inf)."""
-    eps = norm.eps if eps is None else eps
-    peak = torch.clamp(x.abs().amax(dim, keepdim=True), min=SMALLEST_PEAK)
-    y = x / peak
-    scale = torch.rsqrt(y.pow(2).mean(dim, keepdim=True) + (eps**0.5 / peak).pow(2))
     shape = [1] * x.dim()
     shape[dim] = -1
-    return y * scale * norm.gain().to(x.dtype).reshape(shape)
+    normed = peak_normalised(x, dim, norm.eps if eps is None else eps, mean=True)
+    return normed * norm.gain().to(x.dtype).reshape(shape)
+
+
+def peak_normalised(x: torch.Tensor, dim: int, eps: float, mean: bool) -> torch.Tensor:
+    """``x * rsqrt(mean (or sum) of x^2 over dim + eps)``, finite in fp16: ``x`` divided by its largest magnitude
+    first and ``eps`` by that magnitude's square, as ``(sqrt(eps) / peak)^2`` (the same quotient)."""
+    peak = torch.clamp(x.abs().amax(dim, keepdim=True), min=SMALLEST_PEAK)
+    y = x / peak
+    squares = y.pow(2).mean(dim, keepdim=True) if mean else y.pow(2).sum(dim, keepdim=True)
+    return y * torch.rsqrt(squares + (eps**0.5 / peak).pow(2))
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:

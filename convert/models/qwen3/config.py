@@ -40,8 +40,6 @@ ANE_HOST_CONTRACT = {  # the ane layout (convert/models/qwen3/ane.py): the same 
                "value_history": "the host's value rows, as key_history"},
     "pending_rows": {},
     "buffers": {buffer: {"rows": rows, "axis": 2} for buffer, rows in HISTORY.items()},
-    "embedding": {"input": "hidden_states", "file": "embeddings.safetensors"},
-    "argmax": "host",
     "rules": [
         "the functions take no input_ids: the host looks up the call's rows in embeddings.safetensors and passes them "
         "as hidden_states (to the first part; a part after it takes the previous part's hidden_states_out)",

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from convert.export import functions as export
+from convert.export.ane import host_work
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.part import Part, function_widths, part_tensors, with_ladder
 from convert.models.qwen3.ane import Qwen3AneCore
@@ -53,8 +54,7 @@ def _specs_at(args: Qwen3Args, target, dtype: torch.dtype, part: Part) -> list[F
 def host_contract(args: Qwen3Args, target) -> dict:
     if target.layout != "ane":
         return HOST_CONTRACT
-    return {**ANE_HOST_CONTRACT, "positions": {"rope_theta": args.rope_theta, "rotary_dim": args.head_dim},
-            "ladder": list(target.ladder)}
+    return {**ANE_HOST_CONTRACT, **host_work(args.rope_theta, args.head_dim, target.ladder)}
 
 
 def architecture_record(args: Qwen3Args, target) -> dict:

@@ -21,10 +21,10 @@ import torch
 from convert.export.ane import channels_first, history_bias, pointwise, rms_norm, rows_of
 from convert.models.part import ane_outputs, host_rows
 from convert.models.qwen3.ane import attend_heads, mlp, rotate
+from convert.models.qwen3.config import HISTORY
 from convert.models.qwen3_5.config import LINEAR
 from convert.models.qwen3_5.core import Commit, GatedAttention, GatedDeltaNet, Qwen35Core
 
-ATTENTION_ROWS = {"key_history": "key_rows", "value_history": "value_rows"}  # host buffer -> the call's rows
 GDN_NEXT = {"conv_state": "conv_state_next", "recurrent_state": "recurrent_state_next"}  # replaced after each call
 GDN_PENDING = {"pending_qkv": "pending_qkv_rows", "pending_ba": "pending_ba_rows"}  # decode / verify: leading rows
 
@@ -41,7 +41,7 @@ class Qwen35AneCore(Qwen35Core):
                 value_history=None, conv_state=None, recurrent_state=None, pending_qkv=None, pending_ba=None,
                 commit_mask=None, commit_select=None, valid_mask=None, valid_select=None, *, width: int):
         x = channels_first(host_rows(self, hidden_states))
-        tapped, rows = [], {name: [] for name in (*ATTENTION_ROWS.values(), *GDN_NEXT.values(), *GDN_PENDING.values())}
+        tapped, rows = [], {name: [] for name in (*HISTORY.values(), *GDN_NEXT.values(), *GDN_PENDING.values())}
         if self.layers:
             commit = host_commit(width, commit_mask, commit_select, valid_mask, valid_select)
             cos = sin = bias = None

@@ -8,11 +8,13 @@ from math import ceil, log2
 import torch
 from torch import nn
 
+from convert.export.ane import host_work
 from convert.export.functions import NamedFunction
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.part import Part, function_widths, part_tensors, with_ladder
 from convert.models.qwen3 import export as qwen3
-from convert.models.qwen3_5.ane import ATTENTION_ROWS, GDN_NEXT, GDN_PENDING, Qwen35AneCore
+from convert.models.qwen3.config import HISTORY
+from convert.models.qwen3_5.ane import GDN_NEXT, GDN_PENDING, Qwen35AneCore
 from convert.models.qwen3_5.config import (
     ANE_HOST_CONTRACT_NAME,
     ANE_HOST_CONTRACT_VERSION,
@@ -83,8 +85,8 @@ def ane_tensors(args: Qwen35Args, target, part: Part, function: str, width: int,
         rope = (width, a.rotary_dim // 2)
         inputs += [TensorSpec("rope_cos", rope, dtype), TensorSpec("rope_sin", rope, dtype),
                    TensorSpec("history_mask", (1, target.context), dtype),
-                   *(TensorSpec(buffer, kv, dtype) for buffer in ATTENTION_ROWS)]
-        outputs += [TensorSpec(rows, (kv[0], kv[1], width, kv[3]), dtype) for rows in ATTENTION_ROWS.values()]
+                   *(TensorSpec(buffer, kv, dtype) for buffer in HISTORY)]
+        outputs += [TensorSpec(rows, (kv[0], kv[1], width, kv[3]), dtype) for rows in HISTORY.values()]
     if "conv_state" in states:
         inputs += [TensorSpec(name, states[name].shape, dtype) for name in (*GDN_NEXT, *GDN_PENDING)]
         inputs += [TensorSpec("commit_mask", (1, p), dtype), TensorSpec("commit_select", (kernel, kernel + p), dtype)]
@@ -130,15 +132,12 @@ def ane_contract(args: Qwen35Args, target, contract: dict) -> dict:
             "pending_qkv": "the rows the previous decode / verify left pending [GDN layers, pending, conv_dim]",
             "pending_ba": "their [b | a] rows [GDN layers, pending, 2 x value heads]",
         },
-        "positions": {"rope_theta": args.rope_theta, "rotary_dim": args.rotary_dim},
-        "ladder": list(target.ladder),
-        "buffers": {**{buffer: {"rows": rows, "axis": 2} for buffer, rows in ATTENTION_ROWS.items()},
+        "buffers": {**{buffer: {"rows": rows, "axis": 2} for buffer, rows in HISTORY.items()},
                     **{buffer: {"rows": rows, "axis": 0, "write": "whole"} for buffer, rows in GDN_NEXT.items()},
                     **{buffer: {"rows": rows, "axis": 1, "write": "leading"} for buffer, rows in GDN_PENDING.items()}},
         "commits": {"accept": {"mask": "commit_mask", "select": "commit_select"},
                     "valid": {"mask": "valid_mask", "select": "valid_select"}},
-        "embedding": {"input": "hidden_states", "file": "embeddings.safetensors"},
-        "argmax": "host",
+        **host_work(args.rope_theta, args.rotary_dim, target.ladder),
         "rules": [
             *contract["rules"],
             "the package keeps no state: the host owns key_history / value_history (written at the call's positions "

@@ -7,7 +7,7 @@ from math import ceil, log2
 
 import torch
 
-from convert.export.ane import SMALLEST_PEAK
+from convert.export.ane import peak_normalised
 from convert.models.qwen3_5.config import CHUNK
 
 
@@ -26,9 +26,7 @@ def scaled_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``l2norm`` finite in fp16: the values divided by their largest magnitude first (the squares of a row of 128
     values near 30 sum past 65504), ``eps`` by its square with them (the same quotient, as ``(sqrt(eps) / peak)^2``:
     a zero row's peak squared underflows fp16)."""
-    peak = torch.clamp(x.abs().amax(-1, keepdim=True), min=SMALLEST_PEAK)
-    y = x / peak
-    return y * torch.rsqrt((y * y).sum(-1, keepdim=True) + (eps**0.5 / peak).pow(2))
+    return peak_normalised(x, -1, eps, mean=False)
 
 
 def causal_conv(window: torch.Tensor, weight: torch.Tensor, channels: int) -> torch.Tensor:
