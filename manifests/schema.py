@@ -135,6 +135,8 @@ class HostPositions(Model):
 
     rope_theta: Positive
     rotary_dim: Size
+    first_row: Count = Field(0, description="the history's first row a call may read (an MTP head's: 1; its row 0 "
+                             "holds no position): history_mask is -1e4 below it too")
 
 
 class HostEmbedding(Model):
@@ -144,6 +146,19 @@ class HostEmbedding(Model):
 
     input: str = Field(description="the input the looked-up rows are passed as")
     file: str = Field(description="the bundle's file holding the rows (tensor weight [vocab, hidden])")
+
+
+class HostSelector(Model):
+    """A DFlash2 drafter's candidate-selector walk, which the host does for the ane layout's ``draft`` (it takes the
+    top-k and gathers codebook rows, which the Neural Engine does not run): from the ``draft``'s ``logits`` and
+    ``projection`` [1, S-1, rank], and the codebooks in the drafter bundle's ``file``, the host returns ``ids`` and
+    ``scores`` as the stateful function computes them (``convert.models.dflash2.core.selector_walk``)."""
+
+    projection: str = Field(description="the output holding the selector's projection of each draft row")
+    file: str = Field(description="the drafter bundle's file holding the predecessor and successor codebooks")
+    top_k: Size
+    ids: str = Field(description="the output the walk's ids are returned as")
+    scores: str = Field(description="the output its scores [1, S-1, top_k] are returned as")
 
 
 class HostContract(Model):
@@ -170,9 +185,15 @@ class HostContract(Model):
     argmax: Literal["function", "host"] = Field(
         "function", description="function: the head returns argmax_ids (and a split head its max_logit); host: the "
         "head returns logits and the host takes their argmax (the lowest id among equal maxima)")
+    argmax_ids: str = Field("argmax_ids", description="with argmax host: the output the host returns the ids as")
     buffers: dict[str, HostBuffer] = Field(
         default_factory=dict, description="the ane layout's host-owned buffers by input name (none: the package keeps "
         "its states itself)")
+    ring_masks: dict[str, Size | None] = Field(
+        default_factory=dict, description="the ane layout's ring masks [ring, S] the host computes, by input name, "
+        "with their sliding window (none: the whole ring): slot s is visible to the query at position q (0, else "
+        "-1e4) when it holds a position below the call's first position and, with a window, above q - window")
+    selector: HostSelector | None = Field(None, description="a DFlash2 drafter's selector walk, done by the host")
     rules: list[str]
 
 
@@ -423,6 +444,9 @@ class DrafterManifest(BundleManifest):
         "states, verify_cost and draft_cost in target decode calls, predicted_speedup); ngram (the prompt-lookup "
         "baseline on the same prompts and target: verify_calls, decode_calls, hit_rate, predicted_speedup)")
     ab: dict | None = Field(None, description="quantized vs fp16 drafter, paired by text offset (quantized only)")
+    host_contract: HostContract | None = Field(
+        None, description="the ane layout's: what the host owns and computes for the drafter's functions (none: "
+        "the package keeps its states and the caller passes ids and positions)")
     functions: list[Function]
     packages: list[Package]
     extra_files: list[FileEntry]

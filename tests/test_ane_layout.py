@@ -29,7 +29,7 @@ def test_ane_functions_keep_no_state_and_return_their_rows(tmp_path):
     args = modules.core.args
     HostContract.model_validate(modules.contract)
     assert set(modules.contract["buffers"]) == {"key_history", "value_history"}
-    assert modules.contract["positions"] == {"rope_theta": args.rope_theta, "rotary_dim": args.head_dim}
+    assert modules.contract["positions"] == {"rope_theta": args.rope_theta, "rotary_dim": args.head_dim, "first_row": 0}
     history = (args.num_hidden_layers, args.num_key_value_heads, 64, args.head_dim)
     for name, (_, spec) in modules.functions.items():
         assert spec.states == ()
@@ -218,11 +218,14 @@ def test_a_ladder_is_the_ane_layouts_and_lies_below_the_context():
 
 def test_the_economics_count_the_host_buffers_as_states(tmp_path):
     """What a call reads (``accept``'s cost model): in the ane layout the host's buffers the call takes are its states'
-    bytes (the history a stateful call reads from its states)."""
+    bytes (the history a stateful call reads from its states), priced as the shipped fp16 functions take them while
+    an fp32 compute copy runs."""
+    from convert.export.functions import compute_copy
     from convert.runtime.economics import MeteredFunctions
 
-    modules, log = _modules(tmp_path, "ane"), []
-    driver = TargetDriver(MeteredFunctions(modules, modules, "target", log), modules.widths, modules.contract)
+    modules, log = _modules(tmp_path, "ane", torch.float16), []
+    compute = compute_copy(modules, torch.float32, share_weights=True)
+    driver = TargetDriver(MeteredFunctions(compute, modules, "target", log), modules.widths, modules.contract)
     driver.prefill(list(range(5, 25)))
     driver.run("verify", list(range(30, 38)), 20)
     history = sum(t.nbytes for t in modules.functions["verify"][1].inputs if t.name in ("key_history", "value_history"))

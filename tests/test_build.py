@@ -252,7 +252,8 @@ def test_an_ane_layout_bundle(built, tiny_checkpoint):
     assert m["host_contract"]["embedding"] == {"input": "hidden_states", "file": "embeddings.safetensors"}
     assert m["host_contract"]["argmax"] == "host" and (bundle / "embeddings.safetensors").is_file()
     a = m["architecture"]
-    assert m["host_contract"]["positions"] == {"rope_theta": a["rope_theta"], "rotary_dim": a["head_dim"]}
+    assert m["host_contract"]["positions"] == {"rope_theta": a["rope_theta"], "rotary_dim": a["head_dim"],
+                                               "first_row": 0}
     assert {"name": "key_rows", "shape": [3, 2, 8, 24], "dtype": "float16"} in verify["outputs"]
     coreai = next(p for p in m["packages"] if p["format"] == "coreai")
     assert coreai["check"]["argmax_compared"] >= 16 and coreai["check"]["max_output_delta"] < 2e-2

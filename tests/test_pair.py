@@ -50,10 +50,14 @@ def run(*args: str):
 
 
 def build(tmp: Path, name: str, source: Path, taps=TAPS, drafter: Path | None = None, backends="coreml",
-          length: int = 48) -> Path:
+          length: int = 48, layout: str = "stateful") -> Path:
     recipe = tmp / f"{name}.yaml"
     text = TARGET.format(name=name, source=source, taps=taps, backends=backends, length=length)
-    recipe.write_text(text + (DRAFTER.format(source=drafter) if drafter else ""))
+    text += DRAFTER.format(source=drafter) if drafter else ""
+    if layout == "ane":  # target and drafter
+        text = text.replace("  context: 128\n", "  context: 128\n  layout: ane\n").replace(
+            "  kind: dflash2\n", "  kind: dflash2\n  layout: ane\n")
+    recipe.write_text(text)
     result = run("build", str(recipe), "--output", str(tmp / name))
     assert result.exit_code == 0, result.output
     return tmp / name
@@ -210,7 +214,7 @@ def test_accept_cli(pair):
 
 BOUND = ("architecture", "taps", "tokenizer", "host_contract", "weights", "drafter_interface")
 SWAPS = {"qwen3": "qwen3_5", "qwen3_5": "qwen3", "positional": "commit-next-call", "commit-next-call": "positional",
-         "function": "host", "host": "function"}
+         "function": "host", "host": "function", "positions": "leading", "leading": "whole", "whole": "positions"}
 
 
 def leaves(value, path: str):
@@ -273,7 +277,7 @@ def test_every_field_of_every_bound_record_is_checked(pair, tmp_path):
 @pytest.fixture(scope="module")
 def hybrid_pair(tmp_path_factory):
     """A seeded tiny hybrid (Gated DeltaNet + attention) target and a random DFlash2 drafter tapping both layer
-    kinds, built the normal way."""
+    kinds, built the normal way, both in the ane layout."""
     from qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
     tmp = tmp_path_factory.mktemp("hybrid-pair")
@@ -281,13 +285,21 @@ def hybrid_pair(tmp_path_factory):
     draft = {"target_layer_ids": TAPS, "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
              "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
     write_drafter(tmp / "drafter", config=tiny_config(vocab_size=4096, dflash_config=draft))
-    return tmp, build(tmp, "hybrid", tmp / "target", drafter=tmp / "drafter", length=64)  # 4 probe blocks of 8
+    return tmp, build(tmp, "hybrid", tmp / "target", drafter=tmp / "drafter", length=64,  # 4 probe blocks of 8
+                      layout="ane")
 
 
 def test_hybrid_pair_binds_the_host_contract_and_every_field(hybrid_pair, pair, tmp_path):
+    """The ane pair: the drafter binds the target's host contract and records its own (the host's ring), no package
+    of either has a placement finding; every bound field is checked."""
     tmp, bundle = hybrid_pair
     drafter = manifest(bundle / "drafter")
-    assert drafter["target"]["host_contract"]["name"] == "spec-convert/commit-next-call"
+    assert drafter["target"]["host_contract"]["name"] == "spec-convert/commit-next-call-host-buffers"
+    assert drafter["host_contract"]["name"] == "spec-convert/dflash2-host-ring"
+    assert {rule["ring"] for rule in drafter["host_contract"]["buffers"].values()} == {64}
+    assert drafter["host_contract"]["selector"]["top_k"] == 8
+    packages = drafter["packages"] + manifest(bundle / "target")["packages"]
+    assert len(packages) == 2 and all(p["placement"] == [] for p in packages)
     assert drafter["acceptance"]["lossless"] is True
     assert run("check-pair", str(bundle / "drafter"), str(bundle / "target")).exit_code == 0
     assert every_field_is_bound(tmp_path, bundle) > 30

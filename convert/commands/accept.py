@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from convert import backends
 from convert.commands.inspect import open_drafter, open_target
 from convert.errors import GateError, InputError
 from convert.export.functions import compute_copy
@@ -29,7 +28,7 @@ from convert.pipeline.drafter_build import (
 )
 from convert.pipeline.plan import make_plan
 from convert.progress import console, stage
-from convert.runtime.chain import coreai_target
+from convert.runtime.chain import coreai_drafter, coreai_target
 from convert.runtime.host import TargetDriver, module_driver
 from manifests import identity
 from manifests.schema import HostContract
@@ -69,13 +68,6 @@ def _open_pair(bundle: Path):
                                                                                    ("coreai",))
 
 
-def _package(folder: Path) -> Path:
-    found = sorted(folder.glob("*.aimodel"))
-    if not found:
-        raise InputError(f"{folder}: no .aimodel package (build with the coreai backend)")
-    return found[0]
-
-
 def _run_coreai(plan, bundle: Path, pair, target, target32, modules, fp16_modules) -> dict:
     target_dir, drafter_dir = bundle / "target", bundle / "drafter"
     target_manifest, drafter_manifest = pair
@@ -86,11 +78,13 @@ def _run_coreai(plan, bundle: Path, pair, target, target32, modules, fp16_module
         raise InputError(f"{bundle}: the bundle was not built from {plan.recipe_path} (lm_head differs)")
     if target_manifest.host_contract != HostContract.model_validate(target.contract):
         raise InputError(f"{target_dir}: the bundle's host contract differs from this version's; rebuild it")
+    if drafter_manifest.host_contract != (HostContract.model_validate(modules.contract) if modules.contract else None):
+        raise InputError(f"{drafter_dir}: the drafter's host contract (its layout) differs from the recipe's; rebuild "
+                         "the bundle")
     prompt = held_out_prompts(plan)[0][0][: plan.recipe.target.graphs.prefill]
     count = min(plan.drafter.config.accept.tokens, CORE_AI_TOKENS)
-    coreai = backends.load("coreai")
     with coreai_target(target_dir, target_manifest) as t_session, \
-            coreai.open_session(_package(drafter_dir)) as d_session:
+            coreai_drafter(drafter_dir, drafter_manifest, target_dir) as d_session:
         with stage(f"plain greedy decoding on the Core AI runtime: {len(prompt)}-token prompt, {count} tokens"):
             greedy_ids, _ = TargetDriver(t_session, target.widths, target.contract).greedy(prompt, count)
         _, torch_logits = module_driver(target32).greedy(prompt, count)  # classifies any divergence

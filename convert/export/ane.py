@@ -30,12 +30,17 @@ def rope_rows(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[t
     return angles.cos(), angles.sin()
 
 
-def host_work(rope_theta: float, rotary_dim: int, ladder) -> dict:
+def host_work(rope_theta: float, rotary_dim: int, ladder=(), embedded: str | None = "hidden_states",
+              first_row: int = 0) -> dict:
     """What every family's ane host contract adds for the host to do (``manifests.schema.HostContract``): the position
-    inputs (``rope_rows``, ``history_mask_row``), the ladder's entries, the embedding lookup in the bundle's table and
-    the argmax of the logits."""
-    return {"positions": {"rope_theta": rope_theta, "rotary_dim": rotary_dim}, "ladder": list(ladder),
-            "embedding": {"input": "hidden_states", "file": EMBEDDINGS_FILE}, "argmax": "host"}
+    inputs (``rope_rows``, ``history_mask_row`` from ``first_row``), the ladder's entries, the embedding lookup in the
+    (target) bundle's table as the input ``embedded`` (none: the caller passes the rows) and the argmax of the
+    logits."""
+    work = {"positions": {"rope_theta": rope_theta, "rotary_dim": rotary_dim, "first_row": first_row},
+            "ladder": list(ladder), "argmax": "host"}
+    if embedded:
+        work["embedding"] = {"input": embedded, "file": EMBEDDINGS_FILE}
+    return work
 
 
 def channels_first(rows: torch.Tensor) -> torch.Tensor:
@@ -103,10 +108,11 @@ def history_bias(history_mask: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([history, own], dim=0)
 
 
-def history_mask_row(first: int, rows: int) -> np.ndarray:
-    """The host's ``history_mask`` [1, rows] for a call whose first position is ``first`` (fp32; cast to the input's
-    dtype, exact)."""
-    return np.where(np.arange(rows) < first, 0.0, MASKED).astype(np.float32)[None]
+def history_mask_row(first: int, rows: int, first_row: int = 0) -> np.ndarray:
+    """The host's ``history_mask`` [1, rows] for a call whose first position is ``first``: 0 for the rows from
+    ``first_row`` (an MTP head's history starts at row 1) below it (fp32; cast to the input's dtype, exact)."""
+    row = np.arange(rows)
+    return np.where((row >= first_row) & (row < first), 0.0, MASKED).astype(np.float32)[None]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_history: torch.Tensor, value_history: torch.Tensor,

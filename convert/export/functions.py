@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from convert.export.quantized import half_linears
-from convert.export.spec import FunctionSpec, TensorSpec
+from convert.export.spec import TORCH_DTYPES, FunctionSpec, TensorSpec
 
 META = torch.device("meta")
 
@@ -55,10 +55,28 @@ class NamedFunction(FunctionModule):
 @dataclass
 class ExportModules:
     """One part's export modules: a shared ``core`` and its ``functions`` (FunctionModule, spec) by name, every
-    function holding the same state tensors."""
+    function holding the same state tensors, and the host ``contract`` a runtime drives them by
+    (``manifests.schema.HostContract``; a stateful drafter's is empty: the caller passes ids and positions)."""
 
     core: nn.Module
     functions: dict[str, tuple[FunctionModule, FunctionSpec]]
+    contract: dict = dataclasses.field(default_factory=dict)
+
+    def call_with(self, name: str, given: dict) -> dict[str, torch.Tensor]:
+        """Run function ``name`` in torch on the shared states with its inputs by name (arrays or tensors, cast to
+        the spec's dtypes and shapes); returns every core output, logits included (the checks and gates read them
+        even where the function does not return them)."""
+        module, spec = self.functions[name]
+        if set(given) != {t.name for t in spec.inputs}:
+            raise ValueError(f"{name} takes inputs {[t.name for t in spec.inputs]}, got {sorted(given)}")
+        tensors = []
+        for t in spec.inputs:
+            value = torch.as_tensor(given[t.name]).to(TORCH_DTYPES[t.dtype]).reshape(-1)
+            if value.numel() != torch.Size(t.shape).numel():
+                raise ValueError(f"{name} takes {t.name} of shape {list(t.shape)}, got {value.numel()} values")
+            tensors.append(value.reshape(t.shape))
+        with torch.no_grad():
+            return module.produce(*tensors)
 
     @property
     def widths(self) -> dict[str, int]:

@@ -40,8 +40,11 @@ class FunctionSpec:
     @property
     def width(self) -> int:
         """Tokens (rows) per call: the width of its ``position_ids``, or of the ids or rows a part without layers
-        takes (every function has one of them)."""
+        takes, or the rows of the RoPE inputs an ane function takes in their place (every function has one of
+        them)."""
         by_name = {t.name: t for t in self.inputs}
+        if "rope_cos" in by_name:
+            return by_name["rope_cos"].shape[0]
         return next(by_name[n].shape[1] for n in WIDTH_INPUTS if n in by_name)
 
 
@@ -56,18 +59,30 @@ def function_lines(specs: list[FunctionSpec], host_buffers=()) -> list[str]:
     for spec in specs:
         lines += [f"    {spec.name}", f"      inputs:  {tensors(spec.inputs)}",
                   f"      outputs: {tensors(spec.outputs)}"]
-    lines.append("    states (all functions):")
-    lines += [f"      {t.name} {list(t.shape)} {t.dtype}: {size_text(t.nbytes)}" for t in specs[0].states]
-    owned = [t for t in specs[0].inputs if t.name in host_buffers]
+    if specs[0].states:
+        lines.append("    states (all functions):")
+        lines += [f"      {t.name} {list(t.shape)} {t.dtype}: {size_text(t.nbytes)}" for t in specs[0].states]
+    owned = buffer_specs(specs, host_buffers)
     if owned:
-        lines.append("    host buffers (all functions; the host writes each call's rows into them):")
+        lines.append("    host buffers (the host passes them and writes each call's rows into them):")
         lines += [f"      {t.name} {list(t.shape)} {t.dtype}: {size_text(t.nbytes)}" for t in owned]
     return lines
 
 
+def buffer_specs(specs: list[FunctionSpec], host_buffers) -> list[TensorSpec]:
+    """The inputs named in ``host_buffers`` (the host's history or ring in the ane layout), each at the largest any
+    function takes it (a ladder's smaller entries take leading rows; a DFlash2 drafter's ring only its draft)."""
+    largest: dict[str, TensorSpec] = {}
+    for spec in specs:
+        for t in spec.inputs:
+            if t.name in host_buffers and (t.name not in largest or t.nbytes > largest[t.name].nbytes):
+                largest[t.name] = t
+    return list(largest.values())
+
+
 def buffer_bytes(specs: list[FunctionSpec], host_buffers) -> int:
-    """Bytes of the inputs named in ``host_buffers`` (the host's history in the ane layout)."""
-    return sum(t.nbytes for t in specs[0].inputs if t.name in host_buffers)
+    """Bytes of the host's buffers (``buffer_specs``)."""
+    return sum(t.nbytes for t in buffer_specs(specs, host_buffers))
 
 
 def size_lines(parameters: int, backends: list[str], indent: str = "  ") -> list[str]:

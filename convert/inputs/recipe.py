@@ -326,6 +326,10 @@ class Drafter(Strict):
     context_append: int = Field(8, gt=0, description="dflash2: rows per context_append call (new-context capacity)")
     ring: int = Field(2048, gt=0, description="dflash2: context ring rows (slot = position mod ring)")
     mask_scale: float = Field(1.0, gt=0, description="dflash2: the mask row is the target's embedding row times this")
+    layout: Literal["stateful", "ane"] = Field(
+        "stateful", description="stateful: the packages keep the drafter's ring / KV cache as states; ane: no states, "
+        "the host owns them and writes each call's rows, computes the masks and takes the argmax (or walks the "
+        "selector), activations channels first with 1x1 convolutions (README \"Layouts\")")
     quantization: DrafterQuantization = DrafterQuantization()
     accept: Acceptance = Acceptance()
     contract: dict[str, Any] = Field(

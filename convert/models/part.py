@@ -125,15 +125,18 @@ def part_outputs(core: nn.Module, x: torch.Tensor, tapped: list) -> dict[str, to
 
 
 def host_tables(core: nn.Module) -> tuple[str, ...]:
-    """The modules of ``core`` whose weights its functions never read: an ane core's embedding table (``host_lookup``:
-    only the host looks rows up in it), unless the head is tied to it. The package checks leave them out."""
+    """The modules and parameters of ``core`` (by name) whose weights its functions never read, only the host: an ane
+    core's embedding table (``host_lookup``: only the host looks rows up in it) unless the head is tied to it, and the
+    parameters it names in ``host_parameters`` (an ane DFlash2 core's selector codebooks). The package checks leave
+    them out."""
+    own = tuple(getattr(core, "host_parameters", ()))
     table = getattr(core, "embed_tokens", None)
     if not getattr(core, "host_lookup", False) or table is None:
-        return ()
+        return own
     head = getattr(core, "lm_head", None)
     if head is not None and any(p is q for p in table.parameters() for q in head.parameters()):
-        return ()
-    return ("embed_tokens",)
+        return own
+    return ("embed_tokens", *own)
 
 
 def host_rows(core: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -150,7 +150,8 @@ def build(plan: Plan, cache: BuildCache | None = None, strict: bool = False) -> 
                 problems = identity.pair_mismatches(drafter_manifest, manifest, target_dir)
             if problems:
                 raise GateError(f"check-pair: {problems[0]}")
-        findings = report_placement(manifests, listed=plan.recipe.target.layout == "ane")
+        ane = plan.recipe.target.layout == "ane" or (plan.drafter is not None and plan.drafter.config.layout == "ane")
+        findings = report_placement(manifests, listed=ane)
         if strict and findings:
             raise GateError(f"--strict: the placement lint found {len(findings)} findings, the first {findings[0]} "
                             "(README \"Layouts\"); nothing was published")

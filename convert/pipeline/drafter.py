@@ -79,6 +79,19 @@ class DrafterPlan:
     def widths(self) -> dict[str, int]:
         return {s.name: s.width for s in self.specs}
 
+    @property
+    def contract(self) -> dict:
+        """The drafter's host contract (``manifests.schema.HostContract``; empty in the stateful layout)."""
+        return drafter_contract(self.kind, self.args, self.config)
+
+
+def drafter_contract(kind: str, args, config: Drafter) -> dict:
+    """The host contract of a ``kind`` drafter with ``args`` in the recipe's layout (empty in the stateful one: the
+    package keeps its states and the caller passes ids and positions)."""
+    if config.layout != "ane":
+        return {}
+    return dflash2.host_contract(args, config.ring) if kind == "dflash2" else mtp.host_contract(args)
+
 
 def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, target,
                  dtype: torch.dtype) -> DrafterPlan:
@@ -108,14 +121,14 @@ def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, t
             raise InputError(f"{where}: target.graphs.verify {verify} exceeds the drafter's block_size "
                              f"{args.block_size} ({config_path})")
         specs = dflash2.function_specs(args, config.context_update, config.context_append, config.ring, dtype,
-                                       draft_width=verify)
+                                       draft_width=verify, layout=config.layout)
     else:
         args = mtp.MTPArgs.from_config(snapshot.config(), str(config_path))
         layout = mtp.sanitize(tensor_shapes(snapshot.directory), args, f"checkpoint {snapshot.directory}")
         if not recipe.target.hidden:
             raise InputError(f"{where}: target.hidden: an MTP drafter reads the target's final-norm hidden states; "
                              "set target.hidden: true")
-        specs = mtp.function_specs(args, verify - 1, recipe.target.context, dtype)
+        specs = mtp.function_specs(args, verify - 1, recipe.target.context, dtype, layout=config.layout)
     for field, mine, theirs in (("hidden_size", args.hidden_size, target.hidden_size),
                                 ("vocab_size", args.vocab_size, target.vocab_size)):
         if mine != theirs:
@@ -134,11 +147,12 @@ def build_modules(plan: DrafterPlan, recipe: Recipe, target: TargetModules, dtyp
             plan.args, tensors, lm_head, torch.from_numpy(table[plan.args.mask_token_id]), dtype,
             max_positions=recipe.target.context,
             ring_rows=config.ring, update_width=config.context_update, append_width=config.context_append,
-            mask_scale=config.mask_scale, draft_width=verify)
+            mask_scale=config.mask_scale, draft_width=verify, layout=config.layout)
     else:
         head = mtp.load_head(plan.snapshot.directory, plan.args)
         tables = {"model.embed_tokens.weight": torch.from_numpy(np.asarray(table)), "lm_head.weight": lm_head}
-        modules = mtp.build_modules(plan.args, head, tables, recipe.target.context, verify - 1, dtype)
+        modules = mtp.build_modules(plan.args, head, tables, recipe.target.context, verify - 1, dtype,
+                                    layout=config.layout)
     borrowed = {name: getattr(core, name).quantized_weight() for name in BORROWED
                 if isinstance(getattr(core, name), QuantizedLinear) and hasattr(modules.core, name)}
     if borrowed:
@@ -253,8 +267,10 @@ def own_phase_bytes(plan: DrafterPlan) -> dict[str, int]:
 def recorded_bytes(plan: DrafterPlan, prompts: int, length: int, tokens: int) -> int:
     """At most the inputs a calibration's recording keeps (``Recording(outputs=False)``) over ``prompts`` of ``length``
     tokens and ``tokens`` generated: the prompt's context calls, then a round a token (a drafter that accepts
-    nothing), each round's calls' inputs as the driver passes them."""
-    inputs = {spec.name: sum(t.nbytes for t in spec.inputs) for spec in plan.specs}
+    nothing), each round's calls' inputs as the driver passes them (in the ane layout, not the buffers and masks the
+    host adds; its position inputs are counted for the positions they replace)."""
+    owned = {*plan.contract.get("buffers", {}), *plan.contract.get("ring_masks", {})}
+    inputs = {spec.name: sum(t.nbytes for t in spec.inputs if t.name not in owned) for spec in plan.specs}
     if plan.kind == "dflash2":
         prompt = -(-length // plan.widths["context_update"]) * inputs["context_update"]
         round_ = inputs["context_append"] + inputs["draft"]
@@ -310,13 +326,15 @@ def _replayed(groups: list[list[str]], drafter_modules, recordings: list[Recordi
 
 
 def _replay(drafter_modules, recordings: list[Recording]) -> None:
-    """The recorded drafter calls, in order, through ``drafter_modules`` (a recording's resets included)."""
+    """The recorded drafter calls, in order, through ``drafter_modules`` as the driver called them (a recording's
+    resets included; through the host's buffers where the modules' contract has them)."""
+    functions = ModuleFunctions(drafter_modules)
     for recording in recordings:
         for function, inputs, _ in recording.calls:
             if function == "reset":
-                drafter_modules.reset()
+                functions.reset()
             else:
-                drafter_modules.call(function, **inputs)
+                functions.call(function, inputs)
 
 
 def over_prompts(run: Callable[[object, object, int], T], prompts: int, sessions: int, target_modules,

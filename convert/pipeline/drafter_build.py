@@ -264,7 +264,7 @@ def _architecture(dplan, modules) -> dict:
     else:
         kind = "mtp"
         runtime = {"draft_steps": dplan.widths["accept"] - 1, "accept_width": dplan.widths["accept"],
-                   "context": dplan.specs[0].states[0].shape[2], "zero_centred_norm": args.zero_centred_norm,
+                   "context": modules.core.context, "zero_centred_norm": args.zero_centred_norm,
                    "attn_output_gate": args.attn_output_gate, "rotary_dim": args.rotary_dim,
                    "hidden_convention": drafter.MTP_HIDDEN_CONVENTION}
         architectures, layers, inter = [f"{args.model_type or 'qwen3'}-mtp"], args.mtp_layers, args.intermediate_size
@@ -292,6 +292,7 @@ def _manifest(plan, source_files, modules, target_manifest, target_dir, packages
         "quantization": quantization,
         "acceptance": _jsonable(acceptance),
         "ab": _jsonable(ab) if ab else None,
+        "host_contract": modules.contract or None,
         "functions": [{"name": s.name, "inputs": [_desc(t) for t in s.inputs],
                        "outputs": [_desc(t) for t in s.outputs], "states": [_desc(t) for t in s.states]}
                       for s in dplan.specs],

@@ -122,7 +122,7 @@ def package_key(name: str, modules, stem: str, weights: str, calls: str = "",
     specs = [repr(spec) for _, spec in modules.functions.values()]
     code = CODE + (f"convert.backends.{name}", type(modules.core).__module__)  # the architecture file of the core
     return build_cache.key({"stage": CACHE_STAGE, "format": name, "stem": stem, "weights": weights,
-                            "specs": specs, "contract": getattr(modules, "contract", None), "calls": calls,
+                            "specs": specs, "contract": modules.contract, "calls": calls,
                             "every_function": every_function, "toolchain": build_cache.versions(TOOLCHAIN),
                             "code": build_cache.code_fingerprint(code)})
 

@@ -15,7 +15,15 @@ from torch import nn
 from convert import fields
 from convert.errors import InputError, SourceUnavailable
 from convert.export.functions import parameters_on_meta
-from convert.export.spec import SHIP_DTYPE, FunctionSpec, buffer_bytes, function_lines, size_lines, size_text
+from convert.export.spec import (
+    SHIP_DTYPE,
+    FunctionSpec,
+    buffer_bytes,
+    buffer_specs,
+    function_lines,
+    size_lines,
+    size_text,
+)
 from convert.inputs import contract
 from convert.inputs.checkpoint import checkpoint_shapes
 from convert.inputs.contract import _MISSING, as_config, lookup
@@ -25,7 +33,7 @@ from convert.inputs.sources import Snapshot, resolve
 from convert.models import dflash2, family_for, family_of, mtp
 from convert.models.layout import Layout
 from convert.models.part import Part
-from convert.pipeline.drafter import MAX_SESSIONS, DrafterPlan, own_phase_bytes, plan_drafter
+from convert.pipeline.drafter import MAX_SESSIONS, DrafterPlan, drafter_contract, own_phase_bytes, plan_drafter
 from convert.pipeline.partition import (
     BASE_BYTES,
     build_memory_bytes,
@@ -115,9 +123,10 @@ class Plan:
 
     @property
     def drafter_session_bytes(self) -> int:
-        """One session of the drafter stage: the states of the target's and the drafter's fp32 compute copies (every
-        state counted at 4 bytes an element)."""
-        states = [*self.specs[0].states, *self.drafter.specs[0].states]
+        """One session of the drafter stage: the states (the ane layout: the host's buffers) of the target's and the
+        drafter's fp32 compute copies (every element counted at 4 bytes)."""
+        states = [*self.specs[0].states, *self.drafter.specs[0].states, *buffer_specs(self.specs, self.host_buffers),
+                  *buffer_specs(self.drafter.specs, tuple(self.drafter.contract.get("buffers", {})))]
         return sum(4 * math.prod(s.shape) for s in states)
 
     @cached_property
@@ -222,10 +231,24 @@ def placement_lines(args, target, parts: list[Part]) -> list[str]:
         specs = family.function_specs(args, target, torch.float16, None if part.is_whole else part)
         where = "" if part.is_whole else f"{part.name} "
         findings += [where + f for f in placement.lint("coreai", {s.name: s for s in specs}, {}, positional)]
-    shown = [f"    {finding}" for finding in findings[:PLAN_FINDINGS]]
-    more = [f"    ... and {len(findings) - PLAN_FINDINGS} more"] if len(findings) > PLAN_FINDINGS else []
+    return lint_lines(findings, "  ")
+
+
+def lint_lines(findings: list[str], indent: str) -> list[str]:
+    shown = [f"{indent}  {finding}" for finding in findings[:PLAN_FINDINGS]]
+    more = [f"{indent}  ... and {len(findings) - PLAN_FINDINGS} more"] if len(findings) > PLAN_FINDINGS else []
     count = f"{len(findings)} findings" if findings else "no finding"
-    return [f"  placement lint of the planned shapes: {count} (the ops are linted when packaged)", *shown, *more]
+    return [f"{indent}placement lint of the planned shapes: {count} (the ops are linted when packaged)", *shown, *more]
+
+
+def drafter_host_lines(specs: list[FunctionSpec], contract: dict) -> list[str]:
+    """The drafter's host buffers (layout ane: its ring or KV history, owned and written by the host) and what the
+    placement lint finds in its planned shapes."""
+    owned = tuple(contract.get("buffers", {}))
+    lines = [f"    host buffers: {buffer_bytes(specs, owned) / 2**20:.1f} MiB in all, owned and written by the host "
+             "(layout ane)"] if owned else []
+    findings = placement.lint("coreai", {s.name: s for s in specs}, {}, placement.positional_buffers(contract))
+    return lines + lint_lines(findings, "    ")
 
 
 PLAN_FINDINGS = 6  # the plan shows this many of the lint's findings
@@ -269,7 +292,8 @@ def describe_drafter(plan: Plan) -> list[str]:
         lines.append(f"    taps {list(a.target_layer_ids)} (output of layer i, 0-based), block {a.block_size}, mask id "
                      f"{a.mask_token_id} x {d.config.mask_scale}, ring {d.config.ring} rows, selector rank "
                      f"{a.selector_rank} top-k {a.selector_top_k}")
-    return lines + function_lines(d.specs)
+    return lines + function_lines(d.specs, tuple(d.contract.get("buffers", {}))) + drafter_host_lines(d.specs,
+                                                                                                     d.contract)
 
 
 def describe_contract(recipe: Recipe, recipe_path: Path, unavailable: SourceUnavailable) -> list[str]:
@@ -329,11 +353,14 @@ def _mtp_lines(recipe: Recipe, recipe_path: Path, pinned: dict) -> tuple[list[st
     except InputError as missing:
         return [f"  drafter mtp {source}: {steps} draft steps, the head's shapes from config.json at build time "
                 f"(the contracts do not plan it: {missing})"], None
-    specs = mtp.function_specs(args, steps, target.context, torch.float16)
+    specs = mtp.function_specs(args, steps, target.context, torch.float16, layout=drafter.layout)
+    planned = DrafterPlan(drafter, None, args, "mtp", specs)
+    owned = tuple(planned.contract.get("buffers", {}))
     return [f"  drafter mtp {source}: {steps} draft steps, hidden {args.hidden_size}, heads "
             f"{args.num_attention_heads}/{args.num_key_value_heads} (head_dim {args.head_dim}), quantization "
-            f"{drafter.quantization.method}", *size_lines(args.parameter_count, recipe.backends, "    "),
-            *function_lines(specs)], DrafterPlan(drafter, None, args, "mtp", specs)
+            f"{drafter.quantization.method}, layout {drafter.layout}",
+            *size_lines(args.parameter_count, recipe.backends, "    "), *function_lines(specs, owned),
+            *drafter_host_lines(specs, planned.contract)], planned
 
 
 def _target_lines(pinned: dict, target, backends: list[str], where: str) -> tuple[list[str], tuple | None]:
@@ -388,12 +415,13 @@ def _dflash2_lines(recipe: Recipe, recipe_path: Path, hidden: int, vocab: int,
         if mine != theirs:
             raise InputError(f"{where}: {field} {mine} differs from the target contract's {theirs}")
     specs = dflash2.function_specs(args, drafter.context_update, drafter.context_append, drafter.ring, torch.float16,
-                                   draft_width=target.graphs.verify)
+                                   draft_width=target.graphs.verify, layout=drafter.layout)
 
     lines = [f"  drafter dflash2 {drafter.source}: {args.num_hidden_layers} layers, hidden {args.hidden_size}, heads "
              f"{args.num_attention_heads}/{args.num_key_value_heads} (head_dim {args.head_dim}), taps {taps}, "
              f"selector rank {args.selector_rank} top-k {args.selector_top_k}, block {args.block_size}, ring "
-             f"{drafter.ring}, mask scale {drafter.mask_scale}, quantization {drafter.quantization.method}"]
+             f"{drafter.ring}, mask scale {drafter.mask_scale}, quantization {drafter.quantization.method}, layout "
+             f"{drafter.layout}"]
     if unpinned:
         lines.append(f"    not pinned (read from config.json at build time): {', '.join(unpinned)}")
     else:
@@ -401,7 +429,9 @@ def _dflash2_lines(recipe: Recipe, recipe_path: Path, hidden: int, vocab: int,
                      f"(windows {sorted({w for w in args.layer_windows if w})})")
         lines += size_lines(args.parameter_count, recipe.backends, "    ")
     planned = None if unpinned else DrafterPlan(drafter, None, args, args.architecture, specs)
-    return lines + function_lines(specs), planned
+    contract = drafter_contract("dflash2", args, drafter)
+    return lines + function_lines(specs, tuple(contract.get("buffers", {}))) + drafter_host_lines(specs, contract), \
+        planned
 
 
 def rotation_lines(args, target, block: int | None) -> list[str]:

@@ -113,15 +113,40 @@ def coreai_target(folder: Path, manifest) -> Iterator[object]:
 
 
 def bundle_lookup(folder: Path, contract: dict):
-    """The host's embedding lookup in the bundle's table (``contract["embedding"]["file"]``; None without one), read a
-    row at a time from the file (``table_lookup``)."""
+    """The host's embedding lookup in the (target) bundle's table (``contract["embedding"]["file"]``; None without
+    one), read a row at a time from the file (``table_lookup``)."""
     if not contract.get("embedding"):
         return None
-    path = folder / contract["embedding"]["file"]
+    return table_lookup(_bundle_file(folder / contract["embedding"]["file"], "embedding rows").get_slice("weight"))
+
+
+def bundle_codebooks(folder: Path, contract: dict):
+    """A DFlash2 drafter bundle's selector codebook lookups (``contract["selector"]["file"]``; None without a
+    selector), read a row at a time."""
+    if not contract.get("selector"):
+        return None
+    tables = _bundle_file(folder / contract["selector"]["file"], "selector codebooks")
+    return tuple(table_lookup(tables.get_slice(f"candidate_selector.{side}_codebook"))
+                 for side in ("predecessor", "successor"))
+
+
+def _bundle_file(path: Path, what: str):
     if not path.is_file():
-        raise InputError(f"{path}: missing; the target's host contract looks its embedding rows up in it (rebuild "
-                         "the bundle)")
-    return table_lookup(safe_open(str(path), framework="np").get_slice("weight"))
+        raise InputError(f"{path}: missing; the bundle's host contract reads its {what} from it (rebuild the bundle)")
+    return safe_open(str(path), framework="np")
+
+
+@contextmanager
+def coreai_drafter(folder: Path, manifest, target_folder: Path) -> Iterator[object]:
+    """A drafter bundle's Core AI package as a runtime drives it under its host contract (none: the package itself):
+    an MTP head's embedding rows from the target bundle's table, a DFlash2 selector's codebooks from its own file."""
+    package = next((p for p in manifest.packages if p.format == "coreai"), None)
+    if package is None:
+        raise InputError(f"{folder}: no .aimodel package (built without the coreai backend); use --runtime torch")
+    contract = manifest.host_contract.model_dump() if manifest.host_contract else {}
+    with backends.load("coreai").open_session(folder / package.path) as session:
+        yield host_owned(session, session.specs(), contract, bundle_lookup(target_folder, contract), None,
+                         bundle_codebooks(folder, contract))
 
 
 @contextmanager

@@ -188,13 +188,16 @@ class MeteredFunctions(ModuleFunctions):
     def __init__(self, compute, shipped, side: str, log: list):
         super().__init__(compute)
         self.priced, self.side, self.log = priced_tensors(compute, shipped), side, log
+        # the ane layout's host buffers, priced at the dtype the shipped functions take them in
+        self.buffer_bytes = {t.name: _STATE_BYTES[t.dtype] for _, spec in shipped.functions.values()
+                             for t in spec.inputs if t.dtype in _STATE_BYTES}
 
     def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         with _ReadMeter(self.priced) as meter:
             out = super().call(function, inputs)
         read = meter.bytes_read()
         if isinstance(self.driven, HostOwned):  # the ane layout: the host's buffers are what the states would be
-            read["states"] += self.driven.buffer_bytes_read
+            read["states"] += sum(size * self.buffer_bytes[name] for name, size in self.driven.buffers_read.items())
         self.log.append((self.side, function, read))
         return out
 

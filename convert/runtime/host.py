@@ -30,8 +30,10 @@ import numpy as np
 import torch
 
 from convert.errors import InputError
-from convert.export.ane import history_mask_row, rope_rows
+from convert.export.ane import MASKED, history_mask_row, rope_rows
 from convert.export.quantized import embedding_rows
+from convert.export.spec import TORCH_DTYPES
+from convert.models.dflash2.core import selector_walk
 from convert.models.part import rung_name
 
 COMMIT = "commit-next-call"
@@ -132,30 +134,42 @@ class HostOwned:
     what its states would hold."""
 
     def __init__(self, functions: Functions, specs: dict, contract: dict, lookup=None,
-                 split_head: tuple[int, int] | None = None):
-        """``contract``: the target's; its buffers taken by no function of ``specs`` are left out. ``lookup``: the
-        embedding rows of ids (``ids -> rows``; ``table_lookup``, ``module_lookup``), for a package that takes the
-        host's rows. ``split_head``: the vocabulary rows of the head the package computes when it is a split head's
-        part (its ids count from the first; it returns ``max_logit`` for the host to merge the parts' ids)."""
+                 split_head: tuple[int, int] | None = None, codebooks=None):
+        """``contract``: the target's (or the drafter's); its buffers taken by no function of ``specs`` are left out.
+        ``lookup``: the embedding rows of ids (``ids -> rows``; ``table_lookup``, ``module_lookup``), for a package that
+        takes the host's rows. ``split_head``: the vocabulary rows of the head the package computes when it is a split
+        head's part (its ids count from the first; it returns ``max_logit`` for the host to merge the parts' ids).
+        ``codebooks``: a DFlash2 drafter's (predecessor, successor) codebook lookups, for its selector walk."""
         self.functions, self.specs, self.lookup, self.split_head = functions, specs, lookup, split_head
         inputs = {t.name: t for spec in specs.values() for t in spec.inputs}
+        outputs = {t.name for spec in specs.values() for t in spec.outputs}
         self.rules = {name: rule for name, rule in contract.get("buffers", {}).items() if name in inputs}
         self.positions = contract.get("positions") if set(inputs) & POSITION_INPUTS else None
         embedding = contract.get("embedding") or {}
         self.embedded = embedding.get("input") if embedding.get("input") in inputs else None
         self.commits = {count: names for count, names in contract.get("commits", {}).items() if names["mask"] in inputs}
         self.argmax = contract.get("argmax") == "host"
+        self.ids = contract.get("argmax_ids", "argmax_ids")
         self.ladder = contract.get("ladder", [])
-        self.buffer_bytes_read = 0  # the host buffers the last call took (what a package's states would be)
+        self.ring_masks = {name: window for name, window in contract.get("ring_masks", {}).items() if name in inputs}
+        selector = contract.get("selector")
+        self.selector = selector if selector and selector["projection"] in outputs else None
+        self.codebooks = codebooks
+        self.buffers_read: dict[str, int] = {}  # elements of each host buffer the last call took (its "states")
         self.buffers = {}  # each as large as the largest function takes it (a ladder's entries take leading rows)
         for name in self.rules:
             shapes = [t.shape for spec in specs.values() for t in spec.inputs if t.name == name]
             self.buffers[name] = np.zeros(max(shapes, key=np.prod), dtype=inputs[name].dtype)
+        # a ring's slots: the position each holds (-1: none yet), for the ring masks
+        ring = next((rule["ring"] for rule in self.rules.values() if rule.get("ring")), None)
+        self.slot_positions = None if ring is None else np.full(ring, -1, dtype=np.int64)
 
     def reset(self) -> None:
         self.functions.reset()
         for buffer in self.buffers.values():
             buffer[...] = 0
+        if self.slot_positions is not None:
+            self.slot_positions[...] = -1
 
     def states(self) -> dict[str, np.ndarray]:
         return dict(self.buffers)
@@ -167,19 +181,41 @@ class HostOwned:
         spec = self.specs[function]
         where = np.asarray(inputs["position_ids"]).reshape(-1).astype(np.int64) if "position_ids" in inputs else None
         taken = self.package_inputs(spec, inputs, where)
-        self.buffer_bytes_read = sum(taken[name].nbytes for name in self.rules if name in taken)
+        self.buffers_read = {name: taken[name].size for name in self.rules if name in taken}
         out = dict(self.functions.call(function, taken))
+        written = False
         for name, rule in self.rules.items():
             rows = out.pop(rule["rows"], None)
             if rows is not None:
                 write(self.buffers[name], np.asarray(rows), rule, where)
-        if self.argmax and "logits" in out:
+                written |= bool(rule.get("ring"))
+        if written:
+            self.slot_positions[where % len(self.slot_positions)] = where
+        if self.selector and self.selector["projection"] in out:
+            out.update(self.walk(spec, out, inputs))
+        elif self.argmax and "logits" in out:
             logits = np.asarray(out["logits"])  # argmax: the first of equal maxima, as the packages' own argmax
-            out["argmax_ids"] = logits.argmax(-1).astype(np.int32)
+            out[self.ids] = logits.argmax(-1).astype(np.int32)
             if self.split_head:
-                out["argmax_ids"] += self.split_head[0]
+                out[self.ids] += self.split_head[0]
                 out["max_logit"] = logits.max(-1)
         return out
+
+    def walk(self, spec, out: dict[str, np.ndarray], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A DFlash2 draft's selector walk (``contract["selector"]``) from its ``logits`` and projection and the
+        caller's ``anchor_id``, in the dtype the function returns its logits in (fp16 from a package: the arithmetic of
+        the stateful function's walk)."""
+        if self.codebooks is None:
+            raise HostContractError("the drafter's host walks its candidate selector, and no codebooks were given")
+        dtype = TORCH_DTYPES[next(t.dtype for t in spec.outputs if t.name == "logits")]
+        logits = torch.from_numpy(np.asarray(out["logits"])[0]).to(dtype)
+        projected = torch.from_numpy(np.asarray(out[self.selector["projection"]])[0]).to(dtype)
+        anchor = torch.as_tensor(np.asarray(inputs["anchor_id"]).reshape(-1)[:1].astype(np.int64))
+        predecessor, successor = (lambda ids, table=table: torch.from_numpy(
+            np.asarray(table(ids.reshape(-1).numpy()))).to(dtype).reshape(*ids.shape, -1) for table in self.codebooks)
+        ids, scores, _ = selector_walk(projected, logits, anchor, self.selector["top_k"], predecessor, successor)
+        return {self.selector["ids"]: ids.to(torch.int32).numpy()[None],
+                self.selector["scores"]: scores.float().numpy()[None]}
 
     def package_inputs(self, spec, inputs: dict[str, np.ndarray], where: np.ndarray | None) -> dict[str, np.ndarray]:
         """What ``spec``'s function takes: the caller's inputs, the buffers (a smaller ladder entry's: their leading
@@ -193,6 +229,8 @@ class HostOwned:
                 given[name] = np.ascontiguousarray(self.buffers[name][tuple(index)])
         if self.positions and where is not None:
             given.update(self.position_inputs(spec, where))
+        if self.ring_masks and where is not None:
+            given.update(self.ring_mask_inputs(spec, where))
         if self.embedded and given.get(self.embedded) is None:
             dtype = next(t.dtype for t in spec.inputs if t.name == self.embedded)
             given[self.embedded] = self.embedded_rows(np.asarray(inputs["input_ids"])).astype(dtype)
@@ -222,12 +260,28 @@ class HostOwned:
         dtypes the function takes them."""
         dtypes = {t.name: t.dtype for t in spec.inputs}
         shapes = {t.name: t.shape for t in spec.inputs}
-        if "rope_cos" not in dtypes:
-            return {}
-        cos, sin = rope_rows(torch.from_numpy(where), self.positions["rotary_dim"], self.positions["rope_theta"])
-        mask = history_mask_row(int(where[0]), shapes["history_mask"][1])
-        return {"rope_cos": cos.numpy().astype(dtypes["rope_cos"]), "rope_sin": sin.numpy().astype(dtypes["rope_sin"]),
-                "history_mask": mask.astype(dtypes["history_mask"])}
+        given = {}
+        if "rope_cos" in dtypes:
+            cos, sin = rope_rows(torch.from_numpy(where), self.positions["rotary_dim"], self.positions["rope_theta"])
+            given["rope_cos"], given["rope_sin"] = (cos.numpy().astype(dtypes["rope_cos"]),
+                                                    sin.numpy().astype(dtypes["rope_sin"]))
+        if "history_mask" in dtypes:
+            mask = history_mask_row(int(where[0]), shapes["history_mask"][1], self.positions.get("first_row", 0))
+            given["history_mask"] = mask.astype(dtypes["history_mask"])
+        return given
+
+    def ring_mask_inputs(self, spec, where: np.ndarray) -> dict[str, np.ndarray]:
+        """The ring masks [ring, S] (``contract["ring_masks"]``) of a call at positions ``where``: a slot is visible to
+        the query at position q when it holds a position below the call's first and, with a window, within it."""
+        held = self.slot_positions[:, None]
+        visible = (held >= 0) & (held < where[0])
+        masks = {}
+        for t in spec.inputs:
+            if t.name in self.ring_masks:
+                window = self.ring_masks[t.name]
+                seen = visible if window is None else visible & (where[None, :] - held < window)
+                masks[t.name] = np.broadcast_to(np.where(seen, 0.0, MASKED), t.shape).astype(t.dtype)
+        return masks
 
 
 POSITION_INPUTS = frozenset({"rope_cos", "rope_sin", "history_mask"})  # what the host computes from position_ids
@@ -266,13 +320,14 @@ DERIVED_INPUTS = {**dict.fromkeys(POSITION_INPUTS, "position_ids"), "commit_mask
 
 
 def host_owned(functions: Functions, specs: dict, contract: dict, lookup=None,
-               split_head: tuple[int, int] | None = None) -> Functions:
-    """``functions`` (one package's, with ``specs``) as a runtime drives them under the target's ``contract``: with
-    what the host owns of them (``HostOwned``: buffers, position inputs, the embedding lookup, the argmax), else
-    themselves (a package with states, or a part of one)."""
-    owned = HostOwned(functions, specs, contract, lookup, split_head)
+               split_head: tuple[int, int] | None = None, codebooks=None) -> Functions:
+    """``functions`` (one package's, with ``specs``) as a runtime drives them under the target's (or drafter's)
+    ``contract``: with what the host owns of them (``HostOwned``: buffers, position inputs, the embedding lookup, the
+    argmax, a ring's masks, a selector's walk), else themselves (a package with states, or a part of one)."""
+    owned = HostOwned(functions, specs, contract, lookup, split_head, codebooks)
     host_argmax = owned.argmax and any(t.name == "logits" for spec in specs.values() for t in spec.outputs)
-    return owned if owned.rules or owned.positions or owned.embedded or owned.commits or host_argmax else functions
+    served = owned.rules or owned.positions or owned.embedded or owned.commits or owned.ring_masks or owned.selector
+    return owned if served or host_argmax else functions
 
 
 def table_lookup(table):
@@ -290,12 +345,23 @@ def module_lookup(core):
     return lambda ids: torch.cat([embedding_rows(table, i, i + 1) for i in ids.tolist()]).numpy()
 
 
+def module_codebooks(core):
+    """A DFlash2 core's selector codebook lookups (predecessor, successor; None without a selector), as the bundle's
+    selector.safetensors holds them."""
+    selector = getattr(core, "candidate_selector", None)
+    if selector is None:
+        return None
+    return tuple(table_lookup(table.detach().numpy())
+                 for table in (selector.predecessor_codebook, selector.successor_codebook))
+
+
 def owned_as_modules(functions: Functions, specs: dict, modules) -> Functions:
     """``host_owned`` for the package (or the torch calls) of export ``modules``: their contract, the lookup in their
-    core's table, their part's split head."""
+    core's table, their part's split head, a DFlash2 core's codebooks."""
     part = getattr(modules.core, "part", None)  # a drafter's core has none
     split = part.head if part is not None and part.splits_head else None
-    return host_owned(functions, specs, getattr(modules, "contract", {}), module_lookup(modules.core), split)
+    return host_owned(functions, specs, modules.contract, module_lookup(modules.core), split,
+                      module_codebooks(modules.core))
 
 
 class ModuleFunctions:

@@ -26,22 +26,10 @@ class TargetModules(ExportModules):
     contract: dict  # the family's host contract (manifests.schema.HostContract): how a runtime drives the functions
 
     def call(self, name: str, input_ids=None, position_ids=None, **extra) -> dict[str, torch.Tensor]:
-        """Run function ``name`` in torch on the shared states; returns every core output, logits included
-        (the checks and gates read logits even when the shipped function does not return them). ``extra``: the
-        function's other inputs by name (a hybrid target's ``accept`` and ``valid``, a part's ``hidden_states``)."""
-        module, spec = self.functions[name]
+        """Run function ``name`` in torch on the shared states (``call_with``). ``extra``: the function's other
+        inputs by name (a hybrid target's ``accept`` and ``valid``, a part's ``hidden_states``)."""
         given = {k: v for k, v in (("input_ids", input_ids), ("position_ids", position_ids)) if v is not None}
-        given.update(extra)
-        if set(given) != {t.name for t in spec.inputs}:
-            raise ValueError(f"{name} takes inputs {[t.name for t in spec.inputs]}, got {sorted(given)}")
-        tensors = []
-        for t in spec.inputs:
-            value = torch.as_tensor(given[t.name]).to(TORCH_DTYPES[t.dtype]).reshape(-1)
-            if value.numel() != torch.Size(t.shape).numel():
-                raise ValueError(f"{name} takes {t.name} of shape {list(t.shape)}, got {value.numel()} values")
-            tensors.append(value.reshape(t.shape))
-        with torch.no_grad():
-            return module.produce(*tensors)
+        return self.call_with(name, {**given, **extra})
 
 
 def build_modules(args, target: Target, tensors: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -44,10 +44,12 @@ backends take a state to be a buffer the function writes in place (a buffer that
 constant by torch.export); so the draft writes one row of each state back unchanged (``_touch``).
 """
 
+from convert.models.dflash2.ane import host_contract
 from convert.models.dflash2.checkpoint import checkpoint_files, load_checkpoint, sanitize
 from convert.models.dflash2.config import DFlash2Args
 from convert.models.dflash2.export import build_modules, function_specs
 from convert.models.dflash2.reference import DFlash2Reference
 
-__all__ = ["DFlash2Args", "DFlash2Reference", "build_modules", "checkpoint_files", "function_specs", "load_checkpoint",
+__all__ = ["DFlash2Args", "DFlash2Reference", "build_modules", "checkpoint_files", "function_specs", "host_contract",
+           "load_checkpoint",
            "sanitize"]

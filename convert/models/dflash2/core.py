@@ -109,23 +109,41 @@ class CandidateSelector(nn.Module):
     def scores(self, projected, unary, candidates, predecessors):
         """``unary + successor[cand] @ (predecessor[pred] * projected)``: projected [..., rank], unary and candidates
         [..., k], predecessors [...] -> [..., k]."""
-        context = F.embedding(predecessors, self.predecessor_codebook) * projected
-        successors = F.embedding(candidates, self.successor_codebook)
-        return unary + (successors @ context.unsqueeze(-1)).squeeze(-1)
+        return selector_scores(projected, unary, candidates, predecessors, *self.codebook_lookups())
+
+    def codebook_lookups(self):
+        """The (predecessor, successor) codebooks' rows of ids, as ``selector_walk`` takes them."""
+        return (lambda ids: F.embedding(ids, self.predecessor_codebook),
+                lambda ids: F.embedding(ids, self.successor_codebook))
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, rows: int):
         """Greedy walk from ``anchor`` [1] over ``rows`` rows of hidden [n, H] and logits [n, V] -> ids [n],
-        scores [n, k], candidates [n, k]. Unrolled (``rows`` is a Python int, never read from a shape), each step on
-        [1, ...] slices, so the export core uses it as is."""
-        unary, candidates = torch.topk(logits, self.top_k, dim=-1)
+        scores [n, k], candidates [n, k] (``selector_walk``, in the graph)."""
         projected = self.hidden_projection(hidden)
-        predecessor, ids, scores = anchor, [], []
-        for i in range(rows):
-            s = self.scores(projected[i:i + 1], unary[i:i + 1], candidates[i:i + 1], predecessor)
-            predecessor = torch.gather(candidates[i:i + 1], 1, s.argmax(-1, keepdim=True))[:, 0]
-            ids.append(predecessor)
-            scores.append(s)
-        return torch.cat(ids), torch.cat(scores), candidates
+        return selector_walk(projected, logits, anchor, self.top_k, *self.codebook_lookups(), rows)
+
+
+def selector_scores(projected, unary, candidates, predecessors, predecessor_rows, successor_rows):
+    """``unary + successor[cand] @ (predecessor[pred] * projected)`` with the codebooks' rows from the lookups."""
+    context = predecessor_rows(predecessors) * projected
+    return unary + (successor_rows(candidates) @ context.unsqueeze(-1)).squeeze(-1)
+
+
+def selector_walk(projected, logits, anchor, top_k: int, predecessor_rows, successor_rows, rows: int | None = None):
+    """The candidate selector's greedy walk from ``anchor`` [1] over the rows of ``projected`` [n, rank] (the hidden
+    rows' projection) and ``logits`` [n, V]: ids [n], scores [n, k], candidates [n, k]. The stateful draft computes it
+    in its graph; the ane layout's host computes it from the draft's outputs (``convert.runtime.host.HostOwned.walk``),
+    with the codebooks' rows from the bundle's selector.safetensors. Unrolled (``rows``, default ``n``, a Python int
+    never read from a shape in the graph), each step on [1, ...] slices."""
+    unary, candidates = torch.topk(logits, top_k, dim=-1)
+    predecessor, ids, scores = anchor, [], []
+    for i in range(len(logits) if rows is None else rows):
+        s = selector_scores(projected[i:i + 1], unary[i:i + 1], candidates[i:i + 1], predecessor, predecessor_rows,
+                            successor_rows)
+        predecessor = torch.gather(candidates[i:i + 1], 1, s.argmax(-1, keepdim=True))[:, 0]
+        ids.append(predecessor)
+        scores.append(s)
+    return torch.cat(ids), torch.cat(scores), candidates
 
 
 class DFlash2Weights(nn.Module):

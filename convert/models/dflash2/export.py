@@ -10,21 +10,23 @@ import torch
 from convert.errors import InputError
 from convert.export.functions import ExportModules, FunctionModule, parameters_on_meta
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
+from convert.models.dflash2.ane import PROJECTED, RING, DFlash2AneCore, host_contract, ring_mask_name
 from convert.models.dflash2.config import DFlash2Args
 from convert.models.dflash2.core import DFlash2Core
 
 
 class DrafterFunction(FunctionModule):
-    """A FunctionModule that calls one entry of the shared core (``context`` or ``draft``); the core is stored under
-    ``core`` in every function, so parameter names (and the package's weights) are shared."""
+    """A FunctionModule that calls one entry of the shared core (``context`` or ``draft``) with its inputs and states
+    by name; the core is stored under ``core`` in every function, so parameter names (and the package's weights) are
+    shared."""
 
     def __init__(self, core: DFlash2Core, spec: FunctionSpec, states: dict[str, torch.Tensor], entry: str):
         super().__init__(core, spec, states)
         self.entry = entry
 
-    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        produced = getattr(self.core, self.entry)(*inputs, *(getattr(self, s.name) for s in self.spec.states))
-        return tuple(produced[o.name] for o in self.spec.outputs)
+    def produce(self, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        named = {t.name: value for t, value in zip(self.spec.inputs, inputs, strict=True)}
+        return getattr(self.core, self.entry)(**named, **{s.name: getattr(self, s.name) for s in self.spec.states})
 
 
 ENTRIES = {"context_update": "context", "context_append": "context", "draft": "draft"}
@@ -32,13 +34,16 @@ ENTRIES = {"context_update": "context", "context_append": "context", "draft": "d
 
 def function_specs(args: DFlash2Args, update_width: int = 64, append_width: int = 8, ring_rows: int = 2048,
                    dtype: torch.dtype = torch.float16, draft_width: int | None = None,
-                   logits: bool = False) -> list[FunctionSpec]:
-    """context_update / context_append (write context rows into the ring) and draft, sharing the ring states."""
+                   logits: bool = False, layout: str = "stateful") -> list[FunctionSpec]:
+    """context_update / context_append (write context rows into the ring) and draft, sharing the ring states; in the
+    ane layout (``convert/models/dflash2/ane.py``) over the host's ring instead."""
     draft_width = draft_width or args.block_size
     if not 2 <= draft_width <= args.block_size:
         raise InputError(f"draft width {draft_width} must be in 2..block_size ({args.block_size})")
     if ring_rows < max(update_width, append_width):
         raise InputError(f"ring rows {ring_rows} must hold one context chunk ({max(update_width, append_width)} rows)")
+    if layout == "ane":
+        return _ane_specs(args, update_width, append_width, ring_rows, DTYPE_NAMES[dtype], draft_width)
     fdtype = DTYPE_NAMES[dtype]
     ring = (args.num_hidden_layers, args.num_key_value_heads, ring_rows, args.head_dim)
     states = (TensorSpec("ring_keys", ring, fdtype), TensorSpec("ring_values", ring, fdtype),
@@ -58,34 +63,47 @@ def function_specs(args: DFlash2Args, update_width: int = 64, append_width: int 
     return specs
 
 
+def _ane_specs(args: DFlash2Args, update_width: int, append_width: int, ring_rows: int, fdtype: str,
+               draft_width: int) -> list[FunctionSpec]:
+    ring = (args.num_hidden_layers, args.num_key_value_heads, ring_rows, args.head_dim)
+
+    def rope(width: int) -> tuple[TensorSpec, ...]:
+        return (TensorSpec("rope_cos", (width, args.head_dim // 2), fdtype),
+                TensorSpec("rope_sin", (width, args.head_dim // 2), fdtype))
+
+    specs = []
+    for name, width in (("context_update", update_width), ("context_append", append_width)):
+        rows = (args.num_hidden_layers, args.num_key_value_heads, width, args.head_dim)
+        specs.append(FunctionSpec(name, (TensorSpec("taps", (1, width, args.feature_size), fdtype), *rope(width)),
+                                  tuple(TensorSpec(out, rows, fdtype) for out in RING.values()), ()))
+    masks = tuple(TensorSpec(ring_mask_name(w), (ring_rows, draft_width), fdtype)
+                  for w in dict.fromkeys(args.layer_windows))
+    inputs = (TensorSpec("anchor_embedding", (1, 1, args.hidden_size), fdtype), *rope(draft_width),
+              *(TensorSpec(buffer, ring, fdtype) for buffer in RING), *masks)
+    outputs = [TensorSpec("logits", (1, draft_width - 1, args.vocab_size), fdtype)]
+    if args.has_selector:
+        outputs.append(TensorSpec(PROJECTED, (1, draft_width - 1, args.selector_rank), fdtype))
+    specs.append(FunctionSpec("draft", inputs, tuple(outputs), ()))
+    return specs
+
+
 @dataclass
 class DrafterModules(ExportModules):
     core: DFlash2Core
 
     def call(self, name: str, **inputs) -> dict[str, torch.Tensor]:
-        """Run function ``name`` in torch on the shared states with inputs by name (arrays or tensors, cast to the
-        spec's dtypes); returns every core output (``logits`` and ``selector_scores`` included)."""
-        module, spec = self.functions[name]
-        if set(inputs) != {t.name for t in spec.inputs}:
-            raise ValueError(f"{name} takes inputs {[t.name for t in spec.inputs]}, got {sorted(inputs)}")
-        dtypes = {"int32": torch.int32, "float16": torch.float16, "float32": torch.float32}
-        tensors = []
-        for t in spec.inputs:
-            value = torch.as_tensor(inputs[t.name]).to(dtypes[t.dtype])
-            if tuple(value.shape) != t.shape:
-                raise ValueError(f"{name} takes {t.name} of shape {list(t.shape)}, got {list(value.shape)}")
-            tensors.append(value)
-        with torch.no_grad():
-            return getattr(self.core, module.entry)(*tensors, *(getattr(module, s.name) for s in spec.states))
+        """Run function ``name`` in torch on the shared states with inputs by name (``call_with``); returns every
+        core output (``logits`` and ``selector_scores`` included)."""
+        return self.call_with(name, inputs)
 
 
 def build_modules(args: DFlash2Args, tensors: dict[str, torch.Tensor], lm_head_weight: torch.Tensor,
                   mask_embedding: torch.Tensor, dtype: torch.dtype, max_positions: int, ring_rows: int = 2048,
                   update_width: int = 64, append_width: int = 8, mask_scale: float = 1.0,
-                  draft_width: int | None = None, logits: bool = False) -> DrafterModules:
+                  draft_width: int | None = None, logits: bool = False, layout: str = "stateful") -> DrafterModules:
     """Export modules in ``dtype`` over one core (drafter ``tensors`` by canonical key, each taken out of the dict as
     it is set; the target's ``lm_head`` weight [vocab, H], shared when it is in ``dtype``, and raw mask row [H], scaled
-    here by ``mask_scale``) and one set of ring states.
+    here by ``mask_scale``) and one set of ring states (none in the ane ``layout``: the host's ring).
 
     ``max_positions`` sizes the fp32 RoPE tables: context rows and block anchors must sit below it (a block
     starting at ``max_positions - 1`` still fits). ``logits`` adds the [1, S-1, vocab] logits output to ``draft``.
@@ -94,11 +112,11 @@ def build_modules(args: DFlash2Args, tensors: dict[str, torch.Tensor], lm_head_w
                                 ("mask embedding row", mask_embedding, (args.hidden_size,))):
         if tuple(tensor.shape) != shape:
             raise InputError(f"the target's {name} is {list(tensor.shape)}; this drafter needs {list(shape)}")
-    specs = function_specs(args, update_width, append_width, ring_rows, dtype, draft_width, logits)
+    specs = function_specs(args, update_width, append_width, ring_rows, dtype, draft_width, logits, layout)
     # the parameters on meta until the checkpoint's fill them (no core made in fp32 first); the fp32 RoPE tables are
     # cast with the core: the same values as a lookup in fp32 followed by the cast
     with parameters_on_meta():
-        core = DFlash2Core(args, ring_rows, max_positions, draft_width)
+        core = (DFlash2AneCore if layout == "ane" else DFlash2Core)(args, ring_rows, max_positions, draft_width)
     core = core.to(dtype).eval()
     core.load_weights(tensors)
     core.set_target(lm_head_weight, mask_embedding, mask_scale)
@@ -106,4 +124,5 @@ def build_modules(args: DFlash2Args, tensors: dict[str, torch.Tensor], lm_head_w
         p.requires_grad_(False)
     states = {s.name: torch.zeros(s.shape, dtype=dtype) for s in specs[0].states}
     functions = {s.name: (DrafterFunction(core, s, states, ENTRIES[s.name]), s) for s in specs}
-    return DrafterModules(core=core, functions=functions)
+    contract = host_contract(args, ring_rows) if layout == "ane" else {}
+    return DrafterModules(core=core, functions=functions, contract=contract)

@@ -59,6 +59,7 @@ same attention. Rollback is positional, as for the target: rows past the query a
 next ``accept`` overwrites the rows ``draft_step`` wrote.
 """
 
+from convert.models.mtp.ane import host_contract
 from convert.models.mtp.checkpoint import expected_shapes, load_head, sanitize
 from convert.models.mtp.config import DRAFT_STEPS, MTPArgs
 from convert.models.mtp.core import MTPCore
@@ -66,4 +67,4 @@ from convert.models.mtp.export import build_modules, build_reference, function_s
 from convert.models.mtp.reference import MTPReference
 
 __all__ = ["DRAFT_STEPS", "MTPArgs", "MTPCore", "MTPReference", "build_modules", "build_reference", "expected_shapes",
-           "function_specs", "load_head", "sanitize"]
+           "function_specs", "host_contract", "load_head", "sanitize"]

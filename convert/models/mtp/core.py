@@ -85,7 +85,9 @@ class MTPCore(MTPHead):
         # cos/sin over the rotary dims only (inv_freq as transformers' compute_default_rope_parameters), fp32
         register_positions(self, args.rotary_dim, args.rope_theta, context, args.num_key_value_heads)
 
-    def forward(self, input_ids, hidden, position_ids, key_cache, value_cache):
+    def forward(self, input_ids, hidden, position_ids, key_cache, value_cache, *, width: int | None = None):
+        """``width``: the function's, which the ane core needs (``NamedFunction`` passes it); the positions give it
+        here."""
         x = self.fused_input(input_ids[0].long(), hidden[0])  # [S, H]
         hidden_out = self.norm(self.decoder(x, position_ids, key_cache, value_cache))
         logits = self.lm_head(hidden_out)[None]

@@ -8,12 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from convert.errors import InputError
-from convert.export.functions import ExportModules, FunctionModule, parameters_on_meta
+from convert.export.functions import ExportModules, NamedFunction, parameters_on_meta
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
+from convert.models.mtp.ane import EMBEDDED, MTPAneCore, host_contract
 from convert.models.mtp.checkpoint import HeadWeights, borrowed_tables
 from convert.models.mtp.config import DRAFT_STEPS, STATE_NAMES, MTPArgs
 from convert.models.mtp.core import MTPCore
 from convert.models.mtp.reference import MTPReference
+from convert.models.qwen3.config import HISTORY
 
 
 def function_specs(
@@ -22,23 +24,40 @@ def function_specs(
     context: int = 2048,
     dtype: torch.dtype = torch.float16,
     logits: bool = False,
+    layout: str = "stateful",
 ) -> list[FunctionSpec]:
-    """``accept`` (S = draft_steps + 1) and ``draft_step`` (S = 1): same inputs, outputs and states."""
+    """``accept`` (S = draft_steps + 1) and ``draft_step`` (S = 1): same inputs, outputs and states. In the ane layout
+    (``convert/models/mtp/ane.py``) they take the host's rows, position inputs and history and return logits and the
+    call's KV rows instead."""
     if draft_steps < 1:
         raise InputError(f"draft steps must be at least 1, got {draft_steps}")
     fdtype = DTYPE_NAMES[dtype]
     cache = (args.mtp_layers, args.num_key_value_heads, context, args.head_dim)
-    states = tuple(TensorSpec(name, cache, fdtype) for name in STATE_NAMES)
+    ane = layout == "ane"
+    states = () if ane else tuple(TensorSpec(name, cache, fdtype) for name in STATE_NAMES)
     specs = []
     for name, width in (("accept", draft_steps + 1), ("draft_step", 1)):
+        rows = (1, width, args.hidden_size)
+        if ane:
+            rope = (width, args.rotary_dim // 2)
+            inputs = (TensorSpec(EMBEDDED, rows, fdtype), TensorSpec("hidden", rows, fdtype),
+                      TensorSpec("rope_cos", rope, fdtype), TensorSpec("rope_sin", rope, fdtype),
+                      TensorSpec("history_mask", (1, context), fdtype),
+                      *(TensorSpec(buffer, cache, fdtype) for buffer in HISTORY))
+            new_rows = (args.mtp_layers, args.num_key_value_heads, width, args.head_dim)
+            outputs = (TensorSpec("logits", (1, width, args.vocab_size), fdtype),
+                       TensorSpec("hidden_out", rows, fdtype),
+                       *(TensorSpec(out, new_rows, fdtype) for out in HISTORY.values()))
+            specs.append(FunctionSpec(name=name, inputs=inputs, outputs=outputs, states=states))
+            continue
         inputs = (
             TensorSpec("input_ids", (1, width), "int32"),
-            TensorSpec("hidden", (1, width, args.hidden_size), fdtype),
+            TensorSpec("hidden", rows, fdtype),
             TensorSpec("position_ids", (1, width), "int32"),
         )
         outputs = [
             TensorSpec("draft_ids", (1, width), "int32"),
-            TensorSpec("hidden_out", (1, width, args.hidden_size), fdtype),
+            TensorSpec("hidden_out", rows, fdtype),
         ]
         if logits:
             outputs.append(TensorSpec("logits", (1, width, args.vocab_size), fdtype))
@@ -50,20 +69,12 @@ def function_specs(
 class MTPModules(ExportModules):
     core: MTPCore
 
-    def call(self, name: str, input_ids, hidden, position_ids) -> dict[str, torch.Tensor]:
-        """Run function ``name`` in torch on the shared states; returns every core output, logits included."""
-        module, spec = self.functions[name]
-        dtype = self.core.compute_dtype
-        ids = torch.as_tensor(input_ids, dtype=torch.int32).reshape(1, -1)
-        hid = torch.as_tensor(hidden).to(dtype).reshape(1, -1, self.core.args.hidden_size)
-        pos = torch.as_tensor(position_ids, dtype=torch.int32).reshape(1, -1)
-        if ids.shape != spec.inputs[0].shape or hid.shape != spec.inputs[1].shape or pos.shape != ids.shape:
-            raise ValueError(
-                f"{name} takes input_ids/position_ids {list(spec.inputs[0].shape)} and hidden "
-                f"{list(spec.inputs[1].shape)}, got {list(ids.shape)}, {list(pos.shape)}, {list(hid.shape)}"
-            )
-        with torch.no_grad():
-            return module.core(ids, hid, pos, *(getattr(module, s.name) for s in spec.states))
+    def call(self, name: str, input_ids=None, hidden=None, position_ids=None, **extra) -> dict[str, torch.Tensor]:
+        """Run function ``name`` in torch on the shared states (``call_with``): the stateful functions' ids, hidden
+        rows and positions, or the ane functions' inputs by name (``extra``)."""
+        given = {k: v for k, v in (("input_ids", input_ids), ("hidden", hidden), ("position_ids", position_ids))
+                 if v is not None}
+        return self.call_with(name, {**given, **extra})
 
 
 def build_modules(
@@ -74,20 +85,22 @@ def build_modules(
     draft_steps: int = DRAFT_STEPS,
     dtype: torch.dtype = torch.float16,
     logits: bool = False,
+    layout: str = "stateful",
 ) -> MTPModules:
     """Export modules in ``dtype`` over one core (the head's weights and the borrowed target tables, once) and one
-    pair of KV states; ``target_tensors`` needs the target's ``model.embed_tokens.weight`` and ``lm_head.weight``."""
+    pair of KV states (none in the ane ``layout``: the host's history, ``convert/models/mtp/ane.py``);
+    ``target_tensors`` needs the target's ``model.embed_tokens.weight`` and ``lm_head.weight``."""
     embed_tokens, lm_head = borrowed_tables(args, head, target_tensors)
     with parameters_on_meta():  # filled by load_weights in dtype: no core made in fp32 first
-        core = MTPCore(args, context)
+        core = (MTPAneCore if layout == "ane" else MTPCore)(args, context)
     core = core.to(dtype).eval()  # the buffers (fp32 RoPE tables cast with the core)
     core.load_weights(head, embed_tokens, lm_head)
     for p in core.parameters():
         p.requires_grad_(False)
-    specs = function_specs(args, draft_steps, context, dtype, logits)
+    specs = function_specs(args, draft_steps, context, dtype, logits, layout)
     states = {s.name: torch.zeros(s.shape, dtype=dtype) for s in specs[0].states}
-    functions = {s.name: (FunctionModule(core, s, states), s) for s in specs}
-    return MTPModules(core=core, functions=functions)
+    functions = {s.name: (NamedFunction(core, s, states), s) for s in specs}
+    return MTPModules(core=core, functions=functions, contract=host_contract(args) if layout == "ane" else {})
 
 
 def build_reference(
