@@ -22,35 +22,45 @@ def dry_run(recipe: Path):
 
 
 def test_dflash2_27b_plans_from_its_contract():
+    """The headline pair in the ane layout (target and drafter), as anemll-forge ships it: the target at forge's
+    largest context with its ladder, every host buffer with its bytes, and what the lint expects of the planned
+    shapes (the target's parts none; the drafter's draft returns the whole vocabulary's logits)."""
     result = dry_run(RECIPES / "dflash2_27b.yaml")
     assert result.exit_code == 0, result.output
     out = result.output
     assert "planned from the recipe's contracts" in out
-    assert "outputs: argmax_ids [1, 8] int32, taps [1, 8, 25600] float16" in out  # 5 taps x hidden 5120
-    assert "anchor_embedding [1, 1, 5120] float16" in out and "draft_ids [1, 7] int32" in out
-    assert "ring_keys [5, 8, 2048, 128] float16" in out and "ring_laps [1, 2048] float16" in out
-    assert "taps [1, 64, 25600] float16, position_ids [1, 64] int32" in out  # context_update width 64
+    assert "outputs: taps [1, 8, 25600] float16, logits [1, 8, 248320] float16" in out  # 5 taps x hidden 5120
+    assert "ladder: entries at 8,192, 16,384, 32,768 beside 65,472 positions" in out
+    assert "host buffers: 4174.4 MiB in all, owned and written by the host (layout ane)" in out
+    assert "placement lint of the planned shapes: no finding" in out  # the target's parts
+    assert "anchor_embedding [1, 1, 5120] float16, rope_cos [8, 64] float16" in out
+    assert "outputs: logits [1, 7, 248320] float16, selector_projected [1, 7, 256] float16" in out  # the host walks
+    assert "ring_keys [5, 8, 2048, 128] float16: 20.00 MiB" in out and "ring_mask_2048 [2048, 8] float16" in out
+    assert "host buffers: 40.0 MiB in all" in out
+    assert "taps [1, 64, 25600] float16, rope_cos [64, 64] float16" in out  # context_update width 64
+    assert ("placement lint of the planned shapes: 1 findings (the ops are linted when packaged)\n"
+            "      draft: logits [1, 7, 248320] has a dim over the ANE's 65,536") in out
     assert "mask id 248070, 5 sliding layers (windows [2048])" in out
     assert "parameters: 1,924,404,480" in out  # the published 3.85 GB of bf16
     assert "parameters: 26,895,998,464" in out and "about 50.10 GiB of fp16 weights each" in out  # the target
     # the measured cost model: 48 x 16.1 s + 16 x 13.4 s + 5.2 s + 3.7 s at 128 x 2048 tokens = 16.6 min
     assert "estimated quantize time (lut4-gptq, 128 x 2048 calibration tokens): 17 min on one H200" in out
     # parts under the default 2000 MB and packaged within the default 16 GB (convert/pipeline/partition.py's measured
-    # cost per weight, beside the build process's base): each vocabulary table whole, 7 decoder layers (7 x ~383 M
-    # weights) a part
-    assert "parts: 12 (target.max_part_mb 2000, target.max_host_memory_gb 16), chained by the host" in out
+    # cost per weight, beside the build process's base): 7 decoder layers (7 x ~383 M weights) a part, the first
+    # beside the host's embedding table, the head in 4 parts of at most 65,536 rows (a logit a row)
+    assert "parts: 14 (target.max_part_mb 2000, target.max_host_memory_gb 16), chained by the host" in out
     # which bound chose them: 10 layers (10 x ~185 MB) fit the device's 2000 MB, but the host packages 7
     assert "layer chunks: 7 layers from the first, set by the host memory bound (the device's 2000 MB alone: 10; " \
         "host memory alone: 7, packaging about 5 bytes a layer weight within 12.67 GiB)" in out
-    assert "tables: 1 part each, set by the device bound (device alone: 1; host memory alone: 1" in out
-    assert "embed: embedding rows 0..248319: 606.72 MiB (packaging about 11.3 GB)" in out
-    assert "layers-0-6: layers 0..6, taps [5]: 1.25 GiB (packaging about 15.8 GB)" in out
-    assert "layers-63-63: layers 63..63: 178.71 MiB" in out
-    assert "head: norm + lm_head rows 0..248319: 606.73 MiB" in out
-    # the target's stages fit (15.8 GB); the drafter stage, planned from the drafter's contract, does not
-    assert "estimated peak host memory: 22.1 GB (target.max_host_memory_gb 16)" in out
-    assert ("estimated drafter stage: 22.1 GB (its largest phase, accept: the target (its quantized weights as "
-            "packed codes) 12.58 GiB, the drafter 5.61 GiB, 1 session of prompts run at once, its states 1.24 GiB)") \
+    assert "tables: 4 parts each, set by the device bound (device alone: 4, at most 65,536 rows a head part" in out
+    assert "layers-0-5: the host's embedding table (not packaged), layers 0..5, taps [5]: 1.08 GiB (packaging " \
+        "about 14.5 GB)" in out
+    assert "layers-62-63: layers 62..63: 369.79 MiB" in out
+    assert "head-1of4: norm + lm_head rows 0..62079: 151.69 MiB" in out
+    # the drafter stage's fp32 sessions hold the host's buffers at the whole context (4.08 GiB in fp16)
+    assert "estimated peak host memory: 29.6 GB (target.max_host_memory_gb 16)" in out
+    assert ("estimated drafter stage: 29.6 GB (its largest phase, accept: the target (its quantized weights as "
+            "packed codes) 12.58 GiB, the drafter 5.61 GiB, 1 session of prompts run at once, its states 8.23 GiB)") \
         in out
 
 
@@ -65,10 +75,12 @@ def test_bonsai2_27b_plans_the_exact_pack_from_its_contract():
     assert "estimated drafter stage: 16.0 GB (its largest phase, accept: the target (its quantized weights as " \
         "packed codes) 6.90 GiB" in out
     assert "parameters: 26,895,998,464" in out
-    assert "shipped weights: 6.70 GiB per format (2.14 bits a parameter; 50.10 GiB in fp16)" in out
+    # the packages' weights: the embedding table is the host's in the ane layout (6.70 GiB with it, stateful)
+    assert "shipped weights: 6.38 GiB per format (2.04 bits a parameter; 50.10 GiB in fp16)" in out
     assert "rotations (block 1024, butterflies): 402 signed Hadamard transforms a token over 2,910,208 features: " \
         "34,922,496 additions and multiplications a token, 0.14% of the linears' 25,598,361,600 multiply-adds" in out
-    assert "parts: 12 (target.max_part_mb 2000" in out and "estimated quantize time" not in out
+    assert "parts: 14 (target.max_part_mb 2000" in out and "estimated quantize time" not in out
+    assert "host buffers: 594.4 MiB in all" in out and "layout ane" in out
     assert "drafter dflash2 hf://ProCreations/Ternary-Bonsai-2-27B-DFlash2@4cfb6ad" in out
 
 
@@ -91,30 +103,29 @@ def test_the_quantize_estimate_scales_with_the_calibration_tokens(tmp_path):
 
 
 @pytest.mark.parametrize("recipe", ["dflash2_27b.yaml", "qwen3_mtp_27b.yaml"])
-def test_release_targets_plan_the_hybrid_functions_and_states(recipe):
-    """The contract pins Qwen3.8-27B's text_config: 48 Gated DeltaNet + 16 attention layers, every state with its
-    bytes (KV for the attention layers only; conv, recurrent and pending rows per GDN layer)."""
+def test_release_targets_plan_the_hybrid_functions_and_buffers(recipe):
+    """The contract pins Qwen3.8-27B's text_config: 48 Gated DeltaNet + 16 attention layers, every host buffer with
+    its bytes (KV history for the attention layers only; conv, recurrent and pending rows per GDN layer)."""
     out = dry_run(RECIPES / recipe).output
     verify = 8 if recipe == "dflash2_27b.yaml" else 3
     assert "(48 Gated DeltaNet L, 16 gated attention F)" in out
-    assert "inputs:  input_ids [1, 64] int32, position_ids [1, 64] int32, accept [1] int32, valid [1] int32" in out
-    assert f"inputs:  input_ids [1, {verify}] int32, position_ids [1, {verify}] int32, accept [1] int32" in out
-    assert "key_cache [16, 4, 8192, 256] float16: 256.00 MiB" in out
+    assert "inputs:  hidden_states [1, 64, 5120] float16, rope_cos [64, 32] float16, rope_sin [64, 32] float16, " \
+        "history_mask [1, 65472] float16" in out
+    assert f"inputs:  hidden_states [1, {verify}, 5120] float16, rope_cos [{verify}, 32] float16" in out
+    assert "key_history [16, 4, 65472, 256] float16: 2.00 GiB" in out
     assert "conv_state [48, 3, 10240] float16: 2.81 MiB" in out
     assert "recurrent_state [48, 48, 128, 128] float16: 72.00 MiB" in out
     assert f"pending_qkv [48, {verify}, 10240] float16" in out and f"pending_ba [48, {verify}, 96] float16" in out
 
 
 def test_the_27b_target_plans_the_ane_layout_with_its_ladder(tmp_path):
-    """dflash2_27b's target alone in the ane layout at forge's largest context, with a ladder: every entry's history,
-    the host's buffers and table, head parts within the ANE's 65,536 rows, and no lint finding in the planned shapes
-    (the stateful plan's states are findings)."""
+    """dflash2_27b's target alone (ane, at forge's largest context, with a ladder): every entry's history, the host's
+    buffers and table, head parts within the ANE's 65,536 rows, and no lint finding in the planned shapes (the
+    stateful plan's states are findings)."""
     text = (RECIPES / "dflash2_27b.yaml").read_text()
     target = text[: text.index("\ndrafter:")] + "\n"
-    assert "  context: 8192\n" in target
     recipe = tmp_path / "ane.yaml"
-    recipe.write_text(target.replace("  context: 8192\n", "  context: 65472\n  layout: ane\n"
-                                                          "  ladder: [8192, 16384, 32768]\n"))
+    recipe.write_text(target)
     result = dry_run(recipe)
     assert result.exit_code == 0, result.output
     out = " ".join(result.output.split())
@@ -130,7 +141,8 @@ def test_the_27b_target_plans_the_ane_layout_with_its_ladder(tmp_path):
     assert "head-1of4: norm + lm_head rows 0..62079" in out and "head-4of4: norm + lm_head rows 186240..248319" in out
     assert "placement lint of the planned shapes: no finding" in out
     stateful = tmp_path / "stateful.yaml"
-    stateful.write_text(target)
+    lines = [line for line in target.splitlines(keepends=True) if not line.startswith(("  layout:", "  ladder:"))]
+    stateful.write_text("".join(lines).replace("  context: 65472", "  context: 8192"))
     assert "placement lint of the planned shapes: 30 findings" in " ".join(dry_run(stateful).output.split())
 
 
@@ -139,9 +151,12 @@ def test_qwen3_mtp_27b_plans_from_its_contract():
     assert result.exit_code == 0, result.output
     assert "drafter mtp hf://Qwen/Qwen3.8-27B@1d4bf0f (its own mtp.* tensors)" in result.output
     assert "parameters: 424,699,392" in result.output  # fc, one gated attention layer, MLP: the target's geometry
-    assert "key_cache [1, 4, 8192, 256] float16: 16.00 MiB" in result.output
-    assert "hidden [1, 3, 5120] float16" in result.output
-    assert "accept" in result.output and "draft_ids [1, 3] int32, hidden_out [1, 3, 5120] float16" in result.output
+    assert "key_history [1, 4, 65472, 256] float16: 127.88 MiB" in result.output  # the head's own, the host's
+    assert "token_embeddings [1, 3, 5120] float16, hidden [1, 3, 5120] float16, rope_cos [3, 32] float16" in \
+        result.output
+    assert "outputs: logits [1, 3, 248320] float16, hidden_out [1, 3, 5120] float16, key_rows [1, 4, 3, 256]" in \
+        result.output
+    assert "accept: logits [1, 3, 248320] has a dim over the ANE's 65,536" in result.output
 
 
 @pytest.mark.parametrize("recipe", ["dflash2_27b.yaml", "qwen3_mtp_27b.yaml"])
