@@ -9,9 +9,13 @@ writes into its buffers after it (the ane layout's rows and states). In the ane 
 call's embedding rows (the ``hidden_states`` input) and takes the argmax of the ``logits`` output: both are counted
 in the call's inputs and outputs.
 
+The drafters likewise: the dense fixture pairs (``recipes/tiny_qwen3_dflash2.yaml``, ``recipes/tiny_qwen3_mtp.yaml``)
+built with target and drafter in each layout, their drafter packages read back the same way.
+
 It then computes the same per-call figures for Qwen3.8-27B, the release target (``recipes/dflash2_27b.yaml``'s
-target contract: 48 Gated DeltaNet and 16 attention layers, context 8192), from the functions both layouts would
-export at that geometry (nothing is built).
+target contract: 48 Gated DeltaNet and 16 attention layers, context 8192), and for the release drafters (that
+recipe's DFlash2 drafter, ``recipes/qwen3_mtp_27b.yaml``'s MTP head), from the functions both layouts would export
+at that geometry (nothing is built).
 
     PYTHONPATH=. python3 -m bench.layouts [--json docs/bench-logs/layouts-fixtures.json]
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -29,18 +34,23 @@ from pathlib import Path
 from convert import backends
 from convert.inputs.contract import as_config
 from convert.inputs.recipe import load_recipe
-from convert.models import family_of, read_args
+from convert.models import dflash2, family_of, mtp, read_args
+from convert.pipeline.drafter import drafter_contract
 from convert.verify.placement import VOCABULARY
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = {"dense": ROOT / "recipes" / "tiny_qwen3.yaml", "hybrid": ROOT / "recipes" / "tiny_qwen3_5.yaml"}
+PAIRS = {"dflash2": ROOT / "recipes" / "tiny_qwen3_dflash2.yaml", "mtp": ROOT / "recipes" / "tiny_qwen3_mtp.yaml"}
+MTP_RELEASE = ROOT / "recipes" / "qwen3_mtp_27b.yaml"
 RELEASE = ROOT / "recipes" / "dflash2_27b.yaml"
+RELEASE_CONTEXT = 8192  # the figures README "Layouts" compares (the recipe ships 65,472 with a ladder from 8,192)
 LAYOUTS = ("stateful", "ane")
 
 
 def build(recipe: Path, layout: str, scratch: Path) -> tuple[Path, float]:
     text = recipe.read_text().replace("path:../fixtures/", f"path:{ROOT}/fixtures/")
     text = text.replace("  context: 512", f"  context: 512\n  layout: {layout}", 1)
+    text = re.sub(r"\ndrafter:\n  kind: (\w+)", lambda m: f"{m.group(0)}\n  layout: {layout}", text, count=1)
     path = scratch / f"{recipe.stem}-{layout}.yaml"
     path.write_text(text)
     bundle = scratch / f"{recipe.stem}-{layout}"
@@ -65,7 +75,7 @@ def call_bytes(spec, contract: dict) -> dict:
 
 def measure(bundle: Path) -> dict:
     manifest = json.loads((bundle / "manifest.json").read_text())
-    contract, found = manifest["host_contract"], {}
+    contract, found = manifest.get("host_contract") or {}, {}  # a stateful drafter has none
     for package in manifest["packages"]:
         fmt, path = package["format"], bundle / package["path"]
         backend = backends.load(fmt)
@@ -82,16 +92,42 @@ def measure(bundle: Path) -> dict:
 
 
 def release_target() -> dict:
-    """Per call (decode, verify) at the release target's geometry, in each layout: computed from the functions the
-    recipe's target contract plans."""
+    """Per call (decode, verify) at the release target's geometry, in each layout, at context ``RELEASE_CONTEXT``
+    without the ladder: computed from the functions the recipe's target contract plans."""
     recipe = load_recipe(RELEASE)
     args = read_args(as_config(recipe.target.contract), f"{RELEASE.name}: target.contract")
     family, computed = family_of(args), {}
     for layout in LAYOUTS:
-        target = recipe.target.model_copy(update={"layout": layout})
+        target = recipe.target.model_copy(update={"layout": layout, "context": RELEASE_CONTEXT, "ladder": []})
         specs = {s.name: s for s in family.function_specs(args, target)}
         contract = family.host_contract(args, target)
         computed[layout] = {name: call_bytes(specs[name], contract) for name in ("decode", "verify")}
+    return computed
+
+
+def release_drafters() -> dict:
+    """Per call at the release drafters' geometry (the DFlash2 drafter of ``RELEASE``, the MTP head of
+    ``MTP_RELEASE``, whose history is ``RELEASE_CONTEXT`` rows), in each layout."""
+    computed = {}
+    for kind, path in (("dflash2", RELEASE), ("mtp", MTP_RELEASE)):
+        recipe = load_recipe(path)
+        drafter, target = recipe.drafter, recipe.target
+        if kind == "dflash2":
+            args = dflash2.DFlash2Args.from_config(as_config(drafter.contract), f"{path.name}: drafter.contract")
+        else:
+            pinned = as_config(target.contract)
+            pinned["text_config"] = {**pinned["text_config"], **as_config(drafter.contract)["text_config"]}
+            args = mtp.MTPArgs.from_config(pinned, f"{path.name}: target.contract + drafter.contract")
+        computed[kind] = {}
+        for layout in LAYOUTS:
+            config = drafter.model_copy(update={"layout": layout})
+            if kind == "dflash2":
+                specs = dflash2.function_specs(args, config.context_update, config.context_append, config.ring,
+                                               draft_width=target.graphs.verify, layout=layout)
+            else:
+                specs = mtp.function_specs(args, target.graphs.verify - 1, RELEASE_CONTEXT, layout=layout)
+            contract = drafter_contract(kind, args, config)
+            computed[kind][layout] = {s.name: call_bytes(s, contract) for s in specs}
     return computed
 
 
@@ -103,14 +139,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
-    results = {"fixtures": {}, "release_target": {"recipe": str(RELEASE.relative_to(ROOT))}}
+    results = {"fixtures": {}, "drafters": {}, "release_target": {"recipe": str(RELEASE.relative_to(ROOT))}}
     with tempfile.TemporaryDirectory(prefix="bench-layouts-") as scratch:
         for kind, recipe in FIXTURES.items():
             results["fixtures"][kind] = {"recipe": str(recipe.relative_to(ROOT))}
             for layout in LAYOUTS:
                 bundle, seconds = build(recipe, layout, Path(scratch))
                 results["fixtures"][kind][layout] = {"build_seconds": round(seconds, 1), **measure(bundle)}
+        for kind, recipe in PAIRS.items():
+            results["drafters"][kind] = {"recipe": str(recipe.relative_to(ROOT))}
+            for layout in LAYOUTS:
+                bundle, seconds = build(recipe, layout, Path(scratch))
+                results["drafters"][kind][layout] = {"build_seconds": round(seconds, 1),
+                                                     **measure(bundle / "drafter")}
     results["release_target"].update(release_target())
+    results["release_drafters"] = release_drafters()
     for kind, layouts in results["fixtures"].items():
         for layout in LAYOUTS:
             got = layouts[layout]
@@ -122,6 +165,25 @@ def main() -> None:
                       f"findings; verify: {len(verify['op_kinds'])} op kinds ({outside} outside the vocabulary), "
                       f"inputs {verify['call_input_bytes']:,} B, outputs {verify['call_output_bytes']:,} B, states "
                       f"{verify['state_bytes']:,} B, host writes {verify['host_rows_written_bytes']:,} B")
+    for kind, layouts in results["drafters"].items():
+        for layout in LAYOUTS:
+            got = layouts[layout]
+            print(f"{kind} drafter {layout}: pair build {got['build_seconds']} s")
+            for fmt in ("coreai", "coreml"):
+                print(f"  {fmt}: {got[fmt]['package_bytes'] / 2**20:.2f} MiB, {got[fmt]['placement_findings']} lint "
+                      f"findings")
+                for name, call in got[fmt]["functions"].items():
+                    outside = ", ".join(call["op_kinds_outside_vocabulary"]) or "none"
+                    print(f"    {name}: {len(call['op_kinds'])} op kinds ({outside} outside), inputs "
+                          f"{call['call_input_bytes']:,} B, outputs {call['call_output_bytes']:,} B, states "
+                          f"{call['state_bytes']:,} B, host writes {call['host_rows_written_bytes']:,} B")
+    for kind, layouts in results["release_drafters"].items():
+        for layout in LAYOUTS:
+            for name, got in layouts[layout].items():
+                print(f"27B {kind} {layout} {name}: inputs {mib(got['call_input_bytes'])}, outputs "
+                      f"{mib(got['call_output_bytes'])} (logits {mib(got['logits_bytes'])}), states "
+                      f"{mib(got['state_bytes'])}, host buffers {mib(got['host_buffer_bytes'])}, host writes "
+                      f"{mib(got['host_rows_written_bytes'])}")
     for layout in LAYOUTS:
         for name, got in results["release_target"][layout].items():
             print(f"27B {layout} {name}: inputs {mib(got['call_input_bytes'])}, outputs "
