@@ -300,6 +300,9 @@ def test_hybrid_pair_binds_the_host_contract_and_every_field(hybrid_pair, pair, 
     assert drafter["host_contract"]["selector"]["top_k"] == 8
     packages = drafter["packages"] + manifest(bundle / "target")["packages"]
     assert len(packages) == 2 and all(p["placement"] == [] for p in packages)
+    shown = " ".join(run("inspect", str(bundle / "drafter")).output.split())
+    assert "host contract spec-convert/dflash2-host-ring v1" in shown and "(slot = position mod 64)" in shown
+    assert "placement lint dflash2_lut4.mlpackage: no finding" in shown
     assert drafter["acceptance"]["lossless"] is True
     assert run("check-pair", str(bundle / "drafter"), str(bundle / "target")).exit_code == 0
     assert every_field_is_bound(tmp_path, bundle) > 30

@@ -33,14 +33,7 @@ def print_manifest(m: Manifest | DrafterManifest) -> None:
         out.print(f"  hybrid layers {pattern} (L Gated DeltaNet, F attention, RoPE on {h.rotary_dim} dims); GDN "
                   f"{h.linear_num_key_heads} key / {h.linear_num_value_heads} value heads (dims "
                   f"{h.linear_key_head_dim}/{h.linear_value_head_dim}), conv kernel {h.linear_conv_kernel_dim}")
-    c = m.host_contract
-    extra = f", inputs {', '.join(c.inputs)}" if c.inputs else ""
-    pending = f", pending rows {c.pending_rows}" if c.pending_rows else ""
-    out.print(f"  host contract {c.name} v{c.version}: rollback {c.rollback}{extra}{pending}")
-    for name, buffer in c.buffers.items():
-        ring = f" (slot = position mod {buffer.ring})" if buffer.ring else ""
-        out.print(f"  host buffer {name}: the host writes each call's {buffer.rows} into it along axis "
-                  f"{buffer.axis}, row j at position j{ring}")
+    _print_contract(out, m.host_contract)
     out.print(f"  weights {m.weights.dtype}, {m.weights.parameter_count:,} parameters")
     out.print(f"  lm_head {m.weights.lm_head_sha256[:16]}{' (tied)' if m.weights.lm_head_tied else ''}"
               f"  embedding {m.weights.embedding_sha256[:16]}")
@@ -72,7 +65,22 @@ def print_manifest(m: Manifest | DrafterManifest) -> None:
         compiled = "\n".join(f"{c.kind}: {c.status}" + (f" ({c.reason})" if c.reason else "") for c in p.compile)
         packages.add_row(p.path, f"{size / 2**20:.1f} MiB", p.stable_hash[:16], check, compiled)
     out.print(packages)
-    for p in m.packages:
+    _print_placement(out, m.packages)
+
+
+def _print_contract(out: Console, c) -> None:
+    """A host contract's name, rollback and the buffers the host owns (``manifests.schema.HostContract``)."""
+    extra = f", inputs {', '.join(c.inputs)}" if c.inputs else ""
+    pending = f", pending rows {c.pending_rows}" if c.pending_rows else ""
+    out.print(f"  host contract {c.name} v{c.version}: rollback {c.rollback}{extra}{pending}")
+    for name, buffer in c.buffers.items():
+        ring = f" (slot = position mod {buffer.ring})" if buffer.ring else ""
+        out.print(f"  host buffer {name}: the host writes each call's {buffer.rows} into it along axis "
+                  f"{buffer.axis}, row j at position j{ring}")
+
+
+def _print_placement(out: Console, packages) -> None:
+    for p in packages:
         if p.placement is not None:
             count = f"{len(p.placement)} findings" if p.placement else "no finding"
             out.print(f"  placement lint {p.path}: {count}" + "".join(
@@ -100,9 +108,12 @@ def _print_drafter(m: DrafterManifest) -> None:
     if m.ab:
         out.print(f"  A/B vs fp16: sign test p {m.ab.get('sign_test_p')}, accepted {m.ab.get('accepted_other')} vs "
                   f"{m.ab.get('accepted_base')}")
+    if m.host_contract:
+        _print_contract(out, m.host_contract)
     for p in m.packages:
         out.print(f"  package {p.path}: {sum(f.size for f in p.files) / 2**20:.1f} MiB, "
                   + ", ".join(f"{k}={v}" for k, v in p.check.items()))
+    _print_placement(out, m.packages)
 
 
 # Opening a bundle for a command: its manifest through the schema, the kind the command takes, then its files

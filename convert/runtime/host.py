@@ -15,7 +15,9 @@ The contract (``host_contract`` of the architecture family, recorded in the mani
 A contract with ``buffers`` (the ane layout: packages without states, lookups or argmax) is served under the driver,
 per package, by ``HostOwned`` (``host_owned``): the host's history passed in, each call's rows written back, the
 position inputs computed from ``position_ids``, the embedding rows looked up from ``input_ids``, the head's argmax
-taken from its logits.
+taken from its logits. Drafters in the ane layout have contracts of their own, served the same way under their
+drivers (``convert.runtime.speculative``): a DFlash2 drafter's ring (rows at slot position mod ring, the masks from
+the positions its slots hold, the selector's walk), an MTP head's history (row 0 never read) and argmax.
 
 A call's rows are right-padded to the function's width with the last token at positions continuing past the real
 rows (never the same position twice: on a hybrid target a padding row computes something else than the real row
@@ -128,8 +130,10 @@ class HostOwned:
     place of ``position_ids``; the embedding rows of the call's ids (``contract["embedding"]``) in place of
     ``input_ids`` where the package takes them and the caller passed none; a hybrid's commit masks and selections
     from ``accept`` / ``valid`` (``contract["commits"]``); and, with ``contract["argmax"]`` ``host``, the head's
-    ``logits`` are reduced to ``argmax_ids`` (and ``max_logit``) as a package with its own argmax returns them. With
-    a ``contract["ladder"]`` a call goes to the smallest entry that holds it (``rung``). ``reset`` zeros the buffers
+    ``logits`` are reduced to ``argmax_ids`` (or the contract's ``argmax_ids`` name; and ``max_logit``) as a package
+    with its own argmax returns them. With a ``contract["ladder"]`` a call goes to the smallest entry that holds it
+    (``rung``). A drafter's: the ring masks from the positions its ring's slots hold (``ring_mask_inputs``) and the
+    candidate selector's walk (``walk``). ``reset`` zeros the buffers
     and ``states`` returns them, so a driver sees what a package with states shows: after each call the buffers hold
     what its states would hold."""
 
