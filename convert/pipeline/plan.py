@@ -211,8 +211,7 @@ def host_buffer_lines(specs: list[FunctionSpec], owned: tuple[str, ...], args, t
     if not owned:
         return []
     table = 2 * args.vocab_size * args.hidden_size
-    lines = [f"  host buffers: {buffer_bytes(specs, owned) / 2**20:.1f} MiB in all, owned and written by the host "
-             "(layout ane)",
+    lines = [buffers_line(specs, owned, "  "),
              f"  host embedding table: [{args.vocab_size}, {args.hidden_size}] fp16, {table / 2**20:.1f} MiB "
              "(embeddings.safetensors: the host looks up each call's rows in it)"]
     if target.ladder:
@@ -241,14 +240,18 @@ def lint_lines(findings: list[str], indent: str) -> list[str]:
     return [f"{indent}placement lint of the planned shapes: {count} (the ops are linted when packaged)", *shown, *more]
 
 
-def drafter_host_lines(specs: list[FunctionSpec], contract: dict) -> list[str]:
-    """The drafter's host buffers (layout ane: its ring or KV history, owned and written by the host) and what the
-    placement lint finds in its planned shapes."""
+def buffers_line(specs: list[FunctionSpec], owned: tuple[str, ...], indent: str) -> str:
+    return (f"{indent}host buffers: {buffer_bytes(specs, owned) / 2**20:.1f} MiB in all, owned and written by the host "
+            "(layout ane)")
+
+
+def drafter_function_lines(specs: list[FunctionSpec], contract: dict) -> list[str]:
+    """The drafter's functions, its host buffers (layout ane: its ring or KV history, owned and written by the host)
+    and what the placement lint finds in its planned shapes."""
     owned = tuple(contract.get("buffers", {}))
-    lines = [f"    host buffers: {buffer_bytes(specs, owned) / 2**20:.1f} MiB in all, owned and written by the host "
-             "(layout ane)"] if owned else []
     findings = placement.lint("coreai", {s.name: s for s in specs}, {}, placement.positional_buffers(contract))
-    return lines + lint_lines(findings, "    ")
+    return [*function_lines(specs, owned), *([buffers_line(specs, owned, "    ")] if owned else []),
+            *lint_lines(findings, "    ")]
 
 
 PLAN_FINDINGS = 6  # the plan shows this many of the lint's findings
@@ -292,8 +295,7 @@ def describe_drafter(plan: Plan) -> list[str]:
         lines.append(f"    taps {list(a.target_layer_ids)} (output of layer i, 0-based), block {a.block_size}, mask id "
                      f"{a.mask_token_id} x {d.config.mask_scale}, ring {d.config.ring} rows, selector rank "
                      f"{a.selector_rank} top-k {a.selector_top_k}")
-    return lines + function_lines(d.specs, tuple(d.contract.get("buffers", {}))) + drafter_host_lines(d.specs,
-                                                                                                     d.contract)
+    return lines + drafter_function_lines(d.specs, d.contract)
 
 
 def describe_contract(recipe: Recipe, recipe_path: Path, unavailable: SourceUnavailable) -> list[str]:
@@ -355,12 +357,11 @@ def _mtp_lines(recipe: Recipe, recipe_path: Path, pinned: dict) -> tuple[list[st
                 f"(the contracts do not plan it: {missing})"], None
     specs = mtp.function_specs(args, steps, target.context, torch.float16, layout=drafter.layout)
     planned = DrafterPlan(drafter, None, args, "mtp", specs)
-    owned = tuple(planned.contract.get("buffers", {}))
     return [f"  drafter mtp {source}: {steps} draft steps, hidden {args.hidden_size}, heads "
             f"{args.num_attention_heads}/{args.num_key_value_heads} (head_dim {args.head_dim}), quantization "
             f"{drafter.quantization.method}, layout {drafter.layout}",
-            *size_lines(args.parameter_count, recipe.backends, "    "), *function_lines(specs, owned),
-            *drafter_host_lines(specs, planned.contract)], planned
+            *size_lines(args.parameter_count, recipe.backends, "    "),
+            *drafter_function_lines(specs, planned.contract)], planned
 
 
 def _target_lines(pinned: dict, target, backends: list[str], where: str) -> tuple[list[str], tuple | None]:
@@ -429,9 +430,7 @@ def _dflash2_lines(recipe: Recipe, recipe_path: Path, hidden: int, vocab: int,
                      f"(windows {sorted({w for w in args.layer_windows if w})})")
         lines += size_lines(args.parameter_count, recipe.backends, "    ")
     planned = None if unpinned else DrafterPlan(drafter, None, args, args.architecture, specs)
-    contract = drafter_contract("dflash2", args, drafter)
-    return lines + function_lines(specs, tuple(contract.get("buffers", {}))) + drafter_host_lines(specs, contract), \
-        planned
+    return lines + drafter_function_lines(specs, drafter_contract("dflash2", args, drafter)), planned
 
 
 def rotation_lines(args, target, block: int | None) -> list[str]:

@@ -34,7 +34,7 @@ import torch
 from convert.errors import InputError
 from convert.export.ane import MASKED, history_mask_row, rope_rows
 from convert.export.quantized import embedding_rows
-from convert.export.spec import TORCH_DTYPES
+from convert.export.spec import TORCH_DTYPES, buffer_specs
 from convert.models.dflash2.core import selector_walk
 from convert.models.part import rung_name
 
@@ -160,10 +160,9 @@ class HostOwned:
         self.selector = selector if selector and selector["projection"] in outputs else None
         self.codebooks = codebooks
         self.buffers_read: dict[str, int] = {}  # elements of each host buffer the last call took (its "states")
-        self.buffers = {}  # each as large as the largest function takes it (a ladder's entries take leading rows)
-        for name in self.rules:
-            shapes = [t.shape for spec in specs.values() for t in spec.inputs if t.name == name]
-            self.buffers[name] = np.zeros(max(shapes, key=np.prod), dtype=inputs[name].dtype)
+        # each as large as the largest function takes it (a ladder's entries take leading rows)
+        self.buffers = {t.name: np.zeros(t.shape, dtype=t.dtype)
+                        for t in buffer_specs(list(specs.values()), self.rules)}
         # a ring's slots: the position each holds (-1: none yet), for the ring masks
         ring = next((rule["ring"] for rule in self.rules.values() if rule.get("ring")), None)
         self.slot_positions = None if ring is None else np.full(ring, -1, dtype=np.int64)

@@ -19,7 +19,7 @@ from torch import nn
 from convert.export.ane import channels_first, host_work, pointwise, rms_norm, rows_of
 from convert.models.dflash2.config import DFlash2Args
 from convert.models.dflash2.core import DFlash2Core, GroupedConv
-from convert.models.qwen3.ane import attention, mlp, rotate
+from convert.models.qwen3.ane import attention, keys_values, mlp
 
 RING = {"ring_keys": "ring_key_rows", "ring_values": "ring_value_rows"}  # the host's ring and each call's rows
 PROJECTED = "selector_projected"
@@ -42,10 +42,7 @@ class DFlash2AneCore(DFlash2Core):
         cos, sin = rope_cos.transpose(0, 1), rope_sin.transpose(0, 1)  # [head_dim / 2, S]
         keys, values = [], []
         for layer in self.layers:
-            attn = layer.self_attn
-            k = pointwise(attn.k_proj, fused).reshape(attn.kv_heads, attn.head_dim, -1)
-            k = rotate(rms_norm(attn.k_norm, k), cos, sin)
-            v = pointwise(attn.v_proj, fused).reshape(attn.kv_heads, attn.head_dim, -1)
+            k, v = keys_values(layer.self_attn, fused, cos, sin, -1)  # the call's rows: no shape read in the graph
             keys.append(k.transpose(1, 2)[None])
             values.append(v.transpose(1, 2)[None])
         return {"ring_key_rows": torch.cat(keys), "ring_value_rows": torch.cat(values)}

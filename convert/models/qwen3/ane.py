@@ -61,12 +61,19 @@ def attend_heads(attn: Attention, x, q, cos, sin, bias, key_history, value_histo
     (projected from ``x``, the keys normed and rotated by ``rotary``, default ``rotate``): the heads' outputs [1, heads
     x head_dim, 1, S] before o_proj, and the call's k and v rows [Hkv, S, head_dim]."""
     heads, kv_heads, d = attn.heads, attn.kv_heads, attn.head_dim
-    k = (rotary or rotate)(rms_norm(attn.k_norm, pointwise(attn.k_proj, x).reshape(kv_heads, d, width)), cos, sin)
-    v = pointwise(attn.v_proj, x).reshape(kv_heads, d, width)
+    k, v = keys_values(attn, x, cos, sin, width, rotary)
     shape = (kv_heads, heads // kv_heads, d, width)
     queries = (q * d**-0.5).reshape(shape)  # scaled before the product (fp16)
     out = attend(queries, k, v, key_history, value_history, bias, shape)
     return out, k.transpose(1, 2), v.transpose(1, 2)
+
+
+def keys_values(attn: Attention, x, cos, sin, width: int, rotary=None):
+    """The call's keys (k_proj, k_norm, then ``rotary``, default ``rotate``) and values [Hkv, head_dim, S] from
+    channels-first rows ``x`` (``width``: S, or -1)."""
+    k = pointwise(attn.k_proj, x).reshape(attn.kv_heads, attn.head_dim, width)
+    return (rotary or rotate)(rms_norm(attn.k_norm, k), cos, sin), pointwise(attn.v_proj, x).reshape(
+        attn.kv_heads, attn.head_dim, width)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
