@@ -35,7 +35,7 @@ from convert import backends
 from convert.inputs.contract import as_config
 from convert.inputs.recipe import load_recipe
 from convert.models import dflash2, family_of, mtp, read_args
-from convert.pipeline.drafter import drafter_contract
+from convert.pipeline.drafter import drafter_contract, head_ranges
 from convert.verify.placement import VOCABULARY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +70,8 @@ def call_bytes(spec, contract: dict) -> dict:
             "host_buffer_bytes": sum(inputs.get(name, 0) for name in contract.get("buffers", {})),
             "host_rows_written_bytes": sum(outputs.get(rule["rows"], 0)
                                            for rule in contract.get("buffers", {}).values()),
-            "logits_bytes": outputs.get("logits", 0)}
+            "logits_bytes": outputs.get("logits", 0) + sum(outputs.get(name, 0) for name in contract.get(
+                "logits_parts", {}))}
 
 
 def measure(bundle: Path) -> dict:
@@ -121,12 +122,14 @@ def release_drafters() -> dict:
         computed[kind] = {}
         for layout in LAYOUTS:
             config = drafter.model_copy(update={"layout": layout})
+            ranges = head_ranges(recipe.model_copy(update={"drafter": config}), args.vocab_size)
             if kind == "dflash2":
                 specs = dflash2.function_specs(args, config.context_update, config.context_append, config.ring,
-                                               draft_width=target.graphs.verify, layout=layout)
+                                               draft_width=target.graphs.verify, layout=layout, head_ranges=ranges)
             else:
-                specs = mtp.function_specs(args, target.graphs.verify - 1, RELEASE_CONTEXT, layout=layout)
-            contract = drafter_contract(kind, args, config)
+                specs = mtp.function_specs(args, target.graphs.verify - 1, RELEASE_CONTEXT, layout=layout,
+                                           head_ranges=ranges)
+            contract = drafter_contract(kind, args, config, ranges)
             computed[kind][layout] = {s.name: call_bytes(s, contract) for s in specs}
     return computed
 

@@ -194,6 +194,10 @@ class HostContract(Model):
         "with their sliding window (none: the whole ring): slot s is visible to the query at position q (0, else "
         "-1e4) when it holds a position below the call's first position and, with a window, above q - window")
     selector: HostSelector | None = Field(None, description="a DFlash2 drafter's selector walk, done by the host")
+    logits_parts: dict[str, list[Count]] = Field(
+        default_factory=dict, description="the ane layout's logits in parts of the vocabulary, by output name with "
+        "their [first, end) rows (a head past the ANE's largest dim, 65,536): the host puts them side by side, in "
+        "this order, as logits; none: the function returns logits whole")
     rules: list[str]
 
 

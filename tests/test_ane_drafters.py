@@ -4,33 +4,44 @@ drivers; the host's ring masks and first row; the contracts' shapes lint clean."
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from checkpoints import write_checkpoint
 from dflash2_checkpoints import target_tensors, tiny_config, write_drafter
 from mtp_checkpoints import head_tensors, qwen35_text_config, write_head_only, write_target_with_head
+from rich.console import Console
 
-from convert.export.ane import MASKED, history_mask_row
+from convert.commands.inspect import _print_contract
+from convert.export.ane import MASKED, history_mask_row, pointwise, rows_of
+from convert.export.quantized import QuantizedLinear, apply_quantized
+from convert.fp16 import like_the_runtime
 from convert.inputs.sources import load_tensors, read_json
 from convert.models import dflash2, mtp
+from convert.pipeline.drafter import Recording
+from convert.pipeline.packaging import package_formats
 from convert.runtime.host import HostOwned, ModuleFunctions
 from convert.runtime.speculative import DFlash2Driver, MTPDriver
 from convert.verify import placement
+from convert.weights.quantize import round_to_nearest
 from manifests.schema import HostContract
 
 RING, MAX_POSITIONS, CONTEXT = 64, 256, 64
+ROOT = Path(__file__).resolve().parents[1]
 FP32_BOUND = 1e-4
 
 
-def _dflash2_modules(tmp_path, version: str, layer_types, layout: str, dtype=torch.float32):
+def _dflash2_modules(tmp_path, version: str, layer_types, layout: str, dtype=torch.float32, head_ranges=None):
     config = tiny_config(version, layers=2, layer_types=layer_types)
     write_drafter(tmp_path, "plain", config)
     args, tensors = dflash2.load_checkpoint(tmp_path)
     target = target_tensors()
     return dflash2.build_modules(args, dict(tensors), target["lm_head"], target["embed_tokens"][args.mask_token_id],
                                  dtype, MAX_POSITIONS, ring_rows=RING, update_width=64, append_width=8, logits=True,
-                                 layout=layout), target
+                                 layout=layout, head_ranges=head_ranges), target
 
 
 @pytest.mark.parametrize("version, layer_types", [("dflash2", ["sliding_attention", "full_attention"]),
@@ -158,3 +169,129 @@ def test_ane_drafter_contracts_validate_and_their_shapes_lint_clean(tmp_path):
             assert all(t.dtype == "float16" for spec in specs.values() for t in (*spec.inputs, *spec.outputs))
     assert HostContract.model_validate(modules.contract).selector.top_k == 8
     assert HostContract.model_validate(heads["ane"].contract).positions.first_row == 1
+
+
+# the fixtures' vocabulary (512 rows) in three parts, as the 27B heads' 248,320 rows go in four of 62,080 (the ANE's
+# largest dim is 65,536): whole lut4 tables of 16 rows, the last part shorter
+HEAD_PARTS = [(0, 192), (192, 384), (384, 512)]
+
+
+def _dflash2_drafts(modules, embeddings: np.ndarray, functions=None) -> list[dict]:
+    """Context at positions 0..69 in a 64-row ring, then four drafts after appends of 1..4 rows."""
+    driver = DFlash2Driver(functions or ModuleFunctions(modules), modules.widths, embeddings)
+    features = torch.randn(80, modules.core.args.feature_size, generator=torch.Generator().manual_seed(1)).numpy()
+    driver.functions.reset()
+    driver.add_context(features[:70], 0, "context_update")
+    p, outs = 70, []
+    for r in range(4):
+        driver.add_context(features[p:p + r + 1], p, "context_append")
+        p += r + 1
+        outs.append(driver.functions.call("draft", {
+            "anchor_embedding": embeddings[r][None, None].astype(np.float16),
+            "anchor_id": np.asarray([[r]], dtype=np.int32),
+            "position_ids": np.arange(p, p + 8, dtype=np.int32)[None]}))
+    return outs
+
+
+def test_a_head_in_row_parts_drafts_as_the_whole_head(tmp_path):
+    """An ane drafter's lm_head past the ANE's largest dim is computed in row parts, one logits output each, which
+    the host puts side by side (the contract's logits_parts): fp32, the DFlash2 drafter's logits and selector scores
+    and the MTP head's hidden rows equal the whole head's within 1e-6 and their ids are the same."""
+    runs = {}
+    for ranges in (None, HEAD_PARTS):
+        modules, target = _dflash2_modules(tmp_path / str(bool(ranges)), "dflash2",
+                                           ["sliding_attention", "full_attention"], "ane", head_ranges=ranges)
+        runs[bool(ranges)] = _dflash2_drafts(modules, target["embed_tokens"].numpy())
+    draft = modules.functions["draft"][1]
+    assert [(t.name, t.shape[-1]) for t in draft.outputs[:3]] == [("logits_0", 192), ("logits_1", 192),
+                                                                   ("logits_2", 128)]
+    contract = HostContract.model_validate(modules.contract)
+    assert contract.logits_parts == {"logits_0": [0, 192], "logits_1": [192, 384], "logits_2": [384, 512]}
+    shown = io.StringIO()
+    _print_contract(Console(file=shown, width=200), contract)
+    assert ("logits in 3 parts, which the host puts side by side: logits_0 rows 0..191, logits_1 rows 192..383, "
+            "logits_2 rows 384..511") in shown.getvalue()
+    for whole, parted in zip(runs[False], runs[True], strict=True):
+        assert parted["logits"].shape == whole["logits"].shape == (1, 7, 512)
+        assert np.abs(whole["logits"] - parted["logits"]).max() < 1e-6
+        assert np.abs(whole["selector_scores"] - parted["selector_scores"]).max() < 1e-6
+        assert np.array_equal(whole["draft_ids"], parted["draft_ids"])
+
+    directory, target = _mtp_head(tmp_path / "m", "gated-partial")
+    args = mtp.MTPArgs.from_config(read_json(directory / "config.json"), where=str(directory))
+    head = mtp.load_head(directory, args)
+    hidden = torch.randn(12, args.hidden_size, generator=torch.Generator().manual_seed(3)).numpy()
+    steps = {}
+    for ranges in (None, HEAD_PARTS):
+        heads = mtp.build_modules(args, head, target, CONTEXT, dtype=torch.float32, layout="ane", head_ranges=ranges)
+        driver = MTPDriver(ModuleFunctions(heads), heads.widths)
+        driver.functions.reset()
+        steps[bool(ranges)] = [driver.accept(list(range(10)), hidden[:10], 1)]
+        steps[bool(ranges)].append(driver.step(*steps[bool(ranges)][-1], 11))
+    assert [t.name for t in heads.functions["accept"][1].outputs][:3] == ["logits_0", "logits_1", "logits_2"]
+    for (ids, rows), (parted_ids, parted_rows) in zip(steps[False], steps[True], strict=True):
+        assert ids == parted_ids
+        assert np.abs(rows - parted_rows).max() < 1e-6
+
+
+def test_a_head_in_row_parts_ships_each_part_and_replays_on_the_runtime(tmp_path):
+    """The DFlash2 drafter with its lut4 head (the target's, quantized as a target ships it) in three row parts, in
+    both formats: each part is stored as its own quantized constant, bit for bit (3 compared where a whole head is
+    1), no placement finding, and the Core AI runtime replays the recorded drafts (logits side by side) within the
+    fp16 bound."""
+    modules, target = _dflash2_modules(tmp_path / "d", "dflash2", ["sliding_attention", "full_attention"], "ane",
+                                       torch.float16, head_ranges=HEAD_PARTS)
+    apply_quantized(modules.core, {"lm_head": round_to_nearest("lut4", target["lm_head"].float(), 16)})
+    assert [type(part) for part in modules.core.lm_head.parts] == [QuantizedLinear] * 3
+    recording = Recording(ModuleFunctions(modules))
+    with like_the_runtime():
+        _dflash2_drafts(modules, target["embed_tokens"].numpy(), recording)
+    done = {p.format: p for p in package_formats(["coreai", "coreml"], modules, tmp_path, "dflash2_lut4",
+                                                 recording.calls)}
+    for packaged in done.values():
+        assert packaged.check["placement"] == []
+        assert packaged.check["quantized_bit_exact"] and packaged.check["quantized_weights_compared"] == 3
+    assert done["coreai"].check["runtime_calls"] == 4 + 4 + 2  # 4 drafts, 4 appends, 2 context updates
+
+
+def test_the_drafter_stage_borrows_the_targets_head_in_row_parts(tmp_path):
+    """The pipeline's drafter modules with the head in row parts take the target's head as the target holds it:
+    row views of a fp16 head, a quantized head's rows, or (a lean target, ``CodesLinear``) views of its packed codes,
+    never quantized as the drafter's own linears; the parts' logits side by side are the whole head's."""
+    from dataclasses import replace
+
+    from convert.export.ane import even_ranges
+    from convert.export.quantized import CodesLinear, fingerprint
+    from convert.pipeline import drafter
+    from convert.pipeline.build import shipped_modules
+    from convert.pipeline.plan import make_plan
+
+    source = ROOT / "recipes" / "tiny_qwen3_5_dflash2.yaml"
+    recipe = tmp_path / "pair.yaml"
+    recipe.write_text(source.read_text().replace("path:../fixtures", f"path:{ROOT / 'fixtures'}")
+                      .replace("  kind: dflash2\n", "  kind: dflash2\n  layout: ane\n"))
+    plan = make_plan(recipe, str(tmp_path / "out"))
+    target, _ = shipped_modules(plan)
+    vocab = plan.drafter.args.vocab_size
+    ranges = even_ranges(vocab, vocab // 3 + 64, 64)  # 8192 rows in three parts
+    assert len(ranges) == 3 and plan.drafter.head_ranges == [(0, vocab)]
+    split = replace(plan.drafter, head_ranges=ranges)
+    whole = drafter.build_modules(plan.drafter, plan.recipe, target, torch.float32)
+    parted = drafter.build_modules(split, plan.recipe, target, torch.float32)
+    assert [name for name, _ in drafter.own_linears(parted.core)] == [name for name, _ in
+                                                                      drafter.own_linears(whole.core)]
+    assert [t.name for t in parted.functions["draft"][1].outputs][:3] == ["logits_0", "logits_1", "logits_2"]
+    hidden = torch.randn(1, plan.drafter.args.hidden_size, 1, 7, generator=torch.Generator().manual_seed(2))
+    side_by_side = torch.cat([rows_of(pointwise(part, hidden)) for part in parted.core.lm_head.parts], dim=-1)
+    assert torch.equal(side_by_side, rows_of(pointwise(whole.core.lm_head, hidden)))
+
+    quantized = round_to_nearest("lut4", target.core.lm_head.weight.float(), 16)
+    for held in (QuantizedLinear("lm_head", quantized), CodesLinear("lm_head", quantized)):
+        target.core.lm_head = held
+        parts = drafter.build_modules(split, plan.recipe, target, torch.float16).core.lm_head.parts
+        assert [type(part) for part in parts] == [type(held)] * 3
+        assert [fingerprint(part.quantized_weight()) for part in parts] == \
+            [fingerprint(quantized.rows(lo, hi)) for lo, hi in ranges]
+        if isinstance(held, CodesLinear):  # the lean target's codes themselves, not a copy
+            assert {part.words.untyped_storage().data_ptr() for part in parts} == \
+                {held.words.untyped_storage().data_ptr()}

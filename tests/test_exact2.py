@@ -286,6 +286,17 @@ def test_core_ml_refuses_a_2_bit_table_that_is_not_an_exact2_weights():
         coreml.convert_function("main", module, spec)
 
 
+def _seeded_codes(method: str, rows: int, columns: int, generator: torch.Generator) -> QuantizedWeight:
+    """Random codes of ``method`` with lut4 tables of 16 rows, or scales and zero points a group of ``GROUP``."""
+    top = 3 if method == "exact2" else 16
+    codes = torch.randint(0, top, (rows, columns), dtype=torch.uint8, generator=generator)
+    if method == "lut4":
+        return QuantizedWeight("lut4", codes, 16, lut=torch.randn(rows // 16, 16, generator=generator).half())
+    groups = (rows, columns // GROUP)
+    return QuantizedWeight(method, codes, GROUP, scale=(torch.rand(groups, generator=generator) * 0.1).half(),
+                           zero_point=torch.randint(0, top, groups, dtype=torch.uint8, generator=generator))
+
+
 @pytest.mark.parametrize("method", ["exact2", "affine4", "lut4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_codes_linear_computes_a_quantized_linears_outputs_bit_for_bit(method, dtype):
@@ -293,14 +304,7 @@ def test_a_codes_linear_computes_a_quantized_linears_outputs_bit_for_bit(method,
     # (under MIN_BLOCK_ROWS a GEMM sums in another order), each block's product the whole GEMM's rows bit for bit
     rows, columns = 1024, 5120
     generator = torch.Generator().manual_seed(11)
-    codes = torch.randint(0, 3 if method == "exact2" else 16, (rows, columns), dtype=torch.uint8, generator=generator)
-    if method == "lut4":
-        quantized = QuantizedWeight("lut4", codes, 16, lut=torch.randn(rows // 16, 16, generator=generator).half())
-    else:
-        groups = (rows, columns // GROUP)
-        quantized = QuantizedWeight(method, codes, GROUP, scale=(torch.rand(groups, generator=generator) * 0.1).half(),
-                                    zero_point=torch.randint(0, 3 if method == "exact2" else 16, groups,
-                                                             dtype=torch.uint8, generator=generator))
+    quantized = _seeded_codes(method, rows, columns, generator)
     if method == "exact2":
         quantized = replace(quantized, rotation=Rotation(
             torch.where(torch.rand(columns, generator=generator) < 0.5, -1.0, 1.0), 1024))
@@ -312,6 +316,32 @@ def test_a_codes_linear_computes_a_quantized_linears_outputs_bit_for_bit(method,
         assert torch.equal(as_bits(lean(x)), as_bits(dense(x))), width
     assert torch.equal(as_bits(lean.dense_rows(8, 12, torch.float16)), as_bits(quantized.dequantize()[8:12]))
     assert lean.words.numel() == rows * columns * (2 if method == "exact2" else 4) // 8  # the codes, bit-packed
+
+
+@pytest.mark.parametrize("method", ["exact2", "affine4", "lut4"])
+def test_a_codes_linears_row_parts_are_views_computing_its_rows_bit_for_bit(method):
+    # an ane drafter's head past the ANE's largest dim shares a lean target's head in row parts (RowParts.split):
+    # views of its codes and tables, whose outputs side by side are the whole one's, bit for bit, and which package
+    # as the quantized weight's rows
+    rows, columns = 1024, 5120
+    generator = torch.Generator().manual_seed(15)
+    quantized = _seeded_codes(method, rows, columns, generator)
+    lean = CodesLinear("lm_head", quantized)
+    ranges = [(0, 400), (400, 800), (800, 1024)]
+    parts = compress.RowParts.split(lean, ranges)
+    assert all(part.words.untyped_storage().data_ptr() == lean.words.untyped_storage().data_ptr()
+               for part in parts.parts)
+    x = torch.randn(1, 8, columns, generator=generator)
+    assert torch.equal(parts(x), lean(x))
+    holder = nn.Module()
+    holder.lm_head = parts
+    compress.packaged_from_codes(holder)
+    for (lo, hi), part in zip(ranges, holder.lm_head.parts, strict=True):
+        assert type(part) is QuantizedLinear and part.name == f"lm_head[{lo}:{hi}]"
+        assert compress.fingerprint(part.quantized_weight()) == compress.fingerprint(quantized.rows(lo, hi))
+    if method == "lut4":
+        with pytest.raises(ValueError, match="lut4 rows 8..400 split a table of 16 rows"):
+            lean.rows(8, 400)
 
 
 def test_a_half_linear_computes_the_fp32_linears_outputs_bit_for_bit():

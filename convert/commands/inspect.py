@@ -77,6 +77,9 @@ def _print_contract(out: Console, c) -> None:
         ring = f" (slot = position mod {buffer.ring})" if buffer.ring else ""
         out.print(f"  host buffer {name}: the host writes each call's {buffer.rows} into it along axis "
                   f"{buffer.axis}, row j at position j{ring}")
+    if c.logits_parts:
+        out.print(f"  logits in {len(c.logits_parts)} parts, which the host puts side by side: " + ", ".join(
+            f"{name} rows {first}..{end - 1}" for name, (first, end) in c.logits_parts.items()))
 
 
 def _print_placement(out: Console, packages) -> None:

@@ -10,13 +10,16 @@ activations' dtype (fp16 in a package) and stays finite there.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from torch import nn
 
-from convert.export.quantized import QuantizedLinear
+from convert.export.quantized import QuantizedLinear, RowParts
 from manifests.identity import EMBEDDINGS_FILE
 
+ANE_DIM_LIMIT = 65_536  # the ANE's largest dim (forge: an axis past it fails the compile of the whole package)
 SMALLEST_PEAK = 2.0**-14  # fp16's smallest normal: an all-zero row is divided by this, not by 0
 MASKED = -1e4  # a masked score: exp underflows to 0 in fp16 and fp32, and the sum of a few cannot overflow fp16
 
@@ -67,6 +70,47 @@ def pointwise(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if rotation is not None:  # a rotation acts on the input's channels: the last dim of its own layout
         x = rotation(x.transpose(1, 3)).transpose(1, 3)
     return nn.functional.conv2d(x, weight.to(x.dtype)[:, :, None, None], linear.bias)
+
+
+def even_ranges(rows: int, most: int, align: int) -> list[tuple[int, int]]:
+    """``rows`` in as few equal ranges of at most ``most`` rows (multiples of ``align`` but the last) as it takes."""
+    most = most // align * align
+    step = math.ceil(rows / math.ceil(rows / most) / align) * align
+    return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
+
+
+def logits_ranges(vocab: int, align: int) -> list[tuple[int, int]]:
+    """The vocabulary rows of each logits output of an ane head computed whole in one package (a drafter's): all of
+    them up to ``ANE_DIM_LIMIT``, else as few equal parts within it (forge's heads are 8 parts of 31,040 rows),
+    multiples of ``align`` rows (whole lut4 tables)."""
+    return even_ranges(vocab, ANE_DIM_LIMIT, align)
+
+
+def logits_names(ranges: list[tuple[int, int]]) -> list[str]:
+    """The logits outputs of a head in ``ranges``: ``logits``, or ``logits_0``, ``logits_1``, ... (the host puts
+    them side by side: the contract's ``logits_parts``)."""
+    return ["logits"] if len(ranges) == 1 else [f"logits_{k}" for k in range(len(ranges))]
+
+
+def logits_parts(ranges: list[tuple[int, int]]) -> dict:
+    """The host contract's ``logits_parts`` of a head in ``ranges`` (none for one range)."""
+    return {} if len(ranges) == 1 else {"logits_parts": {name: list(rows) for name, rows in
+                                                         zip(logits_names(ranges), ranges, strict=True)}}
+
+
+def split_head(core: nn.Module, ranges: list[tuple[int, int]]) -> None:
+    """``core.lm_head`` in ``ranges`` (``RowParts``), when there is more than one."""
+    if len(ranges) > 1:
+        core.lm_head = RowParts.split(core.lm_head, ranges)
+
+
+def head_outputs(head: nn.Module, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The logits outputs [1, T, rows] of ``head`` over final-norm rows ``hidden`` [1, H, 1, T]: ``logits``, or one
+    output per part of a head in row parts (``logits_names``), each part's 1x1 convolution its own."""
+    if isinstance(head, RowParts):
+        return {name: rows_of(pointwise(part, hidden))[None]
+                for name, part in zip(logits_names(head.ranges), head.parts, strict=True)}
+    return {"logits": rows_of(pointwise(head, hidden))[None]}
 
 
 def rms_norm(norm: nn.Module, x: torch.Tensor, dim: int = 1, eps: float | None = None) -> torch.Tensor:

@@ -196,6 +196,22 @@ class CodesLinear(_SharedTensors):
         return QuantizedWeight(self.method, codes, self.group_size, scale=self.scale[lo:hi],
                                zero_point=self.zero_point[lo:hi], rotation=rotation)
 
+    def rows(self, lo: int, hi: int) -> CodesLinear:
+        """Output rows ``lo .. hi-1`` as a ``CodesLinear`` over views of these codes and tables (nothing copied; a
+        lut4 split falls on whole tables), the rotation shared."""
+        g = self.group_size
+        if self.method == "lut4" and (lo % g or (hi % g and hi != self.shape[0])):
+            raise ValueError(f"lut4 rows {lo}..{hi} split a table of {g} rows")
+        piece = copy.copy(self)  # then its own dicts: the copy's would be this module's
+        piece._parameters, piece._modules = dict(self._parameters), dict(self._modules)
+        tables = {"lut": slice(lo // g, -(-hi // g))} if self.method == "lut4" else {}
+        piece._buffers = {name: None if tensor is None else tensor[tables.get(name, slice(lo, hi))]
+                          for name, tensor in self._buffers.items()}
+        if self.bias is not None:
+            piece.bias = nn.Parameter(self.bias[lo:hi], requires_grad=False)
+        piece.name, piece.shape = f"{self.name}[{lo}:{hi}]", (hi - lo, self.shape[1])
+        return piece
+
     def dense_rows(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``lo .. hi-1`` of the fp16 weight (``quantized_weight(lo, hi).dequantize()``, bit for bit) in ``dtype``,
         written into a reused workspace (valid until the next call): each packed byte's codes read from a 256-entry
@@ -408,6 +424,9 @@ def apply_quantized(core: nn.Module, weights: dict[str, QuantizedWeight], codes_
     chosen: dict[int, tuple[str, nn.Linear, QuantizedWeight]] = {}
     for name, quantized in weights.items():
         linear = _linear(core, name)
+        if isinstance(linear, RowParts):  # each part takes its rows of the weight
+            core.set_submodule(name, linear.of_weight(name, quantized, codes_only))
+            continue
         first = chosen.setdefault(id(linear), (name, linear, quantized))
         if first[2] is not quantized:
             raise PackageError(
@@ -429,6 +448,56 @@ def apply_quantized(core: nn.Module, weights: dict[str, QuantizedWeight], codes_
             layer = QuantizedLinear(name, quantized, linear.bias)
         for path in paths:
             core.set_submodule(path, layer)
+
+
+def linear_rows(module: nn.Module, lo: int, hi: int) -> nn.Module:
+    """Output rows ``lo .. hi-1`` of a linear or an embedding table (the module itself when that is all of it): views of
+    its weight, or of a quantized one's codes and tables."""
+    if (lo, hi) == (0, _rows_of(module)):
+        return module
+    if isinstance(module, CodesLinear):
+        return module.rows(lo, hi)
+    if isinstance(module, QuantizedLinear):
+        kind = QuantizedEmbedding if isinstance(module, QuantizedEmbedding) else QuantizedLinear
+        return kind(f"{module.name}[{lo}:{hi}]", module.quantized_weight().rows(lo, hi))
+    rows = nn.Parameter(module.weight[lo:hi], requires_grad=False)
+    if isinstance(module, nn.Embedding):
+        return nn.Embedding.from_pretrained(rows, freeze=True)
+    linear = nn.Linear(module.in_features, hi - lo, bias=False, device="meta")
+    linear.weight = rows
+    return linear
+
+
+def _rows_of(module: nn.Module) -> int:
+    return module.shape[0] if isinstance(module, CodesLinear) else module.weight.shape[0]
+
+
+class RowParts(nn.Module):
+    """A linear computed in parts of its output rows (``ranges``, consecutive), each its own module, so that each
+    ships as its own constant: the ane layout's head over more rows than the ANE's largest dimension
+    (``export.ane.head_outputs``). Called on rows it returns the whole product, the parts' side by side."""
+
+    def __init__(self, parts: list[nn.Module], ranges: list[tuple[int, int]]):
+        super().__init__()
+        self.parts, self.ranges = nn.ModuleList(parts), tuple(tuple(r) for r in ranges)
+
+    @classmethod
+    def split(cls, module: nn.Module, ranges: list[tuple[int, int]]) -> RowParts:
+        """``module``'s rows in ``ranges`` (``linear_rows``: views, nothing copied but a quantized part's dense
+        weight)."""
+        return cls([linear_rows(module, lo, hi) for lo, hi in ranges], ranges)
+
+    def of_weight(self, name: str, quantized: QuantizedWeight, codes_only: bool = False) -> RowParts:
+        """These ranges of ``quantized`` (``apply_quantized``): each part a ``QuantizedLinear`` of its rows, or with
+        ``codes_only`` a ``CodesLinear``."""
+        if quantized.shape[0] != self.ranges[-1][1]:
+            raise PackageError(f"quantized weight {name!r} is {list(quantized.shape)} but its row parts end at row "
+                               f"{self.ranges[-1][1]}; quantize the checkpoint tensor this module loads")
+        kind = CodesLinear if codes_only else QuantizedLinear
+        return RowParts([kind(f"{name}[{lo}:{hi}]", quantized.rows(lo, hi)) for lo, hi in self.ranges], self.ranges)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
 def packaged_from_codes(core: nn.Module) -> None:
@@ -770,7 +839,7 @@ def _linear(core: nn.Module, name: str) -> nn.Linear | nn.Embedding:
             f"{name!r} is not a module of the export core; quantized weights are named as in "
             f"core.named_modules(), e.g. {linears[:2]}"
         ) from None
-    if not isinstance(module, (nn.Linear, nn.Embedding)):
+    if not isinstance(module, (nn.Linear, nn.Embedding, RowParts)):
         raise PackageError(
             f"{name!r} is a {type(module).__name__}; only nn.Linear and nn.Embedding weights are quantized"
         )

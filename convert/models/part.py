@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from convert.export.ane import pointwise, rms_norm, rows_of
+from convert.export.ane import logits_ranges, pointwise, rms_norm, rows_of
 from convert.export.spec import FunctionSpec, TensorSpec
 
 HIDDEN_OUT = "hidden_states_out"  # a part's rows for the next part (Core ML refuses one name for an input and output)
@@ -218,3 +218,10 @@ def rung_name(function: str, context: int) -> str:
 
 def function_widths(target) -> tuple[tuple[str, int], ...]:
     return (("prefill", target.graphs.prefill), ("decode", 1), ("verify", target.graphs.verify))
+
+
+def drafter_head_ranges(vocab: int, ranges: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+    """The vocabulary rows of an ane drafter's logits outputs: ``ranges`` as given (the pipeline's, on whole lut4
+    tables of the target's head), else ``logits_ranges`` on ``ROW_ALIGN`` rows."""
+    return [tuple(r) for r in ranges] if ranges else logits_ranges(vocab, ROW_ALIGN)
+

@@ -23,11 +23,13 @@ import numpy as np
 import torch
 
 from convert.errors import GateError, InputError
+from convert.export.ane import logits_ranges
 from convert.export.lockstep import in_step
 from convert.export.quantized import (
     CodesLinear,
     HalfLinear,
     QuantizedLinear,
+    RowParts,
     apply_quantized,
     embedding_rows,
     table_shape,
@@ -46,6 +48,7 @@ from convert.pipeline.partition import (
     GPTQ_WEIGHT_COPIES,
     PACKAGING_BYTES_PER_LAYER_WEIGHT,
     matrix_bytes,
+    row_align,
 )
 from convert.runtime import speculative
 from convert.runtime.economics import MeteredFunctions, cost_model
@@ -70,6 +73,7 @@ class DrafterPlan:
     args: dflash2.DFlash2Args | mtp.MTPArgs
     layout: str
     specs: list[FunctionSpec]
+    head_ranges: list[tuple[int, int]] | None = None  # the ane layout's logits outputs' vocabulary rows
 
     @property
     def kind(self) -> str:
@@ -82,15 +86,22 @@ class DrafterPlan:
     @property
     def contract(self) -> dict:
         """The drafter's host contract (``manifests.schema.HostContract``; empty in the stateful layout)."""
-        return drafter_contract(self.kind, self.args, self.config)
+        return drafter_contract(self.kind, self.args, self.config, self.head_ranges)
 
 
-def drafter_contract(kind: str, args, config: Drafter) -> dict:
+def drafter_contract(kind: str, args, config: Drafter, head_ranges: list[tuple[int, int]] | None) -> dict:
     """The host contract of a ``kind`` drafter with ``args`` in the recipe's layout (empty in the stateful one: the
-    package keeps its states and the caller passes ids and positions)."""
+    package keeps its states and the caller passes ids and positions), its logits in ``head_ranges``."""
     if config.layout != "ane":
         return {}
-    return dflash2.host_contract(args, config.ring) if kind == "dflash2" else mtp.host_contract(args)
+    return dflash2.host_contract(args, config.ring, head_ranges) if kind == "dflash2" else \
+        mtp.host_contract(args, head_ranges)
+
+
+def head_ranges(recipe: Recipe, vocab: int) -> list[tuple[int, int]] | None:
+    """The vocabulary rows of an ane drafter's logits outputs (``export.ane.logits_ranges``: within the ANE's largest
+    dim), on whole lut4 tables of the target's head (the drafter computes with it); None in the stateful layout."""
+    return logits_ranges(vocab, row_align(recipe.target.quantization)) if recipe.drafter.layout == "ane" else None
 
 
 def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, target,
@@ -121,19 +132,22 @@ def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, t
             raise InputError(f"{where}: target.graphs.verify {verify} exceeds the drafter's block_size "
                              f"{args.block_size} ({config_path})")
         specs = dflash2.function_specs(args, config.context_update, config.context_append, config.ring, dtype,
-                                       draft_width=verify, layout=config.layout)
+                                       draft_width=verify, layout=config.layout,
+                                       head_ranges=head_ranges(recipe, args.vocab_size))
     else:
         args = mtp.MTPArgs.from_config(snapshot.config(), str(config_path))
         layout = mtp.sanitize(tensor_shapes(snapshot.directory), args, f"checkpoint {snapshot.directory}")
         if not recipe.target.hidden:
             raise InputError(f"{where}: target.hidden: an MTP drafter reads the target's final-norm hidden states; "
                              "set target.hidden: true")
-        specs = mtp.function_specs(args, verify - 1, recipe.target.context, dtype, layout=config.layout)
+        specs = mtp.function_specs(args, verify - 1, recipe.target.context, dtype, layout=config.layout,
+                                   head_ranges=head_ranges(recipe, args.vocab_size))
     for field, mine, theirs in (("hidden_size", args.hidden_size, target.hidden_size),
                                 ("vocab_size", args.vocab_size, target.vocab_size)):
         if mine != theirs:
             raise InputError(f"{config_path}: {field} {mine} differs from the target's {theirs}: not its drafter")
-    return DrafterPlan(config=config, snapshot=snapshot, args=args, layout=layout, specs=specs)
+    return DrafterPlan(config=config, snapshot=snapshot, args=args, layout=layout, specs=specs,
+                       head_ranges=head_ranges(recipe, args.vocab_size))
 
 
 def build_modules(plan: DrafterPlan, recipe: Recipe, target: TargetModules, dtype: torch.dtype):
@@ -147,19 +161,21 @@ def build_modules(plan: DrafterPlan, recipe: Recipe, target: TargetModules, dtyp
             plan.args, tensors, lm_head, torch.from_numpy(table[plan.args.mask_token_id]), dtype,
             max_positions=recipe.target.context,
             ring_rows=config.ring, update_width=config.context_update, append_width=config.context_append,
-            mask_scale=config.mask_scale, draft_width=verify, layout=config.layout)
+            mask_scale=config.mask_scale, draft_width=verify, layout=config.layout, head_ranges=plan.head_ranges)
     else:
         head = mtp.load_head(plan.snapshot.directory, plan.args)
         tables = {"model.embed_tokens.weight": torch.from_numpy(np.asarray(table)), "lm_head.weight": lm_head}
         modules = mtp.build_modules(plan.args, head, tables, recipe.target.context, verify - 1, dtype,
-                                    layout=config.layout)
+                                    layout=config.layout, head_ranges=plan.head_ranges)
     borrowed = {name: getattr(core, name).quantized_weight() for name in BORROWED
                 if isinstance(getattr(core, name), QuantizedLinear) and hasattr(modules.core, name)}
     if borrowed:
         apply_quantized(modules.core, borrowed)
     for name in BORROWED:  # a lean target's tables: the same modules (``packaged_from_codes`` before packaging)
         if isinstance(getattr(core, name), CodesLinear) and hasattr(modules.core, name):
-            setattr(modules.core, name, getattr(core, name))
+            mine = getattr(modules.core, name)  # an ane head in row parts takes views of the target's rows
+            theirs = getattr(core, name)
+            setattr(modules.core, name, RowParts.split(theirs, mine.ranges) if isinstance(mine, RowParts) else theirs)
     return modules
 
 
@@ -181,7 +197,7 @@ def own_linears(core: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
     """The drafter's own linears (the ones it quantizes; in a weight-sharing compute copy, ``HalfLinear``s), in module
     order."""
     return [(name, module) for name, module in core.named_modules()
-            if name not in BORROWED and type(module) in (torch.nn.Linear, HalfLinear)]
+            if name.partition(".")[0] not in BORROWED and type(module) in (torch.nn.Linear, HalfLinear)]
 
 
 def hessian_groups(core: torch.nn.Module, budget: int | None = None) -> list[list[str]]:

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from convert.errors import InputError
+from convert.export.ane import ANE_DIM_LIMIT, even_ranges
 from convert.export.functions import parameters_on_meta
 from convert.export.spec import FunctionSpec, size_text
 from convert.models import family_of
 from convert.models.part import ROW_ALIGN, Part
-from convert.verify.placement import ANE_DIM_LIMIT
 from convert.weights.quantize import kept_modules
 
 MB = 10**6
@@ -111,7 +111,7 @@ def piece_sizes(args, target) -> Sizes:
 
     vocab = args.vocab_size
     constants = sum(b.numel() * (2 if b.is_floating_point() else b.element_size()) for b in core.buffers())
-    align = math.lcm(ROW_ALIGN, quant.resolved_group_size if quant.format == "lut4" else 1)
+    align = row_align(quant)
     layers = tuple(weight_bytes(f"layers.{i}") for i in range(len(core.layers)))
     layer_weights = tuple(sum(p.numel() for p in layer.parameters()) for layer in core.layers)
     return Sizes(weight_bytes("embed_tokens") / vocab, layers, constants, weight_bytes("norm"),
@@ -217,6 +217,12 @@ def whole_build_bytes(parameters: int) -> int:
     return BASE_BYTES + WHOLE_BYTES_PER_PARAMETER * parameters
 
 
+def row_align(quant) -> int:
+    """The rows a vocabulary split of a table quantized by ``quant`` falls on multiples of: ``ROW_ALIGN``, and whole
+    lut4 tables."""
+    return math.lcm(ROW_ALIGN, quant.resolved_group_size if quant.format == "lut4" else 1)
+
+
 def plan_parts(args, target) -> list[Part]:
     """The parts of a target: the whole core when it fits ``target.max_part_mb`` and its build in memory fits
     ``target.max_host_memory_gb``; else the embedding, chunks of consecutive layers and the head, the tables split
@@ -289,9 +295,7 @@ def _vocab_split(name: str, vocab: int, row_bytes: float, fixed: int, limit: int
         raise InputError(f"target.max_part_mb / max_host_memory_gb: {limit / MB:g} MB and {size_text(room)} of "
                          f"packaging room cannot hold {align} rows of the {name} table "
                          f"({size_text(int(align * row_bytes))}); raise them")
-    count = math.ceil(vocab / fits)
-    step = math.ceil(vocab / count / align) * align
-    ranges = [(lo, min(lo + step, vocab)) for lo in range(0, vocab, step)]
+    ranges = even_ranges(vocab, fits, align)
     if len(ranges) == 1:
         return [(name, ranges[0])]
     return [(f"{name}-{k + 1}of{len(ranges)}", r) for k, r in enumerate(ranges)]

@@ -33,7 +33,14 @@ from convert.inputs.sources import Snapshot, resolve
 from convert.models import dflash2, family_for, family_of, mtp
 from convert.models.layout import Layout
 from convert.models.part import Part
-from convert.pipeline.drafter import MAX_SESSIONS, DrafterPlan, drafter_contract, own_phase_bytes, plan_drafter
+from convert.pipeline.drafter import (
+    MAX_SESSIONS,
+    DrafterPlan,
+    drafter_contract,
+    head_ranges,
+    own_phase_bytes,
+    plan_drafter,
+)
 from convert.pipeline.partition import (
     BASE_BYTES,
     build_memory_bytes,
@@ -355,8 +362,9 @@ def _mtp_lines(recipe: Recipe, recipe_path: Path, pinned: dict) -> tuple[list[st
     except InputError as missing:
         return [f"  drafter mtp {source}: {steps} draft steps, the head's shapes from config.json at build time "
                 f"(the contracts do not plan it: {missing})"], None
-    specs = mtp.function_specs(args, steps, target.context, torch.float16, layout=drafter.layout)
-    planned = DrafterPlan(drafter, None, args, "mtp", specs)
+    ranges = head_ranges(recipe, args.vocab_size)
+    specs = mtp.function_specs(args, steps, target.context, torch.float16, layout=drafter.layout, head_ranges=ranges)
+    planned = DrafterPlan(drafter, None, args, "mtp", specs, ranges)
     return [f"  drafter mtp {source}: {steps} draft steps, hidden {args.hidden_size}, heads "
             f"{args.num_attention_heads}/{args.num_key_value_heads} (head_dim {args.head_dim}), quantization "
             f"{drafter.quantization.method}, layout {drafter.layout}",
@@ -415,8 +423,9 @@ def _dflash2_lines(recipe: Recipe, recipe_path: Path, hidden: int, vocab: int,
     for field, mine, theirs in (("hidden_size", args.hidden_size, hidden), ("vocab_size", args.vocab_size, vocab)):
         if mine != theirs:
             raise InputError(f"{where}: {field} {mine} differs from the target contract's {theirs}")
+    ranges = head_ranges(recipe, args.vocab_size)
     specs = dflash2.function_specs(args, drafter.context_update, drafter.context_append, drafter.ring, torch.float16,
-                                   draft_width=target.graphs.verify, layout=drafter.layout)
+                                   draft_width=target.graphs.verify, layout=drafter.layout, head_ranges=ranges)
 
     lines = [f"  drafter dflash2 {drafter.source}: {args.num_hidden_layers} layers, hidden {args.hidden_size}, heads "
              f"{args.num_attention_heads}/{args.num_key_value_heads} (head_dim {args.head_dim}), taps {taps}, "
@@ -429,8 +438,8 @@ def _dflash2_lines(recipe: Recipe, recipe_path: Path, hidden: int, vocab: int,
         lines.append(f"    mask id {args.mask_token_id}, {len([w for w in args.layer_windows if w])} sliding layers "
                      f"(windows {sorted({w for w in args.layer_windows if w})})")
         lines += size_lines(args.parameter_count, recipe.backends, "    ")
-    planned = None if unpinned else DrafterPlan(drafter, None, args, args.architecture, specs)
-    return lines + drafter_function_lines(specs, drafter_contract("dflash2", args, drafter)), planned
+    planned = None if unpinned else DrafterPlan(drafter, None, args, args.architecture, specs, ranges)
+    return lines + drafter_function_lines(specs, drafter_contract("dflash2", args, drafter, ranges)), planned
 
 
 def rotation_lines(args, target, block: int | None) -> list[str]:

@@ -129,13 +129,13 @@ class HostOwned:
     the host computes from the positions (``contract["positions"]``: RoPE's rows, the history mask) are passed in
     place of ``position_ids``; the embedding rows of the call's ids (``contract["embedding"]``) in place of
     ``input_ids`` where the package takes them and the caller passed none; a hybrid's commit masks and selections
-    from ``accept`` / ``valid`` (``contract["commits"]``); and, with ``contract["argmax"]`` ``host``, the head's
-    ``logits`` are reduced to ``argmax_ids`` (or the contract's ``argmax_ids`` name; and ``max_logit``) as a package
-    with its own argmax returns them. With a ``contract["ladder"]`` a call goes to the smallest entry that holds it
-    (``rung``). A drafter's: the ring masks from the positions its ring's slots hold (``ring_mask_inputs``) and the
-    candidate selector's walk (``walk``). ``reset`` zeros the buffers
-    and ``states`` returns them, so a driver sees what a package with states shows: after each call the buffers hold
-    what its states would hold."""
+    from ``accept`` / ``valid`` (``contract["commits"]``); a head's logits in parts (``contract["logits_parts"]``)
+    put side by side as ``logits``; and, with ``contract["argmax"]`` ``host``, the head's ``logits`` are reduced to
+    ``argmax_ids`` (or the contract's ``argmax_ids`` name; and ``max_logit``) as a package with its own argmax returns
+    them. With a ``contract["ladder"]`` a call goes to the smallest entry that holds it (``rung``). A drafter's: the
+    ring masks from the positions its ring's slots hold (``ring_mask_inputs``) and the candidate selector's walk
+    (``walk``). ``reset`` zeros the buffers and ``states`` returns them, so a driver sees what a package with states
+    shows: after each call the buffers hold what its states would hold."""
 
     def __init__(self, functions: Functions, specs: dict, contract: dict, lookup=None,
                  split_head: tuple[int, int] | None = None, codebooks=None):
@@ -158,6 +158,8 @@ class HostOwned:
         self.ring_masks = {name: window for name, window in contract.get("ring_masks", {}).items() if name in inputs}
         selector = contract.get("selector")
         self.selector = selector if selector and selector["projection"] in outputs else None
+        parts = list(contract.get("logits_parts", {}))
+        self.logits_parts = parts if parts and set(parts) <= outputs else []
         self.codebooks = codebooks
         self.buffers_read: dict[str, int] = {}  # elements of each host buffer the last call took (its "states")
         # each as large as the largest function takes it (a ladder's entries take leading rows)
@@ -194,6 +196,8 @@ class HostOwned:
                 written |= bool(rule.get("ring"))
         if written:
             self.slot_positions[where % len(self.slot_positions)] = where
+        if self.logits_parts and self.logits_parts[0] in out:  # the head's parts side by side: the whole logits
+            out["logits"] = np.concatenate([np.asarray(out.pop(name)) for name in self.logits_parts], axis=-1)
         if self.selector and self.selector["projection"] in out:
             out.update(self.walk(spec, out, inputs))
         elif self.argmax and "logits" in out:
@@ -210,7 +214,7 @@ class HostOwned:
         the stateful function's walk)."""
         if self.codebooks is None:
             raise HostContractError("the drafter's host walks its candidate selector, and no codebooks were given")
-        dtype = TORCH_DTYPES[next(t.dtype for t in spec.outputs if t.name == "logits")]
+        dtype = TORCH_DTYPES[next(t.dtype for t in spec.outputs if t.name in ("logits", *self.logits_parts))]
         logits = torch.from_numpy(np.asarray(out["logits"])[0]).to(dtype)
         projected = torch.from_numpy(np.asarray(out[self.selector["projection"]])[0]).to(dtype)
         anchor = torch.as_tensor(np.asarray(inputs["anchor_id"]).reshape(-1)[:1].astype(np.int64))
@@ -329,7 +333,8 @@ def host_owned(functions: Functions, specs: dict, contract: dict, lookup=None,
     argmax, a ring's masks, a selector's walk), else themselves (a package with states, or a part of one)."""
     owned = HostOwned(functions, specs, contract, lookup, split_head, codebooks)
     host_argmax = owned.argmax and any(t.name == "logits" for spec in specs.values() for t in spec.outputs)
-    served = owned.rules or owned.positions or owned.embedded or owned.commits or owned.ring_masks or owned.selector
+    served = owned.rules or owned.positions or owned.embedded or owned.commits or owned.ring_masks or \
+        owned.selector or owned.logits_parts
     return owned if served or host_argmax else functions
 
 

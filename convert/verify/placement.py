@@ -16,9 +16,9 @@ compiled cache on a Mac), and ``spec-convert compile`` there is where it is meas
 
 from __future__ import annotations
 
+from convert.export.ane import ANE_DIM_LIMIT
 from convert.export.spec import FunctionSpec
 
-ANE_DIM_LIMIT = 65_536
 PLACEMENT = "placement"  # the package check's key, and the manifest package's field, of the findings
 REFERENCE = "anemll-forge coreai/qwen38_coreai_build.py @e3741346 (Entry._forward)"
 

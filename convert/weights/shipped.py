@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from convert.export.functions import compute_copy, parameters_on_meta
-from convert.export.quantized import QuantizedEmbedding, QuantizedLinear, apply_quantized
+from convert.export.quantized import apply_quantized, linear_rows
 from convert.export.spec import SHIP_DTYPE
 from convert.inputs.checkpoint import open_checkpoint
 from convert.models import family_of
@@ -107,10 +107,10 @@ def _share_part(piece: nn.Module, core: nn.Module, part: Part) -> None:
     for j, i in enumerate(part.layer_indices):
         _share(piece.layers[j], core.layers[i])
     if part.embedding is not None:
-        piece.embed_tokens = _rows(core.embed_tokens, *part.embedding)
+        piece.embed_tokens = linear_rows(core.embed_tokens, *part.embedding)
     if part.head is not None:
         piece.norm = core.norm
-        piece.lm_head = _rows(core.lm_head, *part.head)
+        piece.lm_head = linear_rows(core.lm_head, *part.head)
 
 
 def _share(mine: nn.Module, theirs: nn.Module) -> None:
@@ -125,18 +125,3 @@ def _share(mine: nn.Module, theirs: nn.Module) -> None:
             mine._modules[name] = child
         else:
             _share(own, child)
-
-
-def _rows(module: nn.Module, lo: int, hi: int) -> nn.Module:
-    """Rows ``lo .. hi-1`` of an embedding table or an lm_head (the module itself when that is all of it)."""
-    if (lo, hi) == (0, module.weight.shape[0]):
-        return module
-    if isinstance(module, QuantizedLinear):
-        kind = QuantizedEmbedding if isinstance(module, QuantizedEmbedding) else QuantizedLinear
-        return kind(f"{module.name}[{lo}:{hi}]", module.quantized_weight().rows(lo, hi))
-    rows = nn.Parameter(module.weight[lo:hi], requires_grad=False)
-    if isinstance(module, nn.Embedding):
-        return nn.Embedding.from_pretrained(rows, freeze=True)
-    linear = nn.Linear(module.in_features, hi - lo, bias=False, device="meta")
-    linear.weight = rows
-    return linear

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from convert.export.ane import channels_first, host_work, pointwise, rms_norm, rows_of
+from convert.export.ane import channels_first, head_outputs, host_work, logits_parts, pointwise, rms_norm, rows_of
 from convert.models.dflash2.config import DFlash2Args
 from convert.models.dflash2.core import DFlash2Core, GroupedConv
 from convert.models.qwen3.ane import attention, keys_values, mlp
@@ -64,7 +64,7 @@ class DFlash2AneCore(DFlash2Core):
             h = h + around(rms_norm(layer.post_attention_layernorm, h), getattr(layer, "mlp_conv", None),
                            lambda x, layer=layer: mlp(layer.mlp, x), width)
         hidden = rms_norm(self.norm, h[:, :, :, 1:])
-        out = {"logits": rows_of(pointwise(self.lm_head, hidden))[None]}
+        out = head_outputs(self.lm_head, hidden)
         if args.has_selector:
             out[PROJECTED] = rows_of(pointwise(self.candidate_selector.hidden_projection, hidden))[None]
         return out
@@ -93,9 +93,9 @@ def mix(conv: GroupedConv, x, dynamic, side: int, width: int):
     return out
 
 
-def host_contract(args: DFlash2Args, ring_rows: int) -> dict:
+def host_contract(args: DFlash2Args, ring_rows: int, head_ranges: list[tuple[int, int]]) -> dict:
     """The ane layout's host contract (``manifests.schema.HostContract``) of a DFlash2 drafter with a ring of
-    ``ring_rows``."""
+    ``ring_rows`` and its logits in ``head_ranges``."""
     windows = dict.fromkeys(args.layer_windows)
     contract = {
         "name": "spec-convert/dflash2-host-ring", "version": 1, "rollback": "positional", "pending_rows": {},
@@ -113,6 +113,7 @@ def host_contract(args: DFlash2Args, ring_rows: int) -> dict:
         "buffers": {buffer: {"rows": rows, "axis": 2, "ring": ring_rows} for buffer, rows in RING.items()},
         "ring_masks": {ring_mask_name(w): w for w in windows},
         **host_work(args.rope_theta, args.head_dim, embedded=None), "argmax_ids": "draft_ids",
+        **logits_parts(head_ranges),
         "rules": [
             "the package keeps no state: the host owns ring_keys and ring_values, passes them to draft, and after a "
             "context_update / context_append writes its ring_key_rows / ring_value_rows (row j) at slot "

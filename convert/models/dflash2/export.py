@@ -8,11 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from convert.errors import InputError
+from convert.export.ane import logits_names, split_head
 from convert.export.functions import ExportModules, FunctionModule, parameters_on_meta
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.dflash2.ane import PROJECTED, RING, DFlash2AneCore, host_contract, ring_mask_name
 from convert.models.dflash2.config import DFlash2Args
 from convert.models.dflash2.core import DFlash2Core
+from convert.models.part import drafter_head_ranges
 
 
 class DrafterFunction(FunctionModule):
@@ -34,16 +36,19 @@ ENTRIES = {"context_update": "context", "context_append": "context", "draft": "d
 
 def function_specs(args: DFlash2Args, update_width: int = 64, append_width: int = 8, ring_rows: int = 2048,
                    dtype: torch.dtype = torch.float16, draft_width: int | None = None,
-                   logits: bool = False, layout: str = "stateful") -> list[FunctionSpec]:
+                   logits: bool = False, layout: str = "stateful",
+                   head_ranges: list[tuple[int, int]] | None = None) -> list[FunctionSpec]:
     """context_update / context_append (write context rows into the ring) and draft, sharing the ring states; in the
-    ane layout (``convert/models/dflash2/ane.py``) over the host's ring instead."""
+    ane layout (``convert/models/dflash2/ane.py``) over the host's ring instead, its logits in ``head_ranges``
+    (``drafter_head_ranges``)."""
     draft_width = draft_width or args.block_size
     if not 2 <= draft_width <= args.block_size:
         raise InputError(f"draft width {draft_width} must be in 2..block_size ({args.block_size})")
     if ring_rows < max(update_width, append_width):
         raise InputError(f"ring rows {ring_rows} must hold one context chunk ({max(update_width, append_width)} rows)")
     if layout == "ane":
-        return _ane_specs(args, update_width, append_width, ring_rows, DTYPE_NAMES[dtype], draft_width)
+        return _ane_specs(args, update_width, append_width, ring_rows, DTYPE_NAMES[dtype], draft_width,
+                          drafter_head_ranges(args.vocab_size, head_ranges))
     fdtype = DTYPE_NAMES[dtype]
     ring = (args.num_hidden_layers, args.num_key_value_heads, ring_rows, args.head_dim)
     states = (TensorSpec("ring_keys", ring, fdtype), TensorSpec("ring_values", ring, fdtype),
@@ -64,7 +69,7 @@ def function_specs(args: DFlash2Args, update_width: int = 64, append_width: int 
 
 
 def _ane_specs(args: DFlash2Args, update_width: int, append_width: int, ring_rows: int, fdtype: str,
-               draft_width: int) -> list[FunctionSpec]:
+               draft_width: int, head_ranges: list[tuple[int, int]]) -> list[FunctionSpec]:
     ring = (args.num_hidden_layers, args.num_key_value_heads, ring_rows, args.head_dim)
 
     def rope(width: int) -> tuple[TensorSpec, ...]:
@@ -80,7 +85,8 @@ def _ane_specs(args: DFlash2Args, update_width: int, append_width: int, ring_row
                   for w in dict.fromkeys(args.layer_windows))
     inputs = (TensorSpec("anchor_embedding", (1, 1, args.hidden_size), fdtype), *rope(draft_width),
               *(TensorSpec(buffer, ring, fdtype) for buffer in RING), *masks)
-    outputs = [TensorSpec("logits", (1, draft_width - 1, args.vocab_size), fdtype)]
+    outputs = [TensorSpec(name, (1, draft_width - 1, hi - lo), fdtype)
+               for name, (lo, hi) in zip(logits_names(head_ranges), head_ranges, strict=True)]
     if args.has_selector:
         outputs.append(TensorSpec(PROJECTED, (1, draft_width - 1, args.selector_rank), fdtype))
     specs.append(FunctionSpec("draft", inputs, tuple(outputs), ()))
@@ -100,19 +106,24 @@ class DrafterModules(ExportModules):
 def build_modules(args: DFlash2Args, tensors: dict[str, torch.Tensor], lm_head_weight: torch.Tensor,
                   mask_embedding: torch.Tensor, dtype: torch.dtype, max_positions: int, ring_rows: int = 2048,
                   update_width: int = 64, append_width: int = 8, mask_scale: float = 1.0,
-                  draft_width: int | None = None, logits: bool = False, layout: str = "stateful") -> DrafterModules:
+                  draft_width: int | None = None, logits: bool = False, layout: str = "stateful",
+                  head_ranges: list[tuple[int, int]] | None = None) -> DrafterModules:
     """Export modules in ``dtype`` over one core (drafter ``tensors`` by canonical key, each taken out of the dict as
     it is set; the target's ``lm_head`` weight [vocab, H], shared when it is in ``dtype``, and raw mask row [H], scaled
     here by ``mask_scale``) and one set of ring states (none in the ane ``layout``: the host's ring).
 
     ``max_positions`` sizes the fp32 RoPE tables: context rows and block anchors must sit below it (a block
     starting at ``max_positions - 1`` still fits). ``logits`` adds the [1, S-1, vocab] logits output to ``draft``.
+    In the ane layout the lm_head is computed in ``head_ranges`` (``drafter_head_ranges``: ``RowParts`` past the
+    ANE's largest dim).
     """
     for name, tensor, shape in (("lm_head weight", lm_head_weight, (args.vocab_size, args.hidden_size)),
                                 ("mask embedding row", mask_embedding, (args.hidden_size,))):
         if tuple(tensor.shape) != shape:
             raise InputError(f"the target's {name} is {list(tensor.shape)}; this drafter needs {list(shape)}")
-    specs = function_specs(args, update_width, append_width, ring_rows, dtype, draft_width, logits, layout)
+    head_ranges = drafter_head_ranges(args.vocab_size, head_ranges)
+    specs = function_specs(args, update_width, append_width, ring_rows, dtype, draft_width, logits, layout,
+                           head_ranges)
     # the parameters on meta until the checkpoint's fill them (no core made in fp32 first); the fp32 RoPE tables are
     # cast with the core: the same values as a lookup in fp32 followed by the cast
     with parameters_on_meta():
@@ -120,9 +131,12 @@ def build_modules(args: DFlash2Args, tensors: dict[str, torch.Tensor], lm_head_w
     core = core.to(dtype).eval()
     core.load_weights(tensors)
     core.set_target(lm_head_weight, mask_embedding, mask_scale)
+    if layout == "ane":
+        split_head(core, head_ranges)
     for p in core.parameters():
         p.requires_grad_(False)
     states = {s.name: torch.zeros(s.shape, dtype=dtype) for s in specs[0].states}
     functions = {s.name: (DrafterFunction(core, s, states, ENTRIES[s.name]), s) for s in specs}
-    contract = host_contract(args, ring_rows) if layout == "ane" else {}
+    contract = host_contract(args, ring_rows, head_ranges) if layout == "ane" else {}
     return DrafterModules(core=core, functions=functions, contract=contract)
+

@@ -13,7 +13,16 @@ from __future__ import annotations
 
 import torch
 
-from convert.export.ane import channels_first, history_bias, host_work, pointwise, rms_norm, rows_of
+from convert.export.ane import (
+    channels_first,
+    head_outputs,
+    history_bias,
+    host_work,
+    logits_parts,
+    pointwise,
+    rms_norm,
+    rows_of,
+)
 from convert.models.mtp.config import MTPArgs
 from convert.models.mtp.core import MTPCore
 from convert.models.qwen3.ane import mlp
@@ -46,12 +55,13 @@ class MTPAneCore(MTPCore):
             keys.append(k[None])
             values.append(v[None])
         hidden_out = rms_norm(self.norm, x)
-        return {"logits": rows_of(pointwise(self.lm_head, hidden_out))[None], "hidden_out": rows_of(hidden_out)[None],
+        return {**head_outputs(self.lm_head, hidden_out), "hidden_out": rows_of(hidden_out)[None],
                 "key_rows": torch.cat(keys), "value_rows": torch.cat(values)}
 
 
-def host_contract(args: MTPArgs) -> dict:
-    """The ane layout's host contract (``manifests.schema.HostContract``) of an MTP head."""
+def host_contract(args: MTPArgs, head_ranges: list[tuple[int, int]]) -> dict:
+    """The ane layout's host contract (``manifests.schema.HostContract``) of an MTP head with its logits in
+    ``head_ranges``."""
     return {
         "name": "spec-convert/mtp-host-history", "version": 1, "rollback": "positional", "pending_rows": {},
         "inputs": {EMBEDDED: "the embedding rows of the call's tokens [1, S, hidden], looked up by the host in the "
@@ -65,6 +75,7 @@ def host_contract(args: MTPArgs) -> dict:
                    "value_history": "the host's value rows, as key_history"},
         "buffers": {buffer: {"rows": rows, "axis": 2} for buffer, rows in HISTORY.items()},
         **host_work(args.rope_theta, args.rotary_dim, embedded=EMBEDDED, first_row=1), "argmax_ids": "draft_ids",
+        **logits_parts(head_ranges),
         "rules": [
             "the functions take no input_ids and no position_ids: the host passes token_embeddings (the target "
             "bundle's embeddings.safetensors rows of the tokens), rope_cos / rope_sin and history_mask",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from convert.errors import InputError
+from convert.export.ane import logits_names, split_head
 from convert.export.functions import ExportModules, NamedFunction, parameters_on_meta
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.mtp.ane import EMBEDDED, MTPAneCore, host_contract
@@ -15,6 +16,7 @@ from convert.models.mtp.checkpoint import HeadWeights, borrowed_tables
 from convert.models.mtp.config import DRAFT_STEPS, STATE_NAMES, MTPArgs
 from convert.models.mtp.core import MTPCore
 from convert.models.mtp.reference import MTPReference
+from convert.models.part import drafter_head_ranges
 from convert.models.qwen3.config import HISTORY
 
 
@@ -25,15 +27,17 @@ def function_specs(
     dtype: torch.dtype = torch.float16,
     logits: bool = False,
     layout: str = "stateful",
+    head_ranges: list[tuple[int, int]] | None = None,
 ) -> list[FunctionSpec]:
     """``accept`` (S = draft_steps + 1) and ``draft_step`` (S = 1): same inputs, outputs and states. In the ane layout
-    (``convert/models/mtp/ane.py``) they take the host's rows, position inputs and history and return logits and the
-    call's KV rows instead."""
+    (``convert/models/mtp/ane.py``) they take the host's rows, position inputs and history and return logits (in
+    ``head_ranges``: ``drafter_head_ranges``) and the call's KV rows instead."""
     if draft_steps < 1:
         raise InputError(f"draft steps must be at least 1, got {draft_steps}")
     fdtype = DTYPE_NAMES[dtype]
     cache = (args.mtp_layers, args.num_key_value_heads, context, args.head_dim)
     ane = layout == "ane"
+    head_ranges = drafter_head_ranges(args.vocab_size, head_ranges)
     states = () if ane else tuple(TensorSpec(name, cache, fdtype) for name in STATE_NAMES)
     specs = []
     for name, width in (("accept", draft_steps + 1), ("draft_step", 1)):
@@ -45,7 +49,8 @@ def function_specs(
                       TensorSpec("history_mask", (1, context), fdtype),
                       *(TensorSpec(buffer, cache, fdtype) for buffer in HISTORY))
             new_rows = (args.mtp_layers, args.num_key_value_heads, width, args.head_dim)
-            outputs = (TensorSpec("logits", (1, width, args.vocab_size), fdtype),
+            outputs = (*(TensorSpec(logits_name, (1, width, hi - lo), fdtype)
+                         for logits_name, (lo, hi) in zip(logits_names(head_ranges), head_ranges, strict=True)),
                        TensorSpec("hidden_out", rows, fdtype),
                        *(TensorSpec(out, new_rows, fdtype) for out in HISTORY.values()))
             specs.append(FunctionSpec(name=name, inputs=inputs, outputs=outputs, states=states))
@@ -86,10 +91,12 @@ def build_modules(
     dtype: torch.dtype = torch.float16,
     logits: bool = False,
     layout: str = "stateful",
+    head_ranges: list[tuple[int, int]] | None = None,
 ) -> MTPModules:
     """Export modules in ``dtype`` over one core (the head's weights and the borrowed target tables, once) and one
-    pair of KV states (none in the ane ``layout``: the host's history, ``convert/models/mtp/ane.py``);
-    ``target_tensors`` needs the target's ``model.embed_tokens.weight`` and ``lm_head.weight``."""
+    pair of KV states (none in the ane ``layout``: the host's history, ``convert/models/mtp/ane.py``, and the lm_head
+    computed in ``head_ranges``: ``drafter_head_ranges``); ``target_tensors`` needs the target's
+    ``model.embed_tokens.weight`` and ``lm_head.weight``."""
     embed_tokens, lm_head = borrowed_tables(args, head, target_tensors)
     with parameters_on_meta():  # filled by load_weights in dtype: no core made in fp32 first
         core = (MTPAneCore if layout == "ane" else MTPCore)(args, context)
@@ -97,10 +104,14 @@ def build_modules(
     core.load_weights(head, embed_tokens, lm_head)
     for p in core.parameters():
         p.requires_grad_(False)
-    specs = function_specs(args, draft_steps, context, dtype, logits, layout)
+    head_ranges = drafter_head_ranges(args.vocab_size, head_ranges)
+    if layout == "ane":
+        split_head(core, head_ranges)
+    specs = function_specs(args, draft_steps, context, dtype, logits, layout, head_ranges)
     states = {s.name: torch.zeros(s.shape, dtype=dtype) for s in specs[0].states}
     functions = {s.name: (NamedFunction(core, s, states), s) for s in specs}
-    return MTPModules(core=core, functions=functions, contract=host_contract(args) if layout == "ane" else {})
+    contract = host_contract(args, head_ranges) if layout == "ane" else {}
+    return MTPModules(core=core, functions=functions, contract=contract)
 
 
 def build_reference(
