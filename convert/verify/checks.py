@@ -335,7 +335,7 @@ def replay_coreai(session, calls: list) -> dict:
 
     Ids must be equal, except from a near tie on: a row whose top two torch scores (the selector's when the
     core has one, else the logits), or a selector's k-th and (k+1)-th logits, are closer than ``NEAR_TIE_LOGITS``
-    (``_decision_gap``); later rows of that call are not
+    (``decision_gap``); later rows of that call are not
     compared (the greedy walk continues from another id). Float outputs agree within ``FP16_OUTPUT_BOUND``.
     """
     stats = {"runtime_calls": 0, "ids_compared": 0, "id_near_ties": 0, "max_output_delta": 0.0}
@@ -363,7 +363,7 @@ def _compare_ids(function: str, output: str, got: np.ndarray, want: np.ndarray, 
         stats["ids_compared"] += 1
         if got[row] == want[row]:
             continue
-        gap, what = _decision_gap(expected, row)
+        gap, what = decision_gap(expected, row)
         if gap >= NEAR_TIE_LOGITS:
             raise PackageError(f"{function}: {output} row {row}: the package gives {got[row]}, the torch module "
                                f"{want[row]} ({what} {gap:.3f} >= near-tie margin {NEAR_TIE_LOGITS})")
@@ -376,7 +376,7 @@ def _compare_ids(function: str, output: str, got: np.ndarray, want: np.ndarray, 
 HOST_WALKED = ("selector_scores",)
 
 
-def _decision_gap(expected: dict, row: int) -> tuple[float, str]:
+def decision_gap(expected: dict, row: int) -> tuple[float, str]:
     """How far a row's id is from another arithmetic's choice, in the torch scores: the gap of the top two scores
     (the selector's when the core has one, else the logits), and for a selector also the gap at the edge of its
     top-k candidates (the k-th and (k+1)-th logits): across a tie there, another arithmetic walks over other
