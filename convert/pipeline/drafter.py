@@ -71,7 +71,7 @@ class DrafterPlan:
     config: Drafter
     snapshot: Snapshot
     args: dflash2.DFlash2Args | mtp.MTPArgs
-    layout: str
+    checkpoint_layout: str  # its tensors' layout (a DFlash2 architecture, an MTP head's keys), not the graphs'
     specs: list[FunctionSpec]
     head_ranges: list[tuple[int, int]] | None = None  # the ane layout's logits outputs' vocabulary rows
 
@@ -121,7 +121,7 @@ def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, t
         args = dflash2.DFlash2Args.from_config(snapshot.config(), str(config_path))
         files = dflash2.checkpoint_files(snapshot.directory)
         dflash2.sanitize({f.name: check_safetensors(f) for f in files}, args)
-        layout = args.architecture
+        checkpoint_layout = args.architecture
         taps = list(recipe.target.taps or [])
         if taps != list(args.target_layer_ids):
             raise InputError(
@@ -136,7 +136,7 @@ def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, t
                                        head_ranges=head_ranges(recipe, args.vocab_size))
     else:
         args = mtp.MTPArgs.from_config(snapshot.config(), str(config_path))
-        layout = mtp.sanitize(tensor_shapes(snapshot.directory), args, f"checkpoint {snapshot.directory}")
+        checkpoint_layout = mtp.sanitize(tensor_shapes(snapshot.directory), args, f"checkpoint {snapshot.directory}")
         if not recipe.target.hidden:
             raise InputError(f"{where}: target.hidden: an MTP drafter reads the target's final-norm hidden states; "
                              "set target.hidden: true")
@@ -146,7 +146,7 @@ def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, t
                                 ("vocab_size", args.vocab_size, target.vocab_size)):
         if mine != theirs:
             raise InputError(f"{config_path}: {field} {mine} differs from the target's {theirs}: not its drafter")
-    return DrafterPlan(config=config, snapshot=snapshot, args=args, layout=layout, specs=specs,
+    return DrafterPlan(config=config, snapshot=snapshot, args=args, checkpoint_layout=checkpoint_layout, specs=specs,
                        head_ranges=head_ranges(recipe, args.vocab_size))
 
 

@@ -225,7 +225,7 @@ def _write_extras(dplan, modules, out: Path) -> list[dict]:
         shutil.copy2(path, out / path.name)
         written.append(out / path.name)
     record = {"reference": dplan.snapshot.reference, "repo": dplan.snapshot.repo, "revision": dplan.snapshot.revision,
-              "kind": dplan.kind, "layout": dplan.layout}
+              "kind": dplan.kind, "layout": dplan.checkpoint_layout}
     (out / "SOURCE.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     written.append(out / "SOURCE.json")
     codebooks = {n: p.detach().contiguous() for n, p in modules.core.named_parameters() if "codebook" in n}
@@ -269,9 +269,10 @@ def _architecture(dplan, modules) -> dict:
                    "hidden_convention": drafter.MTP_HIDDEN_CONVENTION}
         architectures, layers, inter = [f"{args.model_type or 'qwen3'}-mtp"], args.mtp_layers, args.intermediate_size
     return {
-        "kind": kind, "architectures": architectures, "layout": dplan.layout, "hidden_size": args.hidden_size,
-        "num_layers": layers, "num_heads": args.num_attention_heads, "num_kv_heads": args.num_key_value_heads,
-        "head_dim": args.head_dim, "intermediate_size": inter, "vocab_size": args.vocab_size,
+        "kind": kind, "architectures": architectures, "layout": dplan.checkpoint_layout,
+        "hidden_size": args.hidden_size, "num_layers": layers, "num_heads": args.num_attention_heads,
+        "num_kv_heads": args.num_key_value_heads, "head_dim": args.head_dim, "intermediate_size": inter,
+        "vocab_size": args.vocab_size,
         "rope_theta": args.rope_theta, "rms_norm_eps": args.rms_norm_eps,
         "parameter_count": args.parameter_count, "runtime": runtime,
     }

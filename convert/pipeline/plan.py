@@ -294,7 +294,7 @@ def describe_plan(plan: Plan) -> list[str]:
 def describe_drafter(plan: Plan) -> list[str]:
     d, a = plan.drafter, plan.drafter.args
     quant = d.config.quantization
-    lines = [f"  drafter {d.kind}: {d.snapshot.reference} ({d.layout}) -> {plan.output / 'drafter'}",
+    lines = [f"  drafter {d.kind}: {d.snapshot.reference} ({d.checkpoint_layout}) -> {plan.output / 'drafter'}",
              f"    hidden {a.hidden_size}, heads {a.num_attention_heads}/{a.num_key_value_heads} (head_dim "
              f"{a.head_dim}), vocab {a.vocab_size}, quantization {quant.method}",
              *size_lines(a.parameter_count, plan.recipe.backends, "    ")]
