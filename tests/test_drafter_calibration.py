@@ -19,6 +19,7 @@ from convert.pipeline.build import shipped_modules
 from convert.pipeline.partition import held_target_bytes
 from convert.pipeline.plan import make_plan
 from convert.runtime import speculative
+from convert.runtime.host import ModuleFunctions, TargetDriver
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny_qwen3_5_dflash2.yaml"
 
@@ -244,3 +245,28 @@ def test_the_ab_reference_is_the_fp16_drafter_loaded_again_not_held_through_quan
                  for t in m.buffers()}
     assert not quantized & {t.untyped_storage().data_ptr() for t in fp16.core.parameters()}
     assert len(quantized) > 10
+
+
+def test_the_drafter_stages_prompts_run_on_host_buffers_of_the_positions_they_reach(tmp_path):
+    """``stage_copy``: the ane target's fp32 copy the drafter stage runs its prompts on holds the host's buffers at the
+    144 positions its prompts reach (64 tokens, 64 generated and two verifies of 8), not the recipe's 512; it decodes
+    what the whole-context copy decodes: a held-out prompt's 64 greedy ids the same, their logits within 1e-5 (fp32).
+    A stateful target's copy keeps its context (its core's masks span it)."""
+    recipe = tmp_path / "pair.yaml"
+    text = RECIPE.read_text().replace("path:../fixtures", f"path:{RECIPE.parent.parent / 'fixtures'}")
+    recipe.write_text(text.replace("  context: 512\n", "  context: 512\n  layout: ane\n"))
+    plan = make_plan(recipe, str(tmp_path / "out"))
+    target, _ = shipped_modules(plan)
+    staged, whole = drafter_build.stage_copy(plan, target), compute_copy(target, torch.float32, share_weights=True)
+    assert drafter.stage_positions(plan.recipe) == 144
+    driven = {"staged": ModuleFunctions(staged), "whole": ModuleFunctions(whole)}
+    rows = {name: sorted({buffer.shape[2] for key, buffer in functions.host_buffers().items()
+                          if key.startswith("key_")}) for name, functions in driven.items()}
+    assert rows == {"staged": [144], "whole": [512]}, rows
+    prompt = drafter_build.held_out_prompts(plan)[0][0]
+    runs = {name: TargetDriver(driven[name], copy.widths, copy.contract).greedy(prompt, 64)
+            for name, copy in (("staged", staged), ("whole", whole))}
+    assert runs["staged"][0] == runs["whole"][0]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(runs["staged"][1], runs["whole"][1], strict=True)) < 1e-5
+    stateful = make_plan(RECIPE, str(tmp_path / "stateful"))
+    assert drafter.stage_target(stateful.recipe).context == 512

@@ -59,11 +59,12 @@ def test_dflash2_27b_plans_from_its_contract():
         "about 14.5 GB)" in out
     assert "layers-62-63: layers 62..63: 369.79 MiB" in out
     assert "head-1of4: norm + lm_head rows 0..62079: 151.69 MiB" in out
-    # the drafter stage's fp32 sessions hold the host's buffers at the whole context (4.08 GiB in fp16)
+    # the acceptance's metered run holds the host's buffers at the whole context (4.08 GiB in fp16) in fp32; the
+    # prompts' sessions hold the 144 positions they reach (64 + 64 tokens and a verify past them)
     assert "estimated peak host memory: 29.6 GB (target.max_host_memory_gb 16)" in out
-    assert ("estimated drafter stage: 29.6 GB (its largest phase, accept: the target (its quantized weights as "
-            "packed codes) 12.58 GiB, the drafter 5.61 GiB, 1 session of prompts run at once, its states 8.23 GiB)") \
-        in out
+    assert ("estimated drafter stage: 29.6 GB (its largest phase, economics: the target (its quantized weights as "
+            "packed codes) 12.58 GiB, the drafter 5.61 GiB, the metered run's session at the whole context 8.23 GiB; "
+            "the prompts run 1 session at once, each 262.77 MiB of states at 144 positions)") in out
 
 
 def test_bonsai2_27b_plans_the_exact_pack_from_its_contract():
@@ -74,8 +75,11 @@ def test_bonsai2_27b_plans_the_exact_pack_from_its_contract():
     result = dry_run(RECIPES / "bonsai2_27b_dflash2.yaml")
     assert result.exit_code == 0, result.output
     out = result.output
-    assert "estimated drafter stage: 16.0 GB (its largest phase, accept: the target (its quantized weights as " \
+    # the prompts' sessions at the 144 positions they reach: 4 at once within 16 GB (at the whole 8,192-row context
+    # a session's states were 1.24 GiB and one fit)
+    assert "estimated drafter stage: 16.0 GB (its largest phase, economics: the target (its quantized weights as " \
         "packed codes) 6.90 GiB" in out
+    assert "the prompts run 4 sessions at once, each 262.77 MiB of states at 144 positions" in out
     assert "parameters: 26,895,998,464" in out
     # the packages' weights: the embedding table is the host's in the ane layout (6.70 GiB with it, stateful)
     assert "shipped weights: 6.38 GiB per format (2.04 bits a parameter; 50.10 GiB in fp16)" in out

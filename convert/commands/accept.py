@@ -12,11 +12,9 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from convert.commands.inspect import open_drafter, open_target
 from convert.errors import GateError, InputError
-from convert.export.functions import compute_copy
 from convert.pipeline.build import shipped_modules
 from convert.pipeline.drafter_build import (
     format_ab,
@@ -25,6 +23,7 @@ from convert.pipeline.drafter_build import (
     measure,
     measure_held_out,
     shipped_drafter,
+    stage_copy,
 )
 from convert.pipeline.plan import make_plan
 from convert.progress import console, stage
@@ -50,7 +49,7 @@ def run_accept(recipe_path: Path, bundle: Path | None, runtime: str, tokens: int
         plan.drafter.config = config
         plan.recipe = plan.recipe.model_copy(update={"drafter": config})
     target, _ = shipped_modules(plan)
-    target32 = compute_copy(target, torch.float32, share_weights=True)
+    target32 = stage_copy(plan, target)  # as the build's drafter stage runs its prompts
     modules, fp16_modules, _ = shipped_drafter(plan, target, target32)
     if runtime == "torch":
         acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules, held_out_prompts(plan))

@@ -104,6 +104,25 @@ def head_ranges(recipe: Recipe, vocab: int) -> list[tuple[int, int]] | None:
     return logits_ranges(vocab, row_align(recipe.target.quantization)) if recipe.drafter.layout == "ane" else None
 
 
+def stage_positions(recipe: Recipe) -> int:
+    """The most positions a drafter-stage run reaches (at most the target's context): the longest prompt and its
+    generated tokens (acceptance, and GPTQ's calibration; the package check's run is shorter) and the last round's
+    verify, which can end a verify past the tokens asked for."""
+    config = recipe.drafter
+    runs = [config.accept, *([config.quantization.calibration] if config.quantization.uses_gptq else [])]
+    return min(recipe.target.context, max(run.length + run.tokens for run in runs) + 2 * recipe.target.graphs.verify)
+
+
+def stage_target(recipe: Recipe):
+    """The target the drafter stage runs its prompts on (``drafter_build.stage_copy``): in the ane layout the
+    recipe's at context ``stage_positions`` with no ladder, so that each session's host buffers hold the rows the
+    stage reaches, not the package's whole context (65,472 rows at 27B where the prompts reach 144); a stateful
+    target's as it is (its core's position tables and masks span the context)."""
+    if recipe.target.layout != "ane":
+        return recipe.target
+    return recipe.target.model_copy(update={"context": stage_positions(recipe), "ladder": []})
+
+
 def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, target,
                  dtype: torch.dtype) -> DrafterPlan:
     """Validate the drafter's config and tensor headers against the target (its architecture family's args);

@@ -30,7 +30,7 @@ from convert.runtime.host import ModuleFunctions
 from convert.runtime.speculative import paired_ab
 from convert.verify import gates
 from convert.weights.quantize import calibration_text
-from convert.weights.target import TargetModules
+from convert.weights.target import TargetModules, modules_over
 from manifests import identity
 from manifests.schema import TAP_CONVENTION, DrafterManifest, Manifest
 
@@ -52,6 +52,14 @@ def text_prompts(plan, spec, field: str) -> tuple[list[list[int]], dict]:
 def held_out_prompts(plan) -> tuple[list[list[int]], dict]:
     """The recipe's acceptance prompts (``drafter.accept``, by default the held-out split)."""
     return text_prompts(plan, plan.drafter.config.accept, "drafter.accept.corpus")
+
+
+def stage_copy(plan, target: TargetModules) -> TargetModules:
+    """The fp32 compute copy of the shipped ``target`` that the drafter stage runs its prompts on: its weights shared,
+    in the ane layout its host's buffers (made when it is driven) at the rows the stage reaches
+    (``drafter.stage_target``), so a session holds those rows, not the package's whole context."""
+    sized = modules_over(target.core, plan.args, drafter.stage_target(plan.recipe), torch.float16)
+    return compute_copy(sized, torch.float32, share_weights=True)
 
 
 def shipped_drafter(plan, target: TargetModules, target32: TargetModules,
@@ -111,8 +119,11 @@ def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_
         stats, runs = drafter.accept(dplan.kind, target32, drafter32, prompts, tokens, embeddings, references,
                                      functions, sessions)
     drafter.raise_if_lossy(stats, runs)
-    with stage("economics: bytes read per call (one metered run)"):
-        economics = drafter.economics(dplan.kind, target, target32, modules, drafter32, prompts[0], tokens,
+    with stage("economics: bytes read per call (one metered run, the target's states at its whole context)"):
+        # the bytes a call reads are the shipped graphs': the stage's copy where it is the shipped target's context
+        whole32 = target32 if drafter.stage_target(plan.recipe) is plan.recipe.target else \
+            compute_copy(target, torch.float32, share_weights=True)
+        economics = drafter.economics(dplan.kind, target, whole32, modules, drafter32, prompts[0], tokens,
                                       embeddings, stats["tokens_per_round"])
     with stage("n-gram baseline: prompt lookup on the same prompts and target (no package)"):
         ngram, ngram_runs = drafter.accept("ngram", target32, None, prompts, tokens, embeddings, references,
@@ -187,10 +198,10 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
     out.mkdir()
     with stage("hash drafter source files"):
         source_files = file_records(dplan.snapshot.directory)
-    target32 = compute_copy(target, torch.float32, share_weights=True)
+    target32 = stage_copy(plan, target)
     modules, fp16_modules, quantization = shipped_drafter(plan, target, target32, reload_layers)
     if reload_layers is not None:
-        target32 = compute_copy(target, torch.float32, share_weights=True)  # over the layers loaded again
+        target32 = stage_copy(plan, target)  # over the layers loaded again
     held_out = held_out_prompts(plan)
     acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules, held_out)
     del target32  # packaging needs only the fp16 modules; the fp32 copy of the target is freed
