@@ -5,6 +5,7 @@ compute copies that share the fp16 weights (``compute_copy(share_weights=True)``
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import numpy as np
@@ -249,12 +250,14 @@ def test_the_ab_reference_is_the_fp16_drafter_loaded_again_not_held_through_quan
 
 def test_the_drafter_stages_prompts_run_on_host_buffers_of_the_positions_they_reach(tmp_path):
     """``stage_copy``: the ane target's fp32 copy the drafter stage runs its prompts on holds the host's buffers at the
-    144 positions its prompts reach (64 tokens, 64 generated and two verifies of 8), not the recipe's 512; it decodes
-    what the whole-context copy decodes: a held-out prompt's 64 greedy ids the same, their logits within 1e-5 (fp32).
+    144 positions its prompts reach (64 tokens, 64 generated and two verifies of 8), not the recipe's 512 (with a
+    ladder entry at 256); it decodes what the whole-context copy decodes (a held-out prompt's 64 greedy ids the same,
+    their logits within 1e-5, fp32), and its metered run prices every call as the shipped package's host passes it
+    (the entry of the ladder that holds it): the economics of a speculative run are the whole copy's, byte for byte.
     A stateful target's copy keeps its context (its core's masks span it)."""
     recipe = tmp_path / "pair.yaml"
     text = RECIPE.read_text().replace("path:../fixtures", f"path:{RECIPE.parent.parent / 'fixtures'}")
-    recipe.write_text(text.replace("  context: 512\n", "  context: 512\n  layout: ane\n"))
+    recipe.write_text(text.replace("  context: 512\n", "  context: 512\n  layout: ane\n  ladder: [256]\n"))
     plan = make_plan(recipe, str(tmp_path / "out"))
     target, _ = shipped_modules(plan)
     staged, whole = drafter_build.stage_copy(plan, target), compute_copy(target, torch.float32, share_weights=True)
@@ -268,5 +271,16 @@ def test_the_drafter_stages_prompts_run_on_host_buffers_of_the_positions_they_re
             for name, copy in (("staged", staged), ("whole", whole))}
     assert runs["staged"][0] == runs["whole"][0]
     assert max(float(np.abs(a - b).max()) for a, b in zip(runs["staged"][1], runs["whole"][1], strict=True)) < 1e-5
+
+    modules = drafter.build_modules(plan.drafter, plan.recipe, target, torch.float16)
+    drafter32, anchors = compute_copy(modules, torch.float32, share_weights=True), drafter.anchor_table(target)
+    costs = {name: drafter.economics("dflash2", target, copy, modules, drafter32, prompt, 64, anchors, 3.0)
+             for name, copy in (("staged", staged), ("whole", whole))}
+    assert costs["staged"] == costs["whole"]
+    # every call of the run is within 256 positions: the host passes the 256 entry its buffers' first 256 rows
+    entry = dict(target.functions)["verify_256"][1]
+    owned = target.contract["buffers"]
+    assert costs["staged"]["bytes_per_call"]["target.verify"]["states"] == sum(
+        math.prod(t.shape) * 2 for t in entry.inputs if t.name in owned)
     stateful = make_plan(RECIPE, str(tmp_path / "stateful"))
     assert drafter.stage_target(stateful.recipe).context == 512

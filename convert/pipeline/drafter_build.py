@@ -119,11 +119,8 @@ def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_
         stats, runs = drafter.accept(dplan.kind, target32, drafter32, prompts, tokens, embeddings, references,
                                      functions, sessions)
     drafter.raise_if_lossy(stats, runs)
-    with stage("economics: bytes read per call (one metered run, the target's states at its whole context)"):
-        # the bytes a call reads are the shipped graphs': the stage's copy where it is the shipped target's context
-        whole32 = target32 if drafter.stage_target(plan.recipe) is plan.recipe.target else \
-            compute_copy(target, torch.float32, share_weights=True)
-        economics = drafter.economics(dplan.kind, target, whole32, modules, drafter32, prompts[0], tokens,
+    with stage("economics: bytes read per call (one metered run)"):
+        economics = drafter.economics(dplan.kind, target, target32, modules, drafter32, prompts[0], tokens,
                                       embeddings, stats["tokens_per_round"])
     with stage("n-gram baseline: prompt lookup on the same prompts and target (no package)"):
         ngram, ngram_runs = drafter.accept("ngram", target32, None, prompts, tokens, embeddings, references,

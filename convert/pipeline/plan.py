@@ -120,13 +120,9 @@ class Plan:
         let_go = {"package"} | ({"quantize"} if not self.parts[0].is_whole and
                                  self.drafter.config.quantization.uses_gptq else set())
         sessions = self.drafter_sessions * self.drafter_session_bytes
-        phases = {phase: {"target": tables if phase in let_go else whole, "drafter": own,
-                          "sessions": sessions if phase in ("calibrate", "accept") else 0}
-                  for phase, own in self.drafter_own_phases.items()}
-        # the acceptance's metered run: one session at the whole context (the bytes the shipped graphs read)
-        phases["economics"] = {"target": whole, "drafter": self.drafter_own_phases["accept"],
-                               "sessions": self.session_bytes(self.specs)}
-        return phases
+        return {phase: {"target": tables if phase in let_go else whole, "drafter": own,
+                        "sessions": sessions if phase in ("calibrate", "accept") else 0}
+                for phase, own in self.drafter_own_phases.items()}
 
     @cached_property
     def drafter_own_phases(self) -> dict[str, int]:
@@ -135,15 +131,11 @@ class Plan:
 
     @property
     def drafter_session_bytes(self) -> int:
-        """One session of the drafter stage's prompts: the target's at the rows the stage reaches
-        (``drafter.stage_target``) beside the drafter's (``session_bytes``)."""
-        return self.session_bytes(family_of(self.args).function_specs(self.args, stage_target(self.recipe)))
-
-    def session_bytes(self, target_specs: list[FunctionSpec]) -> int:
-        """One session of the target with ``target_specs`` and the drafter: the states (the ane layout: the host's
-        buffers) of their fp32 compute copies (every element counted at 4 bytes)."""
-        states = [*target_specs[0].states, *self.drafter.specs[0].states,
-                  *buffer_specs(target_specs, self.host_buffers),
+        """One session of the drafter stage's prompts: the states (the ane layout: the host's buffers) of the target's
+        and the drafter's fp32 compute copies (every element counted at 4 bytes), the target's at the rows the stage
+        reaches (``drafter.stage_target``)."""
+        specs = family_of(self.args).function_specs(self.args, stage_target(self.recipe))
+        states = [*specs[0].states, *self.drafter.specs[0].states, *buffer_specs(specs, self.host_buffers),
                   *buffer_specs(self.drafter.specs, tuple(self.drafter.contract.get("buffers", {})))]
         return sum(4 * math.prod(s.shape) for s in states)
 
@@ -212,12 +204,11 @@ def _drafter_stage_parts(plan: Plan) -> str:
     sessions = plan.drafter_sessions
     text = (f"its largest phase, {phase}: the target ({held}) {size_text(shares['target'])}, the drafter "
             f"{size_text(shares['drafter'])}")
-    if phase == "economics":
-        text += f", the metered run's session at the whole context {size_text(shares['sessions'])}"
-    elif shares["sessions"]:
-        text += f", {sessions} session{'s' if sessions > 1 else ''} {size_text(shares['sessions'])}"
-    return (f"{text}; the prompts run {sessions} session{'s' if sessions > 1 else ''} at once, each "
-            f"{size_text(plan.drafter_session_bytes)} of states at {stage_target(plan.recipe).context:,} positions")
+    if shares["sessions"]:
+        text += (f", {sessions} session{'s' if sessions > 1 else ''} of prompts run at once, "
+                 f"{'their' if sessions > 1 else 'its'} states {size_text(shares['sessions'])} (at "
+                 f"{stage_target(plan.recipe).context:,} positions)")
+    return text
 
 
 def host_buffer_names(args, target) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ bytes, states at their package dtype. Activations and outputs are not counted (s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from convert.export.quantized import CodesLinear, QuantizedLinear
 from convert.export.spec import size_text
-from convert.runtime.host import HostOwned, ModuleFunctions
+from convert.runtime.host import HostOwned, ModuleFunctions, rung
 
 _GATHERS = {torch.ops.aten.embedding.default, torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default}
 _STATE_BYTES = {"float16": 2, "float32": 4, "int32": 4}
@@ -188,18 +189,25 @@ class MeteredFunctions(ModuleFunctions):
     def __init__(self, compute, shipped, side: str, log: list):
         super().__init__(compute)
         self.priced, self.side, self.log = priced_tensors(compute, shipped), side, log
-        # the ane layout's host buffers, priced at the dtype the shipped functions take them in
-        self.buffer_bytes = {t.name: _STATE_BYTES[t.dtype] for _, spec in shipped.functions.values()
-                             for t in spec.inputs if t.dtype in _STATE_BYTES}
+        self.shipped_specs = {name: spec for name, (_, spec) in shipped.functions.items()}
+        self.ladder = shipped.contract.get("ladder", [])
 
     def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         with _ReadMeter(self.priced) as meter:
             out = super().call(function, inputs)
         read = meter.bytes_read()
         if isinstance(self.driven, HostOwned):  # the ane layout: the host's buffers are what the states would be
-            read["states"] += sum(size * self.buffer_bytes[name] for name, size in self.driven.buffers_read.items())
+            read["states"] += self.shipped_buffer_bytes(function, inputs)
         self.log.append((self.side, function, read))
         return out
+
+    def shipped_buffer_bytes(self, function: str, inputs: dict[str, np.ndarray]) -> int:
+        """The host buffers the shipped package's host passes this call, at their shipped dtype: the whole inputs of
+        the entry it calls (``host.rung``: its ladder's smallest that holds the call), whatever rows the compute
+        copy's buffers have (the drafter stage's hold only the rows its prompts reach: ``drafter.stage_target``)."""
+        spec = self.shipped_specs[rung(self.shipped_specs, self.ladder, function, inputs)]
+        return sum(math.prod(t.shape) * _STATE_BYTES[t.dtype] for t in spec.inputs
+                   if t.name in self.driven.buffers_read)
 
 
 def per_call(log: list) -> dict[str, dict[str, int]]:

@@ -249,11 +249,7 @@ class HostOwned:
     def rung(self, function: str, inputs: dict[str, np.ndarray]) -> str:
         """The entry of ``function`` to call (``contract["ladder"]``): the one at the smallest context whose history
         holds the call's rows (its first position plus its width at most the context), else ``function`` itself."""
-        if not self.ladder or "position_ids" not in inputs:
-            return function
-        first, width = int(np.asarray(inputs["position_ids"]).reshape(-1)[0]), self.specs[function].width
-        return next((rung_name(function, c) for c in self.ladder
-                     if rung_name(function, c) in self.specs and first + width <= c), function)
+        return rung(self.specs, self.ladder, function, inputs)
 
     def embedded_rows(self, ids: np.ndarray) -> np.ndarray:
         """The host's lookup: the rows [1, S, hidden] of ``ids`` [1, S]."""
@@ -289,6 +285,17 @@ class HostOwned:
                 seen = visible if window is None else visible & (where[None, :] - held < window)
                 masks[t.name] = np.broadcast_to(np.where(seen, 0.0, MASKED), t.shape).astype(t.dtype)
         return masks
+
+
+def rung(specs: dict, ladder: list[int], function: str, inputs: dict[str, np.ndarray]) -> str:
+    """The entry of ``function`` among ``specs`` a host with ``ladder`` calls for ``inputs``: the one at the smallest
+    context whose history holds the call's rows (its first position plus its width at most the context), else
+    ``function`` itself."""
+    if not ladder or "position_ids" not in inputs:
+        return function
+    first, width = int(np.asarray(inputs["position_ids"]).reshape(-1)[0]), specs[function].width
+    return next((rung_name(function, c) for c in ladder if rung_name(function, c) in specs and first + width <= c),
+                function)
 
 
 POSITION_INPUTS = frozenset({"rope_cos", "rope_sin", "history_mask"})  # what the host computes from position_ids

@@ -139,4 +139,3 @@ def build_modules(args: DFlash2Args, tensors: dict[str, torch.Tensor], lm_head_w
     functions = {s.name: (DrafterFunction(core, s, states, ENTRIES[s.name]), s) for s in specs}
     contract = host_contract(args, ring_rows, head_ranges) if layout == "ane" else {}
     return DrafterModules(core=core, functions=functions, contract=contract)
-
