@@ -10,7 +10,9 @@ Bytes read are measured, not derived from shapes: each call of the export module
 that sees every aten op and marks which elements of which weight or state it reads (a gather such as the
 embedding lookup reads only its rows; a view of a state reads only its slice; a write is not a read). Elements
 are priced as shipped: a 4-bit linear at its packed bytes (codes and tables) per element, fp16 tensors at 2
-bytes, states at their package dtype. Activations and outputs are not counted (small at batch 1).
+bytes, states at their package dtype. The ane layout's host buffers are what its host passes each call: the whole
+inputs of the package's entry that holds the call (its ladder's), whatever rows the compute copy's buffers have.
+Activations and outputs are not counted (small at batch 1).
 """
 
 from __future__ import annotations
