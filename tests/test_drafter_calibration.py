@@ -21,6 +21,7 @@ from convert.pipeline.partition import held_target_bytes
 from convert.pipeline.plan import make_plan
 from convert.runtime import speculative
 from convert.runtime.host import ModuleFunctions, TargetDriver
+from convert.weights.shipped import at_context
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny_qwen3_5_dflash2.yaml"
 
@@ -248,24 +249,29 @@ def test_the_ab_reference_is_the_fp16_drafter_loaded_again_not_held_through_quan
     assert len(quantized) > 10
 
 
-def test_the_drafter_stages_prompts_run_on_host_buffers_of_the_positions_they_reach(tmp_path):
-    """``stage_copy``: the ane target's fp32 copy the drafter stage runs its prompts on holds the host's buffers at the
-    144 positions its prompts reach (64 tokens, 64 generated and two verifies of 8), not the recipe's 512 (with a
-    ladder entry at 256); it decodes what the whole-context copy decodes (a held-out prompt's 64 greedy ids the same,
-    their logits within 1e-5, fp32), and its metered run prices every call as the shipped package's host passes it
-    (the entry of the ladder that holds it): the economics of a speculative run are the whole copy's, byte for byte.
-    A stateful target's copy keeps its context (its core's masks span it)."""
+@pytest.mark.parametrize("layout", ["stateful", "ane"])
+def test_the_drafter_stages_prompts_run_on_states_of_the_positions_they_reach(tmp_path, layout):
+    """``stage_copy``: the target's fp32 copy the drafter stage runs its prompts on holds its states (the ane layout:
+    the host's buffers) at the 144 positions its prompts reach (64 tokens, 64 generated and two verifies of 8), not the
+    recipe's 512 (the ane one with a ladder entry at 256); it decodes what the whole-context copy decodes (a held-out
+    prompt's 64 greedy ids the same, their logits within 1e-5, fp32), and its metered run prices every call as the
+    shipped package reads it (a state whole; the ane host's buffers as the entry of the ladder that holds the call
+    takes them): the economics of a speculative run are the whole copy's, byte for byte."""
     recipe = tmp_path / "pair.yaml"
     text = RECIPE.read_text().replace("path:../fixtures", f"path:{RECIPE.parent.parent / 'fixtures'}")
-    recipe.write_text(text.replace("  context: 512\n", "  context: 512\n  layout: ane\n  ladder: [256]\n"))
+    if layout == "ane":
+        text = text.replace("  context: 512\n", "  context: 512\n  layout: ane\n  ladder: [256]\n")
+    recipe.write_text(text)
     plan = make_plan(recipe, str(tmp_path / "out"))
     target, _ = shipped_modules(plan)
     staged, whole = drafter_build.stage_copy(plan, target), compute_copy(target, torch.float32, share_weights=True)
     assert drafter.stage_positions(plan.recipe) == 144
     driven = {"staged": ModuleFunctions(staged), "whole": ModuleFunctions(whole)}
-    rows = {name: sorted({buffer.shape[2] for key, buffer in functions.host_buffers().items()
-                          if key.startswith("key_")}) for name, functions in driven.items()}
+    rows = {name: sorted({tensor.shape[2] for key, tensor in functions.states().items() if key.startswith("key_")})
+            for name, functions in driven.items()}
     assert rows == {"staged": [144], "whole": [512]}, rows
+    sized = at_context(target, plan.args, drafter.stage_target(plan.recipe))  # the shipped tensors, not a copy
+    assert all(a is b for a, b in zip(sized.core.parameters(), target.core.parameters(), strict=True))
     prompt = drafter_build.held_out_prompts(plan)[0][0]
     runs = {name: TargetDriver(driven[name], copy.widths, copy.contract).greedy(prompt, 64)
             for name, copy in (("staged", staged), ("whole", whole))}
@@ -277,10 +283,7 @@ def test_the_drafter_stages_prompts_run_on_host_buffers_of_the_positions_they_re
     costs = {name: drafter.economics("dflash2", target, copy, modules, drafter32, prompt, 64, anchors, 3.0)
              for name, copy in (("staged", staged), ("whole", whole))}
     assert costs["staged"] == costs["whole"]
-    # every call of the run is within 256 positions: the host passes the 256 entry its buffers' first 256 rows
-    entry = dict(target.functions)["verify_256"][1]
-    owned = target.contract["buffers"]
-    assert costs["staged"]["bytes_per_call"]["target.verify"]["states"] == sum(
-        math.prod(t.shape) * 2 for t in entry.inputs if t.name in owned)
-    stateful = make_plan(RECIPE, str(tmp_path / "stateful"))
-    assert drafter.stage_target(stateful.recipe).context == 512
+    if layout == "ane":  # every call of the run is within 256 positions: the host passes the 256 entry its rows
+        entry, owned = dict(target.functions)["verify_256"][1], target.contract["buffers"]
+        assert costs["staged"]["bytes_per_call"]["target.verify"]["states"] == sum(
+            math.prod(t.shape) * 2 for t in entry.inputs if t.name in owned)

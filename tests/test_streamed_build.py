@@ -18,6 +18,7 @@ from convert.export.functions import compute_copy
 from convert.pipeline import build, partition
 from convert.pipeline import plan as planning
 from convert.pipeline.build import shipped_modules
+from convert.pipeline.drafter import stage_target
 from convert.pipeline.partition import window_cache_bytes
 from convert.pipeline.plan import make_plan
 from convert.runtime.host import TargetDriver
@@ -189,7 +190,10 @@ def test_a_drafter_stage_over_the_host_memory_budget_is_refused_by_name(tmp_path
     assert list(phases) == ["load", "calibrate", "quantize", "accept", "package"]
     assert phases["load"]["target"] == phases["calibrate"]["target"] == phases["accept"]["target"] == lean
     assert phases["quantize"]["target"] == phases["package"]["target"] < lean / 2
-    states = [*plan.specs[0].states, *plan.drafter.specs[0].states]
+    # the target's states at the 144 positions the stage's prompts reach (64 + 64 tokens, two verifies of 8)
+    states = [*planning.family_of(plan.args).function_specs(plan.args, stage_target(plan.recipe))[0].states,
+              *plan.drafter.specs[0].states]
+    assert {s.shape[2] for s in states if s.name == "key_cache"} == {144}
     assert plan.drafter_session_bytes == sum(4 * math.prod(s.shape) for s in states)
     sessions = plan.drafter_sessions * plan.drafter_session_bytes
     assert [p["sessions"] for p in phases.values()] == [0, sessions, 0, sessions, 0]
@@ -199,7 +203,7 @@ def test_a_drafter_stage_over_the_host_memory_budget_is_refused_by_name(tmp_path
     recipe.write_text(text.replace("  max_part_mb: 3\n", f"  max_part_mb: 3\n  max_host_memory_gb: {budget}\n"))
     with pytest.raises(InputError, match=r"drafter: the drafter stage needs about \d+ GB \(its largest phase, "
                        r"(\w+): the target \(its quantized weights as packed codes\) [\d.]+ [KM]iB, the drafter "
-                       r"[\d.]+ [KMG]iB(, 1 session of prompts run at once, its states [\d.]+ [KM]iB \(at 512 "
+                       r"[\d.]+ [KMG]iB(, 1 session of prompts run at once, its states [\d.]+ [KM]iB \(at 144 "
                        r"positions\))?\), over target.max_host_memory_gb .*; build the target alone here") as refused:
         make_plan(recipe)
     named = re.search(r"largest phase, (\w+):", str(refused.value)).group(1)

@@ -114,12 +114,9 @@ def stage_positions(recipe: Recipe) -> int:
 
 
 def stage_target(recipe: Recipe):
-    """The target the drafter stage runs its prompts on (``drafter_build.stage_copy``): in the ane layout the
-    recipe's at context ``stage_positions`` with no ladder, so that each session's host buffers hold the rows the
-    stage reaches, not the package's whole context (65,472 rows at 27B where the prompts reach 144); a stateful
-    target's as it is (its core's position tables and masks span the context)."""
-    if recipe.target.layout != "ane":
-        return recipe.target
+    """The target the drafter stage runs its prompts on (``drafter_build.stage_copy``): the recipe's at context
+    ``stage_positions`` with no ladder, so that each session's states (the ane layout: the host's buffers) hold the
+    rows the stage reaches, not the package's whole context (65,472 rows at 27B where the prompts reach 144)."""
     return recipe.target.model_copy(update={"context": stage_positions(recipe), "ladder": []})
 
 

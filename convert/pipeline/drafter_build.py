@@ -30,7 +30,8 @@ from convert.runtime.host import ModuleFunctions
 from convert.runtime.speculative import paired_ab
 from convert.verify import gates
 from convert.weights.quantize import calibration_text
-from convert.weights.target import TargetModules, modules_over
+from convert.weights.shipped import at_context
+from convert.weights.target import TargetModules
 from manifests import identity
 from manifests.schema import TAP_CONVENTION, DrafterManifest, Manifest
 
@@ -56,10 +57,10 @@ def held_out_prompts(plan) -> tuple[list[list[int]], dict]:
 
 def stage_copy(plan, target: TargetModules) -> TargetModules:
     """The fp32 compute copy of the shipped ``target`` that the drafter stage runs its prompts on: its weights shared,
-    in the ane layout its host's buffers (made when it is driven) at the rows the stage reaches
+    its states (the ane layout: the host's buffers, made when it is driven) at the rows the stage reaches
     (``drafter.stage_target``), so a session holds those rows, not the package's whole context."""
-    sized = modules_over(target.core, plan.args, drafter.stage_target(plan.recipe), torch.float16)
-    return compute_copy(sized, torch.float32, share_weights=True)
+    return compute_copy(at_context(target, plan.args, drafter.stage_target(plan.recipe)), torch.float32,
+                        share_weights=True)
 
 
 def shipped_drafter(plan, target: TargetModules, target32: TargetModules,

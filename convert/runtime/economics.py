@@ -38,13 +38,17 @@ class Priced:
 
     kind: str  # "weights" or "states"
     bytes_per_element: float
+    whole_scale: float = 1.0  # a read of all of it costs the shipped tensor's elements: theirs over the compute one's
 
 
 def priced_tensors(compute, shipped) -> dict[int, Priced]:
     """By storage address of ``compute``'s tensors (a ``compute_copy`` of ``shipped``): weights at their shipped
     bytes per element (``QuantizedLinear`` packed: its dense weight's elements priced at its codes and tables; a
     ``CodesLinear``'s codes and tables read as they are, zero points at their code bits), states at their package
-    dtype. A bias and a rotation's signs are read, and priced, as themselves."""
+    dtype. A bias and a rotation's signs are read, and priced, as themselves. The drafter stage's copy holds its
+    states and position constants at the rows its prompts reach (``drafter.stage_target``), fewer than the shipped
+    ones: a state's elements are priced at the shipped state's rows a row (a call reads every row of it), a constant
+    read whole as the shipped one read whole."""
     shipped_bytes = {}
     for name, module in shipped.core.named_modules():
         prefix = f"{name}." if name else ""
@@ -55,16 +59,20 @@ def priced_tensors(compute, shipped) -> dict[int, Priced]:
             shipped_bytes[f"{prefix}weight"] = packed
         elif isinstance(module, CodesLinear) and module.zero_point is not None:
             shipped_bytes[f"{prefix}zero_point"] = module.bits / 8
+    shipped_elements = {}
     for name, tensor in [*shipped.core.named_parameters(), *shipped.core.named_buffers()]:
         shipped_bytes.setdefault(name, tensor.element_size())
+        shipped_elements[name] = tensor.numel()
     priced = {}
     for name, tensor in [*compute.core.named_parameters(), *compute.core.named_buffers()]:
         if name in shipped_bytes:
-            priced[tensor.untyped_storage().data_ptr()] = Priced("weights", shipped_bytes[name])
+            priced[tensor.untyped_storage().data_ptr()] = Priced("weights", shipped_bytes[name],
+                                                                 shipped_elements[name] / tensor.numel())
     _, spec = next(iter(shipped.functions.values()))
-    dtypes = {s.name: s.dtype for s in spec.states}
-    for name, tensor in compute.states().items():
-        priced[tensor.untyped_storage().data_ptr()] = Priced("states", _STATE_BYTES[dtypes[name]])
+    states = {s.name: s for s in spec.states}
+    for name, tensor in compute.states().items():  # a call reads every row of a state (each layer's slice whole)
+        rows = math.prod(states[name].shape) / tensor.numel()
+        priced[tensor.untyped_storage().data_ptr()] = Priced("states", _STATE_BYTES[states[name].dtype] * rows)
     return priced
 
 
@@ -137,7 +145,8 @@ class _ReadMeter(TorchDispatchMode):
         read = {"weights": 0.0, "states": 0.0}
         for address in {*self.masks, *self.spans, *self.whole}:
             priced = self.priced[address]
-            read[priced.kind] += self.elements_read(address) * priced.bytes_per_element
+            scale = priced.whole_scale if address in self.whole else 1.0
+            read[priced.kind] += self.elements_read(address) * priced.bytes_per_element * scale
         return {kind: round(value) for kind, value in read.items()}
 
 

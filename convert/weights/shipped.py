@@ -103,6 +103,19 @@ def part_modules(modules, target, parts: list[Part]) -> list:
     return built
 
 
+def at_context(modules: TargetModules, args, target) -> TargetModules:
+    """The whole target's export modules at ``target``'s context (its states and position tables that many rows) over
+    a core computing with ``modules``' tensors (shared, not copied): the drafter stage's sessions, which reach a few
+    hundred positions of a context of thousands (``pipeline.drafter.stage_target``)."""
+    core = modules.core
+    dtype = next(p for p in core.parameters() if p.is_floating_point()).dtype
+    with parameters_on_meta():
+        piece = family_of(args).build_core(args, target)
+    piece = piece.to(dtype).eval()
+    _share_part(piece, core, Part.whole(args))
+    return modules_over(piece, args, target, dtype)
+
+
 def _share_part(piece: nn.Module, core: nn.Module, part: Part) -> None:
     for j, i in enumerate(part.layer_indices):
         _share(piece.layers[j], core.layers[i])
