@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.layouts import ROOT, layout_recipe
 from convert.export.functions import compute_copy
 from convert.export.quantized import CodesLinear, apply_quantized
 from convert.pipeline import drafter
@@ -33,25 +34,8 @@ from convert.pipeline.plan import make_plan
 from convert.runtime import speculative
 from convert.verify.checks import decision_gap
 
-ROOT = Path(__file__).resolve().parents[1]
 PAIRS = ("tiny_qwen3_dflash2", "tiny_qwen3_mtp", "tiny_qwen3_5_dflash2", "tiny_qwen3_5_mtp")
 LAYOUTS = ("stateful", "ane")
-
-
-def recipe_in(name: str, layout: str, work: Path) -> Path:
-    """The pair's recipe with target and drafter in ``layout``, its fixtures by absolute path."""
-    text = (ROOT / "recipes" / f"{name}.yaml").read_text().replace("path:../fixtures", f"path:{ROOT / 'fixtures'}")
-    if layout == "ane":
-        for section in ("target:\n", "drafter:\n"):
-            text = text.replace(section, f"{section}  layout: ane\n", 1)
-    path = work / f"{name}-{layout}.yaml"
-    path.write_text(text)
-    return path
-
-
-def top2_gap(logits) -> float:
-    top = np.sort(np.asarray(logits, dtype=np.float64).reshape(-1))[::-1]
-    return float(top[0] - top[1])
 
 
 def greedy_comparison(references: dict) -> dict:
@@ -63,8 +47,8 @@ def greedy_comparison(references: dict) -> dict:
             same += 1
             continue
         at = next(i for i, (a, b) in enumerate(zip(ids_s, ids_a, strict=True)) if a != b)
-        parted.append({"prompt": index, "position": at, "gap_stateful": top2_gap(logits_s[at]),
-                       "gap_ane": top2_gap(logits_a[at])})
+        gaps = [decision_gap({"logits": np.asarray(logits[at])[None, None]}, 0)[0] for logits in (logits_s, logits_a)]
+        parted.append({"prompt": index, "position": at, "gap_stateful": gaps[0], "gap_ane": gaps[1]})
     return {"prompts_with_the_same_ids": same, "parted": parted}
 
 
@@ -101,7 +85,8 @@ def draft_divergence(kind: str, sides: dict, prompt: list[int], tokens: int) -> 
 def measure_pair(name: str, work: Path) -> dict:
     built = {}
     for layout in LAYOUTS:
-        plan = make_plan(recipe_in(name, layout, work), str(work / f"{name}-{layout}"))
+        recipe = layout_recipe(ROOT / "recipes" / f"{name}.yaml", layout, work)
+        plan = make_plan(recipe, str(work / f"{name}-{layout}"))
         target, _ = shipped_modules(plan)
         target32 = compute_copy(target, torch.float32, share_weights=True)
         modules, _, _ = shipped_drafter(plan, target, target32)

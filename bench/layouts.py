@@ -47,12 +47,18 @@ RELEASE_CONTEXT = 8192  # the figures README "Layouts" compares (the recipe ship
 LAYOUTS = ("stateful", "ane")
 
 
-def build(recipe: Path, layout: str, scratch: Path) -> tuple[Path, float]:
+def layout_recipe(recipe: Path, layout: str, scratch: Path) -> Path:
+    """A fixture recipe with its target (and drafter) in ``layout``, its fixtures by absolute path, in ``scratch``."""
     text = recipe.read_text().replace("path:../fixtures/", f"path:{ROOT}/fixtures/")
     text = text.replace("  context: 512", f"  context: 512\n  layout: {layout}", 1)
     text = re.sub(r"\ndrafter:\n  kind: (\w+)", lambda m: f"{m.group(0)}\n  layout: {layout}", text, count=1)
     path = scratch / f"{recipe.stem}-{layout}.yaml"
     path.write_text(text)
+    return path
+
+
+def build(recipe: Path, layout: str, scratch: Path) -> tuple[Path, float]:
+    path = layout_recipe(recipe, layout, scratch)
     bundle = scratch / f"{recipe.stem}-{layout}"
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "convert", "build", str(path), "-o", str(bundle), "--no-cache"],

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from convert.export.quantized import QuantizedLinear, RowParts
+from convert.export.spec import TensorSpec
 from manifests.identity import EMBEDDINGS_FILE
 
 ANE_DIM_LIMIT = 65_536  # the ANE's largest dim (forge: an axis past it fails the compile of the whole package)
@@ -96,6 +97,12 @@ def logits_parts(ranges: list[tuple[int, int]]) -> dict:
     """The host contract's ``logits_parts`` of a head in ``ranges`` (none for one range)."""
     return {} if len(ranges) == 1 else {"logits_parts": {name: list(rows) for name, rows in
                                                          zip(logits_names(ranges), ranges, strict=True)}}
+
+
+def logits_specs(ranges: list[tuple[int, int]], width: int, dtype: str) -> list[TensorSpec]:
+    """The logits outputs [1, width, rows] of a head in ``ranges`` (``logits_names``)."""
+    return [TensorSpec(name, (1, width, hi - lo), dtype)
+            for name, (lo, hi) in zip(logits_names(ranges), ranges, strict=True)]
 
 
 def split_head(core: nn.Module, ranges: list[tuple[int, int]]) -> None:

@@ -133,6 +133,7 @@ def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, t
     config_path = snapshot.directory / "config.json"
     contract.check(snapshot.config(), config.contract, str(config_path), "drafter.contract")
     verify = recipe.target.graphs.verify
+    ranges = head_ranges(recipe, target.vocab_size)  # the drafter's vocabulary is the target's (checked below)
     if config.kind == "dflash2":
         args = dflash2.DFlash2Args.from_config(snapshot.config(), str(config_path))
         files = dflash2.checkpoint_files(snapshot.directory)
@@ -148,8 +149,7 @@ def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, t
             raise InputError(f"{where}: target.graphs.verify {verify} exceeds the drafter's block_size "
                              f"{args.block_size} ({config_path})")
         specs = dflash2.function_specs(args, config.context_update, config.context_append, config.ring, dtype,
-                                       draft_width=verify, layout=config.layout,
-                                       head_ranges=head_ranges(recipe, args.vocab_size))
+                                       draft_width=verify, layout=config.layout, head_ranges=ranges)
     else:
         args = mtp.MTPArgs.from_config(snapshot.config(), str(config_path))
         checkpoint_layout = mtp.sanitize(tensor_shapes(snapshot.directory), args, f"checkpoint {snapshot.directory}")
@@ -157,13 +157,13 @@ def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, t
             raise InputError(f"{where}: target.hidden: an MTP drafter reads the target's final-norm hidden states; "
                              "set target.hidden: true")
         specs = mtp.function_specs(args, verify - 1, recipe.target.context, dtype, layout=config.layout,
-                                   head_ranges=head_ranges(recipe, args.vocab_size))
+                                   head_ranges=ranges)
     for field, mine, theirs in (("hidden_size", args.hidden_size, target.hidden_size),
                                 ("vocab_size", args.vocab_size, target.vocab_size)):
         if mine != theirs:
             raise InputError(f"{config_path}: {field} {mine} differs from the target's {theirs}: not its drafter")
     return DrafterPlan(config=config, snapshot=snapshot, args=args, checkpoint_layout=checkpoint_layout, specs=specs,
-                       head_ranges=head_ranges(recipe, args.vocab_size))
+                       head_ranges=ranges)
 
 
 def build_modules(plan: DrafterPlan, recipe: Recipe, target: TargetModules, dtype: torch.dtype):

@@ -217,8 +217,7 @@ class MeteredFunctions(ModuleFunctions):
         the entry it calls (``host.rung``: its ladder's smallest that holds the call), whatever rows the compute
         copy's buffers have (the drafter stage's hold only the rows its prompts reach: ``drafter.stage_target``)."""
         spec = self.shipped_specs[rung(self.shipped_specs, self.ladder, function, inputs)]
-        return sum(math.prod(t.shape) * _STATE_BYTES[t.dtype] for t in spec.inputs
-                   if t.name in self.driven.buffers_read)
+        return sum(math.prod(t.shape) * _STATE_BYTES[t.dtype] for t in spec.inputs if t.name in self.driven.rules)
 
 
 def per_call(log: list) -> dict[str, dict[str, int]]:

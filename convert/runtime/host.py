@@ -161,7 +161,6 @@ class HostOwned:
         parts = list(contract.get("logits_parts", {}))
         self.logits_parts = parts if parts and set(parts) <= outputs else []
         self.codebooks = codebooks
-        self.buffers_read: dict[str, int] = {}  # elements of each host buffer the last call took (its "states")
         # each as large as the largest function takes it (a ladder's entries take leading rows)
         self.buffers = {t.name: np.zeros(t.shape, dtype=t.dtype)
                         for t in buffer_specs(list(specs.values()), self.rules)}
@@ -186,7 +185,6 @@ class HostOwned:
         spec = self.specs[function]
         where = np.asarray(inputs["position_ids"]).reshape(-1).astype(np.int64) if "position_ids" in inputs else None
         taken = self.package_inputs(spec, inputs, where)
-        self.buffers_read = {name: taken[name].size for name in self.rules if name in taken}
         out = dict(self.functions.call(function, taken))
         written = False
         for name, rule in self.rules.items():

@@ -86,34 +86,26 @@ def part_modules(modules, target, parts: list[Part]) -> list:
     """The export modules (``TargetModules``) of each part, computing with the whole ``modules``' tensors (shared,
     not copied; a table split along the vocabulary is a view of its rows, a quantized one's codes and tables sliced):
     the same weights, the part's own states."""
-    core = modules.core
-    args = core.args
-    dtype = next(p for p in core.parameters() if p.is_floating_point()).dtype
-    family = family_of(args)
-    built = []
-    for part in parts:
-        if part.is_whole:
-            built.append(modules)
-            continue
-        with parameters_on_meta():
-            piece = family.build_core(args, target, part)
-        piece = piece.to(dtype).eval()
-        _share_part(piece, core, part)
-        built.append(modules_over(piece, args, target, dtype, part))
-    return built
+    return [modules if part.is_whole else _shared(modules.core, target, part) for part in parts]
 
 
 def at_context(modules: TargetModules, args, target) -> TargetModules:
     """The whole target's export modules at ``target``'s context (its states and position tables that many rows) over
     a core computing with ``modules``' tensors (shared, not copied): the drafter stage's sessions, which reach a few
     hundred positions of a context of thousands (``pipeline.drafter.stage_target``)."""
-    core = modules.core
+    return _shared(modules.core, target, Part.whole(args))
+
+
+def _shared(core: nn.Module, target, part: Part) -> TargetModules:
+    """The export modules of ``part`` at ``target``'s shapes over a fresh core (made on meta) computing with
+    ``core``'s tensors."""
+    args = core.args
     dtype = next(p for p in core.parameters() if p.is_floating_point()).dtype
     with parameters_on_meta():
-        piece = family_of(args).build_core(args, target)
+        piece = family_of(args).build_core(args, target, part)
     piece = piece.to(dtype).eval()
-    _share_part(piece, core, Part.whole(args))
-    return modules_over(piece, args, target, dtype)
+    _share_part(piece, core, part)
+    return modules_over(piece, args, target, dtype, part)
 
 
 def _share_part(piece: nn.Module, core: nn.Module, part: Part) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from convert.errors import InputError
-from convert.export.ane import logits_names, split_head
+from convert.export.ane import logits_specs, split_head
 from convert.export.functions import ExportModules, FunctionModule, parameters_on_meta
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.dflash2.ane import PROJECTED, RING, DFlash2AneCore, host_contract, ring_mask_name
@@ -85,8 +85,7 @@ def _ane_specs(args: DFlash2Args, update_width: int, append_width: int, ring_row
                   for w in dict.fromkeys(args.layer_windows))
     inputs = (TensorSpec("anchor_embedding", (1, 1, args.hidden_size), fdtype), *rope(draft_width),
               *(TensorSpec(buffer, ring, fdtype) for buffer in RING), *masks)
-    outputs = [TensorSpec(name, (1, draft_width - 1, hi - lo), fdtype)
-               for name, (lo, hi) in zip(logits_names(head_ranges), head_ranges, strict=True)]
+    outputs = logits_specs(head_ranges, draft_width - 1, fdtype)
     if args.has_selector:
         outputs.append(TensorSpec(PROJECTED, (1, draft_width - 1, args.selector_rank), fdtype))
     specs.append(FunctionSpec("draft", inputs, tuple(outputs), ()))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from convert.errors import InputError
-from convert.export.ane import logits_names, split_head
+from convert.export.ane import logits_specs, split_head
 from convert.export.functions import ExportModules, NamedFunction, parameters_on_meta
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.mtp.ane import EMBEDDED, MTPAneCore, host_contract
@@ -49,9 +49,7 @@ def function_specs(
                       TensorSpec("history_mask", (1, context), fdtype),
                       *(TensorSpec(buffer, cache, fdtype) for buffer in HISTORY))
             new_rows = (args.mtp_layers, args.num_key_value_heads, width, args.head_dim)
-            outputs = (*(TensorSpec(logits_name, (1, width, hi - lo), fdtype)
-                         for logits_name, (lo, hi) in zip(logits_names(head_ranges), head_ranges, strict=True)),
-                       TensorSpec("hidden_out", rows, fdtype),
+            outputs = (*logits_specs(head_ranges, width, fdtype), TensorSpec("hidden_out", rows, fdtype),
                        *(TensorSpec(out, new_rows, fdtype) for out in HISTORY.values()))
             specs.append(FunctionSpec(name=name, inputs=inputs, outputs=outputs, states=states))
             continue
