@@ -19,7 +19,7 @@ from convert.pipeline import build, partition
 from convert.pipeline import plan as planning
 from convert.pipeline.build import shipped_modules
 from convert.pipeline.drafter import stage_target
-from convert.pipeline.partition import window_cache_bytes
+from convert.pipeline.partition import reference_window_bytes
 from convert.pipeline.plan import make_plan
 from convert.runtime.host import TargetDriver
 from convert.verify import gates
@@ -157,8 +157,9 @@ def test_a_streamed_gate_over_the_host_memory_budget_is_refused_before_any_work(
     recipe = _recipe(tmp_path, "tiny_qwen3_5", "affine4", "[5, 1]")
     plan = make_plan(recipe)
     assert not plan.parts[0].is_whole and plan.peak_memory_bytes <= 16e9
-    # the reference holds every window's states (its logits go to disk): enough windows put the gate over the budget
-    per_window = window_cache_bytes(plan.recipe.target, plan.specs[0].states)
+    # the reference holds every window's states and taps (its logits go to disk): enough windows put the gate over
+    # the budget
+    per_window = reference_window_bytes(plan.args, plan.recipe.target, plan.specs[0].states)
     windows = int(16e9 / per_window) + 1
     recipe.write_text(recipe.read_text().replace("data: {samples: 16, length: 256}",
                                                  f"data: {{samples: {windows}, length: 256}}"))

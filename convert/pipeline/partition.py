@@ -170,18 +170,19 @@ def matrix_bytes(method: str | None, group: int, shape: tuple[int, int]) -> int:
     return 2 * rows * columns
 
 
-def parted_build_bytes(args, target, parts: list[Part], window_cache_bytes: int) -> int:
+def parted_build_bytes(args, target, parts: list[Part], window_bytes: int) -> int:
     """Host memory of building a parted target, streamed: the largest of packaging its largest part, the streamed
-    reference (its fp32 lm_head, one window's fp32 logits (every window's go to disk as they are computed), every
-    window's caches, ``window_cache_bytes`` each, a decoder layer) and the streamed candidate (a window's logits, the
-    reference's and its own, its largest piece in fp16 and fp32, one window's log-probabilities in fp64; the states
-    between passes are on disk), each beside the build process, and the build's finish alone (the tables)."""
+    candidate (its largest piece in fp16 and fp32, a window's logits and log-probabilities; the states between passes
+    and every window's logits and taps are on disk), the streamed reference after it (its fp32 lm_head, one window's
+    fp32 logits (every window's go to disk as they are computed), every window's caches and taps, ``window_bytes``
+    each, a decoder layer) and the metrics (a window's logits, the reference's and the candidate's, and their
+    log-probabilities in fp64), each beside the build process, and the build's finish alone (the tables)."""
     sizes = piece_sizes(args, target)
     data = target.gate.data
     table, logits = args.vocab_size * sizes.row_weights, 4 * data.length * args.vocab_size
     largest_layer = max(sizes.layer_weights)
     # a decoder layer's fp32 weights and what its forward holds: 4.4 bytes a weight measured at the 27B width
-    reference = 4 * table + logits + data.samples * window_cache_bytes + 5 * largest_layer
+    reference = 4 * table + logits + data.samples * window_bytes + 5 * largest_layer
     candidate = 2 * logits + 6 * max(table, largest_layer) + 16 * data.length * args.vocab_size
     finish = BASE_BYTES + FINISH_BYTES_PER_TABLE_WEIGHT * table * (1 if args.tie_word_embeddings else 2)
     return max(PARTED_BASE_BYTES + max(max(packaging_bytes(p, sizes) for p in parts), reference, candidate), finish)
@@ -192,13 +193,16 @@ def build_memory_bytes(args, target, parts: list[Part], specs: list[FunctionSpec
     states = specs[0].states
     if parts[0].is_whole:
         return whole_build_bytes(args.parameter_count) + 2 * sum(s.nbytes for s in states)
-    return parted_build_bytes(args, target, parts, window_cache_bytes(target, states))
+    return parted_build_bytes(args, target, parts, reference_window_bytes(args, target, states))
 
 
-def window_cache_bytes(target, states) -> int:
-    """One gate window's reference cache: every state in fp32, the KV caches only as long as the window."""
-    grown = min(1.0, (target.gate.data.length + target.gate.greedy_tokens) / target.context)
-    return int(sum(2 * s.nbytes * (grown if s.name in ("key_cache", "value_cache") else 1) for s in states))
+def reference_window_bytes(args, target, states) -> int:
+    """One gate window's share of the streamed reference: its cache (every state in fp32, the KV caches only as long
+    as the window and its continuation) and its tapped layers' outputs in fp32."""
+    length = target.gate.data.length
+    grown = min(1.0, (length + target.gate.greedy_tokens) / target.context)
+    cache = sum(2 * s.nbytes * (grown if s.name in ("key_cache", "value_cache") else 1) for s in states)
+    return int(cache + 4 * length * args.hidden_size * len(target.taps or []))
 
 
 def memory_line(target, peak: int) -> str:

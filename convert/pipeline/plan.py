@@ -193,8 +193,9 @@ def _check_host_memory(plan: Plan) -> None:
     data = target.gate.data
     raise InputError(f"{plan.recipe_path}: target.gate.data: the streamed gate over {data.samples} x {data.length} "
                      f"tokens needs about {plan.peak_memory_bytes / 1e9:.1f} GB of host memory (every window's "
-                     f"states, the largest piece of the target in fp16 and fp32), over target.max_host_memory_gb "
-                     f"{target.max_host_memory_gb:g}; lower samples or length, or raise max_host_memory_gb")
+                     f"states and taps, the largest piece of the target in fp16 and fp32), over "
+                     f"target.max_host_memory_gb {target.max_host_memory_gb:g}; lower samples or length, or raise "
+                     "max_host_memory_gb")
 
 
 def _drafter_stage_parts(plan: Plan) -> str:

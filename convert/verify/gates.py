@@ -33,7 +33,9 @@ Metrics, over every position of every window (n x length):
 - ``logits_cosine``: mean over positions of the cosine between the two logit vectors.
 - ``greedy_match``: from the end of each window, both greedily continue G tokens on their own; the
   number of leading tokens that agree, divided by G, averaged over windows (1.0: every continuation
-  identical; one diverging at its first token counts 0 for that window).
+  identical; one diverging at its first token counts 0 for that window). The reference's continuation is
+  computed teacher-forced on the candidate's, in one forward (``_reference_window``): up to the first
+  difference it is the reference's own, and the metric reads no further.
 - ``tap_cosine[i]``: for each tapped layer i, the mean over positions of the cosine between the
   candidate's ``taps`` slice and the reference's layer-i output (the features a conditioned drafter
   reads). The mean, not the minimum: the minimum over n x length positions falls with n and would make
@@ -67,7 +69,7 @@ from convert.progress import steps
 from convert.runtime.chain import coreai_chain, coreai_functions, link_inputs, module_chain
 from convert.runtime.host import COMMIT, ModuleFunctions, TargetDriver, module_driver, module_lookup
 from convert.verify import checks
-from convert.verify.reference import streamed_reference
+from convert.verify.reference import memory_mapped, streamed_reference
 from convert.weights.quantize import calibration_text
 from convert.weights.target import TargetModules
 from quant.calibrate import fixture_corpus_text, sample_calibration
@@ -269,8 +271,8 @@ def run_gates(
     with progress_bar(progress) as bar:
         task = bar.add_task("numeric gate", total=data.identity.n)
         for index, window in enumerate(data.tokens.tolist()):
-            ref = _reference_window(reference, window, taps, greedy_tokens, modules)
             cand = _candidate_window(candidate, window, taps, greedy_tokens, probe_accepts, generator)
+            ref = _reference_window(reference, window, taps, cand.greedy, modules)
             stats.add(index, ref, cand, thresholds.near_tie_margin)
             stats.add_greedy(ref.greedy, cand.greedy)
             bar.advance(task)
@@ -284,25 +286,29 @@ def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThr
                        probe_accepts: tuple[int, ...] | None = None) -> GateReport:
     """``run_gates`` for a target larger than memory: the transformers reference (``convert.verify.reference``) and the
     candidate (``loader``: a ``convert.weights.shipped.PartLoader``) each hold one decoder layer at a time, running
-    every window's calls through it before the next is loaded; the greedy continuation takes one more pass per token.
-    The same schedule, arithmetic and metrics as ``run_gates``."""
+    every window's calls through it before the next is loaded. The candidate runs first (each greedy token one more
+    pass over its pieces), its logits to disk as each window's are computed; then the reference, whose continuation
+    follows the candidate's in one pass (``_reference_window``). The same schedule, arithmetic and metrics as
+    ``run_gates``."""
     start = time.perf_counter()
     outline = loader.outline
     taps = list(outline.core.taps) if taps is None else list(taps)
     probe_accepts = default_probe(outline) if probe_accepts is None else tuple(probe_accepts)
     _check_inputs(outline, data, taps, greedy_tokens, probe_accepts)
     windows = data.tokens.tolist()
-    references = streamed_reference(source, windows, taps, greedy_tokens)
-    stats = _Stats(taps)
 
-    def consume(index: int, cand: _Window) -> None:  # a window's logits, reference and candidate, then freed
-        stats.add(index, references[index], cand, thresholds.near_tie_margin)
-        references[index].logits = references[index].taps = None
+    def spill(_index: int, cand: _Window) -> None:  # a window's logits and taps to disk until the reference's are
+        cand.logits = memory_mapped(cand.logits)
+        cand.taps = {t: memory_mapped(value) for t, value in cand.taps.items()}
 
     candidates = streamed_candidate(loader, windows, taps, greedy_tokens, probe_accepts,
-                                    torch.Generator().manual_seed(data.identity.seed), consume=consume)
-    for ref, cand in zip(references, candidates, strict=True):
+                                    torch.Generator().manual_seed(data.identity.seed), consume=spill)
+    references = streamed_reference(source, windows, taps, [cand.greedy for cand in candidates])
+    stats = _Stats(taps)
+    for index, (ref, cand) in enumerate(zip(references, candidates, strict=True)):
+        stats.add(index, ref, cand, thresholds.near_tie_margin)
         stats.add_greedy(ref.greedy, cand.greedy)
+        references[index] = candidates[index] = None  # each window's logits freed once read
     return _report(stats, thresholds, data, "export modules, weights as shipped (float16), computed in float32, "
                    "one layer at a time", greedy_tokens, start)
 
@@ -323,8 +329,8 @@ def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy
     piece
     returned, and keeps its state per window (on disk: a 27B's states are about 1 GB a window in fp32); each greedy
     token is one more pass, restoring and keeping those states. ``consume(index, window)``: called with each window
-    once its logits, taps and probe are computed, which are then dropped (the returned windows keep their greedy
-    ids only); without it every window keeps everything."""
+    once its logits, taps, probe and first greedy id are computed; the windows returned keep them as ``consume``
+    left them."""
     outline = loader.outline
     widths, args = outline.widths, outline.core.args
     returned, hidden = list(outline.core.taps), args.hidden_size
@@ -379,7 +385,6 @@ def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy
                         results[w].greedy = [int(results[w].logits[-1].argmax())]
                         if consume is not None:
                             consume(w, results[w])
-                            results[w].logits = results[w].taps = results[w].probe = None
                 del piece
                 advance()
             for step in range(1, greedy_tokens):
@@ -478,7 +483,7 @@ def artifact_from_check(package: str, check: dict, seconds: float) -> ArtifactRe
 def gate_target(plan, modules: TargetModules) -> GateReport:
     """The recipe's gate (``target.gate``) on a build plan's shipped modules: the reference is the transformers
     model in fp32 from the same pinned snapshot, the data the recipe's evaluation text through its tokenizer."""
-    thresholds, data = _recipe_gate(plan)
+    thresholds, data = recipe_gate(plan)
     reference = load_reference(plan.snapshot.directory)
     return run_gates(reference, modules, data, thresholds, greedy_tokens=plan.recipe.target.gate.greedy_tokens)
 
@@ -486,12 +491,12 @@ def gate_target(plan, modules: TargetModules) -> GateReport:
 def gate_streamed(plan, loader) -> GateReport:
     """``gate_target`` one layer at a time (``run_streamed_gates``; ``loader``: a
     ``convert.weights.shipped.PartLoader``)."""
-    thresholds, data = _recipe_gate(plan)
+    thresholds, data = recipe_gate(plan)
     return run_streamed_gates(plan.snapshot.directory, loader, data, thresholds,
                               greedy_tokens=plan.recipe.target.gate.greedy_tokens)
 
 
-def _recipe_gate(plan) -> tuple[GateThresholds, EvalData]:
+def recipe_gate(plan) -> tuple[GateThresholds, EvalData]:
     """The recipe's thresholds (defaults of its method, overridden by ``target.gate.thresholds``) and data."""
     from transformers import PreTrainedTokenizerFast
 
@@ -578,7 +583,11 @@ class _Window:
 
 
 @torch.no_grad()
-def _reference_window(reference, window: list[int], taps: list[int], greedy_tokens: int, modules) -> _Window:
+def _reference_window(reference, window: list[int], taps: list[int], continuation: list[int], modules) -> _Window:
+    """The reference's logits and taps over ``window``, and its greedy ids teacher-forced on ``continuation`` (the
+    candidate's greedy ids): its argmax after the window, then after each of those ids but the last, in one forward
+    on its cache. Up to the first id where the two differ that is the reference's own greedy continuation, and
+    ``greedy_match`` reads no further: the same metric as continuing on its own, in one call instead of G."""
     captured = {}
     layers = family_of(modules.core.args).reference_layers(reference)
     hooks = [layers[t].register_forward_hook(
@@ -592,9 +601,9 @@ def _reference_window(reference, window: list[int], taps: list[int], greedy_toke
     cache = _cache_keyword(reference)
     logits = out.logits[0].float()
     greedy = [int(logits[-1].argmax())]
-    for _ in range(greedy_tokens - 1):
-        out = reference(input_ids=torch.tensor([[greedy[-1]]]), use_cache=True, **{cache: out[cache]})
-        greedy.append(int(out.logits[0, -1].argmax()))
+    if len(continuation) > 1:
+        out = reference(input_ids=torch.tensor([continuation[:-1]]), use_cache=True, **{cache: out[cache]})
+        greedy += out.logits[0].argmax(-1).tolist()
     return _Window(logits, {t: captured[t].reshape(len(window), -1).float() for t in taps}, greedy)
 
 

@@ -2,20 +2,23 @@
 
 ``gates.load_reference`` loads the whole transformers model in fp32, which at 27B is 108 GB, more than a host holds.
 This computes what ``gates._reference_window`` computes on it (a forward over each window with the cache on, the
-tapped decoder layers' outputs, then a greedy continuation one token at a time on that cache), with transformers'
-own modules and functions (its embedding, rotary embedding, mask functions, cache classes, decoder layers, final
-norm and lm_head) on the text causal LM built with its parameters on the meta device. Only the loop over the layers
-is ours: it runs layer-major, every window through layer i before layer i+1 is read from the checkpoint (cast to
-fp32, as ``from_pretrained(dtype=float32)`` does) and layer i freed again. The preamble of each pass (positions from
-the cache, masks, rotary tables) replicates ``Qwen3Model.forward`` and ``Qwen3_5TextModel.forward`` of transformers
-5.24, calling their functions; a vision-language checkpoint's ``Qwen3_5ForConditionalGeneration`` computes the same
-text positions for text-only input (its multimodal position ids stay unset without images).
+tapped decoder layers' outputs, then one forward of the candidate's greedy continuation on that cache), with
+transformers' own modules and functions (its embedding, rotary embedding, mask functions, cache classes, decoder
+layers, final norm and lm_head) on the text causal LM built with its parameters on the meta device. Only the loop
+over the layers is ours: it runs layer-major, every window through layer i before layer i+1 is read from the
+checkpoint (cast to fp32, as ``from_pretrained(dtype=float32)`` does) and layer i freed again. The preamble of each
+pass (positions from the cache, masks, rotary tables) replicates ``Qwen3Model.forward`` and
+``Qwen3_5TextModel.forward`` of transformers 5.24, calling their functions; a vision-language checkpoint's
+``Qwen3_5ForConditionalGeneration`` computes the same text positions for text-only input (its multimodal position
+ids stay unset without images).
 
 Memory: the largest of one decoder layer's, the embedding's and the lm_head's (with the final norm) fp32 weights,
 never two of them at once, plus every window's cache and hidden states. Each window's logits (length x vocab in fp32:
 16 windows of 256 tokens are 4 GB at a 248320 vocabulary) go to a file as soon as the head has computed them and
-come back memory-mapped, so they take host memory only while the gate reads them. Each greedy token after the first
-is one more pass over all the weights, each window on its own cache.
+come back memory-mapped, so they take host memory only while the gate reads them. The greedy continuation is one
+more pass over all the weights (every window's continuation on its own cache), whatever its length: the weights
+are read twice, where a free-running continuation would read them once per token (16 by default; at 27B each read
+unfolds 27G weights).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from convert.weights.stream import release_free_memory
 class ReferenceWindow:
     logits: torch.Tensor  # fp32 [length, vocab]
     taps: dict[int, torch.Tensor]  # tapped layer -> fp32 [length, hidden] (that decoder layer's output)
-    greedy: list[int]  # greedy_tokens ids
+    greedy: list[int]  # the argmax after the window and after each continuation id but the last
 
 
 def meta_model(source: Path, device: torch.device) -> nn.Module:
@@ -125,23 +128,24 @@ def _pass(model: nn.Module, weights: Weights, inputs: list[torch.Tensor], caches
 
 
 @torch.no_grad()
-def streamed_reference(source: Path, windows: list[list[int]], taps: list[int], greedy_tokens: int,
+def streamed_reference(source: Path, windows: list[list[int]], taps: list[int], continuations: list[list[int]],
                        device: str | torch.device = "cpu") -> list[ReferenceWindow]:
-    """``gates._reference_window`` of each window on ``gates.load_reference(source)``, streamed (module docstring)."""
+    """``gates._reference_window`` of each window and its ``continuations`` entry (the candidate's greedy ids) on
+    ``gates.load_reference(source)``, streamed (module docstring)."""
     source, device = Path(source), torch.device(device)
     model, weights = meta_model(source, device), Weights(source, device)
     caches = [DynamicCache(config=model.config) for _ in windows]
     captured = {t: [None] * len(windows) for t in taps}
-    layers = model.config.num_hidden_layers
-    with steps("streamed fp32 reference", greedy_tokens * layers, "layer passes") as advance:
+    passes = 2 if any(len(c) > 1 for c in continuations) else 1
+    with steps("streamed fp32 reference", passes * model.config.num_hidden_layers, "layer passes") as advance:
         inputs = [torch.tensor([window], device=device) for window in windows]
-        logits = _pass(model, weights, inputs, caches, captured, advance, _memory_mapped)
+        logits = _pass(model, weights, inputs, caches, captured, advance, memory_mapped)
         results = [ReferenceWindow(out[0], {t: captured[t][w] for t in taps}, [int(out[0, -1].argmax())])
                    for w, out in enumerate(logits)]
-        for _ in range(greedy_tokens - 1):
-            inputs = [torch.tensor([[r.greedy[-1]]], device=device) for r in results]
+        if passes == 2:
+            inputs = [torch.tensor([c[:-1]], device=device) for c in continuations]
             for r, out in zip(results, _pass(model, weights, inputs, caches, {}, advance), strict=True):
-                r.greedy.append(int(out[0, -1].argmax()))
+                r.greedy += out[0].argmax(-1).tolist()
     return results
 
 
@@ -149,7 +153,7 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _memory_mapped(tensor: torch.Tensor) -> torch.Tensor:
+def memory_mapped(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s values, written to a file and mapped back (the file is unlinked at once: its disk space is freed
     with the tensor), so that they are paged in only while read."""
     with tempfile.TemporaryDirectory(prefix="spec-convert-reference-") as scratch:
