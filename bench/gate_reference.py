@@ -62,7 +62,7 @@ def main() -> None:
     began = time.perf_counter()
     results = reference.streamed_reference(plan.snapshot.directory, windows, taps, continuations)
     seconds = time.perf_counter() - began
-    window_bytes = partition.reference_window_bytes(plan.args, target, plan.specs[0].states)
+    window_bytes = partition.reference_window_bytes(plan.args, target)
     report = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "recipe": str(RECIPE.name), "windows": len(windows), "length": len(windows[0]), "greedy_tokens": greedy,

@@ -25,7 +25,9 @@ measure time, memory and sizes, and whether the gate passes is the gate's own ve
 Then ``spec-convert build RECIPE`` in a child process with ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE=1`` and the build
 cache under the work directory (``bench/scale_build.run_build``: stage seconds and the peak memory of the process
 tree), then ``check-pair`` and ``inspect``; records the disk used, the bundle's bytes, its part count and sizes.
-The checkpoints are written once (a marker file), and the build cache makes a second run resume.
+The checkpoints are written once (a marker file), and the build cache makes a second run resume (each run's log is
+``build-<time>.log``). A run that spans sessions must run the same code each time (the cache keys hold the code's
+sha256): run it from a copy of one commit, e.g. ``git archive COMMIT | tar -x -C DIR``, with ``PYTHONPATH=DIR``.
 
     PYTHONPATH=. python3 -m bench.release_rehearsal --workdir DIR [--write-only | --dry-run] [--json out.json]
 """
@@ -299,7 +301,8 @@ def main() -> None:
         from bench.scale_build import run_build
 
         os.environ.update(env)
-        result["build"] = run_build(RECIPE, bundle, work / "build.log", cached=True)
+        # a log per run: a build resumed in a later session keeps the earlier runs' stage lines
+        result["build"] = run_build(RECIPE, bundle, work / f"build-{time.strftime('%Y%m%d-%H%M%S')}.log", cached=True)
         for command in (["check-pair", str(bundle / "drafter"), str(bundle / "target")], ["inspect", str(bundle)]):
             done = subprocess.run([sys.executable, "-m", "convert", *command], env=env, capture_output=True, text=True)
             result[command[0]] = {"exit_code": done.returncode, "output": (done.stdout + done.stderr)[-4000:]}

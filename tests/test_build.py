@@ -92,6 +92,8 @@ def test_rebuild_is_identical(built, tiny_checkpoint):
     tmp, first = built
     code, output = build(tmp, tiny_checkpoint, "b")
     assert code == 0, output
+    # the same target, data and thresholds: the gate's report comes from the build cache, not a second run
+    assert output.count("numeric gate: restored from the cache") == 1
     a, b = manifest(first), manifest(tmp / "b")
     assert a["built_at"] and b["built_at"]
     a.pop("built_at"), b.pop("built_at")
@@ -185,6 +187,7 @@ def test_failing_gate_publishes_nothing(tmp_path, tiny_checkpoint):
     before = (tmp_path / "g" / "manifest.json").read_bytes()
     result = CliRunner().invoke(main, ["build", str(tmp_path / "g.yaml"), "--output", str(tmp_path / "g")])
     assert result.exit_code == 1, result.output
+    assert "restored from the cache" not in result.output  # other thresholds: the gate runs again
     assert "numeric gate failed: kl_mean" in result.output and "FAIL" in result.output
     report = json.loads((tmp_path / "g.gate_report.json").read_text())
     assert report["passed"] is False

@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from convert.cache import BuildCache
 from convert.export.functions import compute_copy
 from convert.export.quantized import CodesLinear, HalfLinear, packaged_from_codes, quantized_weights
 from convert.inputs.recipe import DrafterQuantization
 from convert.pipeline import drafter, drafter_build
 from convert.pipeline.build import shipped_modules
+from convert.pipeline.packaging import weights_digest
 from convert.pipeline.partition import held_target_bytes
 from convert.pipeline.plan import make_plan
 from convert.runtime import speculative
@@ -225,6 +227,59 @@ def test_prompts_run_in_sessions_give_the_runs_and_hessians_of_one_prompt_at_a_t
     replayed = list(drafter.calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors, sessions=2))
     assert len(live) == len(replayed) == 1 and list(live[0]) == list(replayed[0])
     assert all(torch.equal(live[0][name], replayed[0][name]) for name in live[0])
+
+
+def test_a_calibration_stopped_part_way_runs_only_the_prompts_its_journal_lacks(pair, tmp_path, monkeypatch):
+    """``over_prompts`` with a ``PromptJournal`` (the build cache's record of each finished prompt): a calibration over
+    two sessions stopped at its third prompt (as a build killed in that phase stops) keeps the first two; run again,
+    it runs the third alone, and its Hessians equal an uninterrupted run's bit for bit."""
+    target32, modules, prompts, anchors = pair
+    prompts = [*prompts, prompts[0][5:29]]
+    target = compute_copy(target32, torch.float32, share_weights=True)
+    drafter32 = compute_copy(modules, torch.float32, share_weights=True)
+    want = list(drafter.calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors, sessions=2))
+    journal = drafter.PromptJournal(BuildCache(tmp_path / "cache"), "calibration of this test")
+    speculate, ran = speculative.speculate, []
+
+    def counted(kind, target_driver, drafter_driver, prompt, tokens, stop_at=None):
+        if prompt == stop_at:
+            raise RuntimeError("stopped")
+        ran.append(prompt)
+        return speculate(kind, target_driver, drafter_driver, prompt, tokens)
+
+    monkeypatch.setattr(speculative, "speculate", lambda *a: counted(*a, stop_at=prompts[2]))
+    with pytest.raises(RuntimeError, match="stopped"):
+        drafter.calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors, sessions=2, journal=journal)
+    assert sorted(ran) == sorted(prompts[:2])
+    ran.clear()
+    monkeypatch.setattr(speculative, "speculate", counted)
+    got = list(drafter.calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors, sessions=2,
+                                            journal=journal))
+    assert ran == [prompts[2]]
+    assert [list(g) for g in got] == [list(w) for w in want]
+    assert all(torch.equal(g[name], w[name]) for g, w in zip(got, want, strict=True) for name in w)
+
+
+def test_a_drafter_gptqd_once_is_restored_from_the_build_cache_without_calibrating(tmp_path, monkeypatch):
+    """``shipped_drafter`` with ``PhaseKeys``: the GPTQ'd linears go into the build cache as they are quantized; a
+    second call restores them without running the calibration or GPTQ, the same codes and record."""
+    recipe = tmp_path / "pair.yaml"
+    recipe.write_text(RECIPE.read_text().replace("path:../fixtures", f"path:{RECIPE.parent.parent / 'fixtures'}"))
+    plan = make_plan(recipe, str(tmp_path / "out"))
+    assert plan.drafter.config.quantization.uses_gptq
+    target, _ = shipped_modules(plan)
+    keys = drafter_build.PhaseKeys(plan, BuildCache(tmp_path / "cache"), [], [])
+    first, _, record = drafter_build.shipped_drafter(plan, target, compute_copy(target, torch.float32), keys=keys)
+
+    def refused(*_args, **_kwargs):
+        raise AssertionError("calibrated or quantized again")
+
+    monkeypatch.setattr(drafter, "calibration_hessians", refused)
+    monkeypatch.setattr(drafter, "gptq_quantize", refused)
+    again, fp16, restored = drafter_build.shipped_drafter(plan, target, compute_copy(target, torch.float32), keys=keys)
+    assert restored == record and record["layers"]
+    assert weights_digest(again) == weights_digest(first)  # every code, table and other parameter
+    assert fp16 is not None
 
 
 def test_the_ab_reference_is_the_fp16_drafter_loaded_again_not_held_through_quantization(tmp_path):

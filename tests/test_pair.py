@@ -129,6 +129,22 @@ def test_pair_bundle(pair):
     assert result.exit_code == 0 and "drafter export id" in result.output and target["export_id"] in result.output
 
 
+def test_a_rebuild_restores_the_gate_and_every_drafter_phase_from_the_build_cache(pair):
+    """The same recipe built again (another name and output; the build cache of the first): the numeric gate's report
+    and each prompt of the drafter stage's phases (plain greedy, acceptance, the n-gram baseline, the A/B's fp16
+    drafter) come from the cache, none run again, and the drafter's acceptance record is the first build's."""
+    tmp, bundle = pair
+    recipe = tmp / "pair-again.yaml"
+    recipe.write_text((tmp / "pair.yaml").read_text().replace("name: pair", "name: pair-again"))
+    result = run("build", str(recipe), "--output", str(tmp / "pair-again"))
+    assert result.exit_code == 0, result.output
+    assert result.output.count("numeric gate: restored from the cache") == 1
+    assert result.output.count("2 of 2 prompts restored from the build cache\n") == 4
+    again = manifest(tmp / "pair-again" / "drafter")
+    assert again["acceptance"] == manifest(bundle / "drafter")["acceptance"]
+    assert again["ab"] == manifest(bundle / "drafter")["ab"]
+
+
 @pytest.mark.heavy  # a whole variant build each; the field-by-field test below covers every field fast
 def test_refuses_other_lm_head(pair):
     tmp, bundle = pair

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from torch import nn
 
+from convert import cache as build_cache
 from convert.cache import BuildCache
 from convert.errors import GateError
 from convert.export.quantized import apply_quantized, release_dense_weights
@@ -53,6 +54,8 @@ from manifests.schema import Manifest
 # Core AI runtime emulates fp16 (about 24 s for one 64-token call at 11.8M parameters, docs/benchmarks.md), so the
 # chained run of every part would take hours at 27B.
 CHAINED_RUN_PARAMETERS = 50_000_000
+GATE_STAGE = "gate"
+GATE_TOOLCHAIN = ("torch", "transformers", "tokenizers", "numpy")
 
 
 def shipped_modules(plan: Plan, cache: BuildCache | None = None,
@@ -81,12 +84,36 @@ def exact_result(plan: Plan) -> QuantizeResult:
         return QuantizeResult({}, None, None, pack=plan.snapshot.packed)
 
 
-def gate(plan: Plan, modules: TargetModules, report_path: Path | None) -> GateReport:
-    """The numeric gate of the modules against the transformers reference; prints its table; fails closed
-    (``GateError``) after writing the report to ``report_path`` when given."""
-    report = gates.gate_target(plan, modules)
+def gate(plan: Plan, cache: BuildCache, source_files, compute: Callable[[], GateReport],
+         report_path: Path | None) -> GateReport:
+    """The numeric gate (``compute``: the target against the transformers reference); prints its table; fails closed
+    (``GateError``) after writing the report to ``report_path`` when given. The report is kept in ``cache`` under a
+    key of everything it was computed from (the source files, the recipe's target section, the gate data and
+    thresholds, the toolchain, the build's code) and restored from there when a build is run again: at 27B the gate
+    takes hours, and a build resumed in a later session starts after it."""
+    if not cache.enabled:
+        report = compute()
+    else:
+        thresholds, data = gates.recipe_gate(plan)
+        entry_key = build_cache.key({
+            "stage": GATE_STAGE, "code": build_cache.code_fingerprint(("convert.pipeline.build",)),
+            "versions": build_cache.versions(GATE_TOOLCHAIN), "sources": {r.path: r.sha256 for r in source_files},
+            "target": plan.recipe.target.model_dump(mode="json"), "data": data.identity.model_dump(),
+            "thresholds": thresholds.model_dump()})
+        entry = cache.get(GATE_STAGE, entry_key)
+        if entry is not None:
+            with stage(f"numeric gate: restored from the cache (computed in {entry.meta['seconds']:.0f} s)"):
+                report = GateReport.model_validate_json(entry.path(gates.REPORT_FILE).read_text())
+        else:
+            report = compute()
+            cache.put(GATE_STAGE, entry_key, lambda d: _stored_report(d, report))
     _print_gate(report, report_path)
     return report
+
+
+def _stored_report(directory: Path, report: GateReport) -> dict:
+    report.write_json(directory / gates.REPORT_FILE)
+    return {"seconds": report.seconds}
 
 
 def _print_gate(report: GateReport, report_path: Path | None) -> None:
@@ -185,7 +212,7 @@ def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
     if len(plan.parts) > 1:
         return _build_parts(plan, out, failed_report, cache, source_files, stack)
     modules, quantization = shipped_modules(plan, cache, {r.path: r.sha256 for r in source_files})
-    report = gate(plan, modules, failed_report)
+    report = gate(plan, cache, source_files, lambda: gates.gate_target(plan, modules), failed_report)
     packages = []
     for done in package_formats(plan.recipe.backends, modules, out, plan.recipe.name, cache=cache):
         if done.format == "coreai":
@@ -220,8 +247,7 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, 
     drafter stage lets them go while it quantizes the drafter; ``stack`` keeps a scratch cache until then)."""
     run = in_fresh_process if plan.parameter_count > CHAINED_RUN_PARAMETERS else in_this_process
     result = run(quantize_stage, plan, parts_cache(plan, cache, stack), {r.path: r.sha256 for r in source_files})
-    report = run(_gate_parts, plan, result)
-    _print_gate(report, failed_report)
+    report = gate(plan, cache, source_files, lambda: run(_gate_parts, plan, result), failed_report)
     loader = PartLoader(plan, result)
     packages, parts = _package_parts(plan, loader, out, cache, report)
     # the record reads every unit back (the tables' codes too) and needs only the core's names and shapes: from the

@@ -22,6 +22,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from convert import cache as build_cache
 from convert.errors import GateError, InputError
 from convert.export.ane import logits_ranges
 from convert.export.lockstep import in_step
@@ -50,15 +51,18 @@ from convert.pipeline.partition import (
     matrix_bytes,
     row_align,
 )
+from convert.progress import console
 from convert.runtime import speculative
 from convert.runtime.economics import MeteredFunctions, cost_model
 from convert.runtime.host import ModuleFunctions, TargetDriver, module_driver
-from convert.weights.quantize import round_to_nearest, summary
+from convert.weights.quantize import read_entry, round_to_nearest, summary, write_entry
 from convert.weights.target import TargetModules
 from quant.gptq import HessianAccumulator, gptq_quantize
 from quant.types import QuantizedWeight
 
 T = TypeVar("T")
+JOURNAL_STAGE = "prompt-runs"  # the build cache's stage of ``PromptJournal`` entries
+JOURNAL_FILE = "result.pt"
 MAX_SESSIONS = 8
 """Prompts the drafter stage runs at once at most (``over_prompts``; the plan takes fewer when memory is short): each
 block of a weight is made once for all of them, and past a few sessions their products are most of the work."""
@@ -313,7 +317,8 @@ def recorded_bytes(plan: DrafterPlan, prompts: int, length: int, tokens: int) ->
 
 
 def calibration_hessians(kind: str, target_modules, drafter_modules, prompts: list[list[int]], tokens: int,
-                         embeddings: np.ndarray, sessions: int = 1) -> Iterator[dict[str, torch.Tensor]]:
+                         embeddings: np.ndarray, sessions: int = 1,
+                         journal: PromptJournal | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Input Hessians of the drafter's own linears over speculative decoding of ``prompts``, a group of linears at a
     time (``hessian_groups``): the drafter sees exactly what it sees deployed (context rows from the target's taps or
     hidden states, draft blocks, accepted rows). A chunk's padding rows repeat its last row and count again.
@@ -324,27 +329,28 @@ def calibration_hessians(kind: str, target_modules, drafter_modules, prompts: li
     them in prompt order, from reset states, through the drafter alone: the same calls on the same inputs in the same
     order, so the same Hessians bit for bit, however many sessions ran them. (No group's Hessians are held beside the
     target while it runs: at 27B a group is up to 2 GiB, and the target's 7.5 GB and the sessions' states are held
-    then.) Yields {linear name: Hessian} per group; a linear that saw no input is left out."""
+    then.) Yields {linear name: Hessian} per group; a linear that saw no input is left out. ``journal``: the
+    recordings are kept there prompt by prompt (``over_prompts``; not where the Hessians are taken live)."""
     groups = hessian_groups(drafter_modules.core)
     # hooks see the calls as they happen only when one session makes them
     live = min(sessions, len(prompts)) <= 1 and len(groups) == 1
 
-    def run(target, drafter, index: int) -> Recording | None:
+    def run(target, drafter, index: int) -> list | None:
         recording = None if live else Recording(ModuleFunctions(drafter), outputs=False)
         drives = drivers(kind, target, drafter, embeddings,
                          None if recording is None else (ModuleFunctions(target), recording))
         speculative.speculate(kind, *drives, prompts[index], tokens)
-        return recording
+        return None if recording is None else recording.calls
 
     if not live:
-        recordings = over_prompts(run, len(prompts), sessions, target_modules, drafter_modules)
+        recordings = over_prompts(run, len(prompts), sessions, target_modules, drafter_modules, journal)
         return _replayed(groups, drafter_modules, recordings)
     with _accumulating(drafter_modules.core, groups[0]) as accumulators:
         over_prompts(run, len(prompts), 1, target_modules, drafter_modules)
     return iter([_hessians(accumulators)])  # nothing to replay: the drafter's modules are not held on
 
 
-def _replayed(groups: list[list[str]], drafter_modules, recordings: list[Recording]) -> Iterator[dict]:
+def _replayed(groups: list[list[str]], drafter_modules, recordings: list[list]) -> Iterator[dict]:
     """Each group's Hessians by replaying ``recordings`` through ``drafter_modules``. Before the last group's are
     handed on, the compute copy and the recordings are let go: the last group's GPTQ (the widest linear's:
     ``grouped_by_hessian``) runs without the fp16 weights of the linears quantized before it."""
@@ -357,30 +363,69 @@ def _replayed(groups: list[list[str]], drafter_modules, recordings: list[Recordi
         yield hessians
 
 
-def _replay(drafter_modules, recordings: list[Recording]) -> None:
-    """The recorded drafter calls, in order, through ``drafter_modules`` as the driver called them (a recording's
-    resets included; through the host's buffers where the modules' contract has them)."""
+def _replay(drafter_modules, recordings: list[list]) -> None:
+    """The recorded drafter calls (each prompt's ``Recording.calls``), in order, through ``drafter_modules`` as the
+    driver called them (a recording's resets included; through the host's buffers where the modules' contract has
+    them)."""
     functions = ModuleFunctions(drafter_modules)
-    for recording in recordings:
-        for function, inputs, _ in recording.calls:
+    for calls in recordings:
+        for function, inputs, _ in calls:
             if function == "reset":
                 functions.reset()
             else:
                 functions.call(function, inputs)
 
 
+class PromptJournal:
+    """Each prompt's result of one phase of the drafter stage, kept in the build cache as soon as it is computed
+    (``over_prompts``), so that a build killed, or stopped at the end of a working session, runs again only the
+    prompts it had not finished: at 27B on two cores a phase runs for hours. ``key``: the sha256 of everything the
+    phase's results are computed from (``drafter_build.PhaseKeys``); entries are stage ``JOURNAL_STAGE``, one per
+    prompt. A result is what the phase's run returns (ids, rounds, numpy arrays), pickled by ``torch.save``."""
+
+    def __init__(self, cache, key: str):
+        self.cache, self.key = cache, key
+
+    def _key(self, index: int) -> str:
+        return build_cache.key({"phase": self.key, "prompt": index})
+
+    def get(self, index: int):
+        entry = self.cache.get(JOURNAL_STAGE, self._key(index))
+        return None if entry is None else torch.load(entry.path(JOURNAL_FILE), weights_only=False)
+
+    def put(self, index: int, result) -> None:
+        def write(directory: Path) -> dict:
+            torch.save(result, directory / JOURNAL_FILE)
+            return {"prompt": index}
+
+        self.cache.put(JOURNAL_STAGE, self._key(index), write)
+
+
 def over_prompts(run: Callable[[object, object, int], T], prompts: int, sessions: int, target_modules,
-                 drafter_modules=None) -> list[T]:
+                 drafter_modules=None, journal: PromptJournal | None = None) -> list[T]:
     """``run(target, drafter, index)`` for every prompt index, in prompt order of results, over ``sessions`` prompts at
     a time: each session its own states over the shared modules (``ExportModules.session``; the first session the
     modules themselves), taking the next prompt when it is done with one, all run in step (``export.lockstep.in_step``:
     a weight's block made once for every session, each session's outputs those it computes alone). Each prompt's run
-    starts from reset states, so which session runs it changes nothing."""
-    count = max(1, min(sessions, prompts))
+    starts from reset states, so which session runs it changes nothing. With a ``journal``, the prompts it holds are
+    not run again and each prompt run is put there as soon as it is done."""
+    results: list = [None] * prompts if journal is None else [journal.get(i) for i in range(prompts)]
+    todo = [i for i in range(prompts) if results[i] is None]
+    if len(todo) < prompts:
+        console.print(f"  {prompts - len(todo)} of {prompts} prompts restored from the build cache"
+                      + (f"; running {len(todo)}" if todo else ""))
+
+    def finished(index: int, result) -> None:
+        results[index] = result
+        if journal is not None:
+            journal.put(index, result)
+
+    count = max(1, min(sessions, len(todo)))
     if count == 1:
-        return [run(target_modules, drafter_modules, i) for i in range(prompts)]
-    results: list = [None] * prompts
-    taken, lock = iter(range(prompts)), threading.Lock()
+        for i in todo:
+            finished(i, run(target_modules, drafter_modules, i))
+        return results
+    taken, lock = iter(todo), threading.Lock()
 
     def session(target, drafter) -> None:
         while True:
@@ -388,7 +433,7 @@ def over_prompts(run: Callable[[object, object, int], T], prompts: int, sessions
                 index = next(taken, None)
             if index is None:
                 return
-            results[index] = run(target, drafter, index)
+            finished(index, run(target, drafter, index))
 
     pairs = [(target_modules, drafter_modules)] + [
         (target_modules.session(), None if drafter_modules is None else drafter_modules.session())
@@ -418,17 +463,20 @@ def _accumulating(core: torch.nn.Module, names: list[str]) -> Iterator[dict[str,
             hook.remove()
 
 
-def quantize(modules, quant: DrafterQuantization, hessians: Iterable[dict[str, torch.Tensor]] | None = None) -> dict:
+def quantize(modules, quant: DrafterQuantization, hessians: Iterable[dict[str, torch.Tensor]] | None = None,
+             directory: Path | None = None) -> dict:
     """4-bit of the drafter's own linears (round to nearest, or GPTQ under ``hessians``: groups of {name: Hessian},
     as ``calibration_hessians`` yields them, each dropped once its linears are quantized); the borrowed tables stay
     as the target ships them. Each linear becomes a ``CodesLinear`` as soon as it is quantized (its codes packed, the
     weight computed at each call: at the 27B drafters' size 0.5 bytes a weight, where the unpacked codes of every
     linear held until the end were 1 and a dense copy beside them 2 more), until
     ``export.quantized.packaged_from_codes`` makes them the layers a package is made from. Returns the manifest's
-    quantization record."""
+    quantization record. ``directory``: each linear's codes are also written there as it is quantized (a build cache
+    entry: ``restore_quantized``), and the record gets the metadata that reads them back."""
     method, group = quant.format, quant.resolved_group_size
     linears = dict(own_linears(modules.core))
     own = [p for n, p in modules.core.named_parameters() if not n.startswith(BORROWED)]
+    stored = {}
 
     def quantized() -> Iterator[tuple[str, QuantizedWeight]]:
         for taken in ({name: None for name in linears},) if hessians is None else hessians:
@@ -437,12 +485,26 @@ def quantize(modules, quant: DrafterQuantization, hessians: Iterable[dict[str, t
                 result = (round_to_nearest(method, weight, group) if hessian is None
                           else gptq_quantize(weight, hessian, method, group, name=name))
                 apply_quantized(modules.core, {name: result}, codes_only=True)
+                if directory is not None:
+                    (directory / name).mkdir()
+                    stored[name] = write_entry(directory / name, {name: result})
                 yield name, result
 
     bits_per_weight, layers = summary(quantized(), own)  # one linear's unpacked codes held at a time
     if linears:
         raise InputError(f"drafter.quantization.calibration: linear {next(iter(linears))} saw no calibration input")
-    return {"method": quant.method, "group_size": group, "bits_per_weight": bits_per_weight, "layers": layers}
+    record = {"method": quant.method, "group_size": group, "bits_per_weight": bits_per_weight, "layers": layers}
+    return record if directory is None else {"record": record, "linears": stored}
+
+
+def restore_quantized(modules, entry) -> dict:
+    """The drafter's linears as ``quantize`` left them, from the build cache ``entry`` it wrote (``directory``);
+    returns its quantization record."""
+    for name, meta in entry.meta["linears"].items():
+        weights = read_entry(build_cache.Entry(entry.path(name), meta))
+        apply_quantized(modules.core, weights, codes_only=True)
+        del weights
+    return entry.meta["record"]
 
 
 def anchor_table(target_modules) -> np.ndarray | AnchorRows:
@@ -488,25 +550,25 @@ def drivers(kind: str, target_modules, drafter_modules, embeddings: np.ndarray, 
     return target, speculative.NGramDrafter()
 
 
-def greedy_references(target_modules, prompts: list[list[int]], tokens: int,
-                      sessions: int = 1) -> list[tuple[list[int], list]]:
+def greedy_references(target_modules, prompts: list[list[int]], tokens: int, sessions: int = 1,
+                      journal: PromptJournal | None = None) -> list[tuple[list[int], list]]:
     """Plain greedy decoding of each prompt (ids and the logits each was chosen from): the lossless reference;
-    ``sessions`` prompts at a time (``over_prompts``)."""
+    ``sessions`` prompts at a time (``over_prompts``, with its ``journal``)."""
     return over_prompts(lambda target, _, i: module_driver(target).greedy(prompts[i], tokens), len(prompts), sessions,
-                        target_modules)
+                        target_modules, journal=journal)
 
 
 def accept(kind: str, target_modules, drafter_modules, prompts: list[list[int]], tokens: int,
            embeddings: np.ndarray, references: list, functions: tuple | None = None,
-           sessions: int = 1) -> tuple[dict, list[speculative.PromptRun]]:
+           sessions: int = 1, journal: PromptJournal | None = None) -> tuple[dict, list[speculative.PromptRun]]:
     """Speculative decoding over ``prompts`` and the lossless check against ``references`` (plain greedy of
     the same target: ``greedy_references`` of these prompts); on ``functions`` (see ``drivers``) when given, else on
-    the modules, ``sessions`` prompts at a time (``over_prompts``)."""
+    the modules, ``sessions`` prompts at a time (``over_prompts``, with its ``journal``)."""
     def run(target, drafter, index: int):
         return speculative.speculate(kind, *drivers(kind, target, drafter, embeddings, functions), prompts[index],
                                      tokens)
 
-    results = over_prompts(run, len(prompts), 1 if functions else sessions, target_modules, drafter_modules)
+    results = over_prompts(run, len(prompts), 1 if functions else sessions, target_modules, drafter_modules, journal)
     runs = []
     for (run_, spec_logits), (greedy_ids, greedy_logits) in zip(results, references, strict=True):
         speculative.check_lossless(run_, greedy_ids, spec_logits, greedy_logits, NEAR_TIE_LOGITS)

@@ -16,13 +16,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from convert import cache as build_cache
 from convert.errors import GateError
 from convert.export.functions import compute_copy
 from convert.export.quantized import packaged_from_codes
 from convert.inputs.sources import file_records, license_files
 from convert.pipeline import drafter
 from convert.pipeline.bundle import MANIFEST
-from convert.pipeline.packaging import package_formats
+from convert.pipeline.packaging import package_formats, weights_digest
 from convert.pipeline.record import _desc, built_at, package_entry, toolchain_versions
 from convert.progress import console, stage
 from convert.runtime.economics import format_economics, ngram_speedup
@@ -37,6 +38,40 @@ from manifests.schema import TAP_CONVENTION, DrafterManifest, Manifest
 
 CHECK_PROMPT_TOKENS = 24  # the replayed run on the Core AI runtime: a short prompt ...
 CHECK_GENERATED = 12  # ... and a few rounds
+PHASE_TOOLCHAIN = ("torch", "transformers", "tokenizers", "numpy")
+QUANTIZED_STAGE = "drafter-quantize"  # the build cache's stage of a drafter's GPTQ'd linears
+
+
+class PhaseKeys:
+    """The prompt journals (``drafter.PromptJournal``) of the drafter stage's phases in the build ``cache``: each keyed
+    by everything its prompts' results are computed from: the target's source files and recipe section (which make
+    its shipped weights), the drafter's source files and recipe section, the toolchain, the build's code, and the
+    phase's own inputs (its name, prompts and tokens; a digest of the drafter's weights where they were quantized
+    here). ``target_files`` / ``drafter_files``: records with ``path`` and ``sha256``. Nothing without an enabled
+    cache."""
+
+    def __init__(self, plan, cache, target_files, drafter_files):
+        self.cache = cache
+        self.base = None if cache is None or not cache.enabled else {
+            "code": build_cache.code_fingerprint(("convert.pipeline.drafter_build",)),
+            "versions": build_cache.versions(PHASE_TOOLCHAIN),
+            "target_sources": {f.path: f.sha256 for f in target_files},
+            "target": plan.recipe.target.model_dump(mode="json"),
+            "drafter_sources": {f.path: f.sha256 for f in drafter_files},
+            "drafter": plan.drafter.config.model_dump(mode="json")}
+
+    def key(self, phase: str, prompts: list[list[int]], tokens: int, modules=None) -> str | None:
+        """``phase``'s key over ``prompts`` and ``tokens``; ``modules``: the drafter they run, by its weights."""
+        if self.base is None:
+            return None
+        weights = None if modules is None else weights_digest(modules)
+        return build_cache.key({**self.base, "phase": phase, "prompts": prompts, "tokens": tokens,
+                                "drafter_weights": weights})
+
+    def journal(self, phase: str, prompts: list[list[int]], tokens: int,
+                modules=None) -> drafter.PromptJournal | None:
+        key = self.key(phase, prompts, tokens, modules)
+        return None if key is None else drafter.PromptJournal(self.cache, key)
 
 
 def text_prompts(plan, spec, field: str) -> tuple[list[list[int]], dict]:
@@ -64,25 +99,34 @@ def stage_copy(plan, target: TargetModules) -> TargetModules:
 
 
 def shipped_drafter(plan, target: TargetModules, target32: TargetModules,
-                    reload_layers: Callable[[], torch.nn.Module] | None = None):
+                    reload_layers: Callable[[], torch.nn.Module] | None = None, keys: PhaseKeys | None = None):
     """(shipped modules, fp16 reference modules or None, quantization record or None). ``target32`` is the
     shipped target computing in fp32, which GPTQ calibration drives. With ``reload_layers`` (a loader of the target's
     decoder layers, a parted build's) the target lets its decoder layers go once the calibration's target calls are
-    made, while GPTQ runs, and loads them again after (``target32``'s are then gone: make it again)."""
+    made, while GPTQ runs, and loads them again after (``target32``'s are then gone: make it again). ``keys``: the
+    calibration's prompts are journaled and the GPTQ'd linears kept in the build cache (stage
+    ``QUANTIZED_STAGE``), whence a build run again restores them without calibrating (``PhaseKeys``)."""
     dplan, quant = plan.drafter, plan.drafter.config.quantization
     with stage(f"load drafter {dplan.kind} ({dplan.snapshot.reference})"):
         modules = drafter.build_modules(dplan, plan.recipe, target, torch.float16)
     if quant.method == "none":
         return modules, None, None
-    hessians, calibration = None, None
+    hessians, calibration, quantized_key = None, None, None
     if quant.uses_gptq:
         spec = quant.calibration
         prompts, calibration = text_prompts(plan, spec, "drafter.quantization.calibration.corpus")
+        quantized_key = None if keys is None else keys.key("quantize", prompts, spec.tokens)
+        entry = None if quantized_key is None else keys.cache.get(QUANTIZED_STAGE, quantized_key)
+        if entry is not None:
+            with stage(f"quantize drafter {quant.method}: its GPTQ'd linears restored from the build cache"):
+                record = drafter.restore_quantized(modules, entry)
+            return modules, _fp16_reference(plan, target), {**record, "calibration": calibration}
         with stage(f"calibrate drafter: speculative decoding of {len(prompts)} x {spec.length} tokens + "
                    f"{spec.tokens} generated ({spec.corpus})"):
+            journal = None if keys is None else keys.journal("calibrate", prompts, spec.tokens)
             hessians = drafter.calibration_hessians(
                 dplan.kind, target32, compute_copy(modules, torch.float32, share_weights=True), prompts, spec.tokens,
-                drafter.anchor_table(target), plan.drafter_sessions)
+                drafter.anchor_table(target), plan.drafter_sessions, journal)
     groups = len(drafter.hessian_groups(modules.core))
     replays = "" if hessians is None or groups == 1 else (
         f"; Hessians of {groups} groups of linears, from the calibration's drafter calls replayed")
@@ -90,42 +134,56 @@ def shipped_drafter(plan, target: TargetModules, target32: TargetModules,
     if dropped:  # the target's calls are made; at 27B its layers' codes are 6.8 GB beside GPTQ's largest Hessians
         target.core.layers = target32.core.layers = torch.nn.ModuleList()
     with stage(f"quantize drafter {quant.method} (groups of {quant.resolved_group_size}{replays})"):
-        record = drafter.quantize(modules, quant, hessians)
+        if quantized_key is None:
+            record = drafter.quantize(modules, quant, hessians)
+        else:
+            entry = keys.cache.put(QUANTIZED_STAGE, quantized_key,
+                                   lambda directory: drafter.quantize(modules, quant, hessians, directory))
+            record = entry.meta["record"]
     if dropped:
         with stage("load the target's decoder layers again, as packed codes (let go while GPTQ ran)"):
             target.core.layers = reload_layers()
-    # the A/B's fp16 reference, loaded again rather than held while the drafter was quantized (each linear's fp16
-    # weight is let go as it is quantized: at 27B the drafter's 3.85 GB beside GPTQ's largest Hessians)
-    with stage(f"load drafter {dplan.kind} again in fp16 (the A/B's reference)"):
-        fp16 = drafter.build_modules(dplan, plan.recipe, target, torch.float16)
-    return modules, fp16, {**record, "calibration": calibration}
+    return modules, _fp16_reference(plan, target), {**record, "calibration": calibration}
+
+
+def _fp16_reference(plan, target: TargetModules):
+    """The A/B's fp16 reference, loaded again rather than held while the drafter was quantized (each linear's fp16
+    weight is let go as it is quantized: at 27B the drafter's 3.85 GB beside GPTQ's largest Hessians)."""
+    with stage(f"load drafter {plan.drafter.kind} again in fp16 (the A/B's reference)"):
+        return drafter.build_modules(plan.drafter, plan.recipe, target, torch.float16)
 
 
 def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_modules, prompts: list[list[int]],
-            tokens: int, references: list, functions: tuple | None = None) -> tuple[dict, dict | None]:
+            tokens: int, references: list, functions: tuple | None = None,
+            keys: PhaseKeys | None = None) -> tuple[dict, dict | None]:
     """Acceptance of the shipped pair against ``references`` (plain greedy of each prompt: lossless or fail), the
     bytes each call reads and the predicted speedup, the n-gram baseline on the same target, and for a quantized
     drafter the A/B verdict against the fp16 one. The torch modules compute in fp32 (``target32``: the shipped
     target upcast) unless ``functions`` (the target's and the drafter's, e.g. Core AI sessions of the packages)
     are given; the fp16 drafter of the A/B then runs as torch modules against that target (no fp16 package is
-    shipped). Bytes are a property of the graphs and are metered on the torch modules."""
+    shipped). Bytes are a property of the graphs and are metered on the torch modules. ``keys``: the torch runs'
+    prompts are journaled (``PhaseKeys``; not on ``functions``)."""
     dplan, spec, sessions = plan.drafter, plan.drafter.config.accept, plan.drafter_sessions
     embeddings = drafter.anchor_table(target)
     drafter32 = compute_copy(modules, torch.float32, share_weights=True)
+    keys = keys if functions is None else None
+
+    def journal(phase: str, drafter_modules=None):
+        return None if keys is None else keys.journal(phase, prompts, tokens, drafter_modules)
 
     def with_drafter(drafter_functions):
         return None if functions is None else (functions[0], drafter_functions)
 
     with stage(f"accept: {len(prompts)} prompts x {tokens} tokens, speculative vs greedy"):
         stats, runs = drafter.accept(dplan.kind, target32, drafter32, prompts, tokens, embeddings, references,
-                                     functions, sessions)
+                                     functions, sessions, journal("accept", modules))
     drafter.raise_if_lossy(stats, runs)
     with stage("economics: bytes read per call (one metered run)"):
         economics = drafter.economics(dplan.kind, target, target32, modules, drafter32, prompts[0], tokens,
                                       embeddings, stats["tokens_per_round"])
     with stage("n-gram baseline: prompt lookup on the same prompts and target (no package)"):
         ngram, ngram_runs = drafter.accept("ngram", target32, None, prompts, tokens, embeddings, references,
-                                           with_drafter(None), sessions)
+                                           with_drafter(None), sessions, journal("ngram"))
     drafter.raise_if_lossy(ngram, ngram_runs)
     ngram["predicted_speedup"] = ngram_speedup(ngram, economics["verify_cost"])
     acceptance = {**stats, "economics": economics, "ngram": ngram}
@@ -134,7 +192,8 @@ def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_
     base32 = compute_copy(fp16_modules, torch.float32, share_weights=True)
     with stage("A/B: the fp16 drafter on the same prompts"):
         base_stats, base_runs = drafter.accept(dplan.kind, target32, base32, prompts, tokens, embeddings,
-                                               references, with_drafter(ModuleFunctions(base32)), sessions)
+                                               references, with_drafter(ModuleFunctions(base32)), sessions,
+                                               journal("ab-fp16"))
     ab = drafter.ab_verdict(paired_ab(base_runs, runs), spec.max_p_value)
     ab["fp16_tokens_per_round"] = base_stats["tokens_per_round"]
     if ab["significant_loss"]:
@@ -146,13 +205,15 @@ def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_
     return acceptance, ab
 
 
-def measure_held_out(plan, target: TargetModules, target32: TargetModules, modules, fp16_modules, held_out):
+def measure_held_out(plan, target: TargetModules, target32: TargetModules, modules, fp16_modules, held_out,
+                     keys: PhaseKeys | None = None):
     """``measure`` on the recipe's held-out prompts (``held_out_prompts``) in torch, against plain greedy of the
-    same modules."""
+    same modules (``keys``: every phase's prompts journaled)."""
     (prompts, data), tokens = held_out, plan.drafter.config.accept.tokens
     with stage(f"plain greedy decoding: {len(prompts)} held-out prompts x {tokens} tokens"):
-        references = drafter.greedy_references(target32, prompts, tokens, plan.drafter_sessions)
-    acceptance, ab = measure(plan, target, target32, modules, fp16_modules, prompts, tokens, references)
+        references = drafter.greedy_references(target32, prompts, tokens, plan.drafter_sessions,
+                                               None if keys is None else keys.journal("greedy", prompts, tokens))
+    acceptance, ab = measure(plan, target, target32, modules, fp16_modules, prompts, tokens, references, keys=keys)
     return {"data": data, **acceptance}, ab
 
 
@@ -196,12 +257,13 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
     out.mkdir()
     with stage("hash drafter source files"):
         source_files = file_records(dplan.snapshot.directory)
+    keys = PhaseKeys(plan, cache, target_manifest.source.files, source_files)
     target32 = stage_copy(plan, target)
-    modules, fp16_modules, quantization = shipped_drafter(plan, target, target32, reload_layers)
+    modules, fp16_modules, quantization = shipped_drafter(plan, target, target32, reload_layers, keys)
     if reload_layers is not None:
         target32 = stage_copy(plan, target)  # over the layers loaded again
     held_out = held_out_prompts(plan)
-    acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules, held_out)
+    acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules, held_out, keys)
     del target32  # packaging needs only the fp16 modules; the fp32 copy of the target is freed
     console.print(format_stats(acceptance))
     if ab:

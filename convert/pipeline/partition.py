@@ -193,12 +193,14 @@ def build_memory_bytes(args, target, parts: list[Part], specs: list[FunctionSpec
     states = specs[0].states
     if parts[0].is_whole:
         return whole_build_bytes(args.parameter_count) + 2 * sum(s.nbytes for s in states)
-    return parted_build_bytes(args, target, parts, reference_window_bytes(args, target, states))
+    return parted_build_bytes(args, target, parts, reference_window_bytes(args, target))
 
 
-def reference_window_bytes(args, target, states) -> int:
-    """One gate window's share of the streamed reference: its cache (every state in fp32, the KV caches only as long
-    as the window and its continuation) and its tapped layers' outputs in fp32."""
+def reference_window_bytes(args, target) -> int:
+    """One gate window's share of the streamed reference: its cache (transformers' in fp32, whatever the target's
+    layout: the stateful layout's states, the KV caches only as long as the window and its continuation) and its
+    tapped layers' outputs in fp32."""
+    states = family_of(args).function_specs(args, target.model_copy(update={"layout": "stateful"}))[0].states
     length = target.gate.data.length
     grown = min(1.0, (length + target.gate.greedy_tokens) / target.context)
     cache = sum(2 * s.nbytes * (grown if s.name in ("key_cache", "value_cache") else 1) for s in states)
