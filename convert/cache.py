@@ -176,6 +176,11 @@ class BuildCache:
             raise
         return Entry(final, meta)
 
+    def remove(self, stage: str, entry_key: str) -> None:
+        """Drop an entry that is no longer needed (absent: nothing to do)."""
+        if self.enabled:
+            shutil.rmtree(self._directory(stage, entry_key), ignore_errors=True)
+
     def summary(self) -> str:
         stages = sorted(set(self.hits) | set(self.misses))
         parts = [f"{s}: {self.hits.get(s, 0)} reused, {self.misses.get(s, 0)} computed"

@@ -143,6 +143,43 @@ def test_the_streamed_gate_reports_what_the_gate_reports(built):
     assert streamed.passed == whole.passed
 
 
+@pytest.mark.parametrize("built", ["hybrid"], indirect=True)
+def test_a_streamed_gate_stopped_in_its_reference_resumes_with_the_candidate_it_kept(built, tmp_path, monkeypatch):
+    """``build.GatePasses``: the candidate's windows are a cache entry as soon as they are computed. A gate stopped in
+    its reference runs again without the candidate (refused): its windows restored are the ones computed, bit for
+    bit; a third run restores the reference too and reports the second's values; ``discard`` removes both entries."""
+    plan, _, loader, *_ = built
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(plan.snapshot.directory / "tokenizer.json"))
+    data = gates.EvalData.fixture(tokenizer, n=2, length=80)  # four probe blocks of 8 after a prefill of 40
+    thresholds = gates.default_thresholds(plan.recipe.target.quantization.method)
+    passes = build.GatePasses(tmp_path / "cache", "the gate of this test")
+    candidate, reference, computed = gates.streamed_candidate, gates.streamed_reference, []
+
+    def run(**refused):
+        for name in refused:
+            monkeypatch.setattr(gates, name, lambda *a, name=name, **k: pytest.fail(f"{name} ran again"))
+        return gates.run_streamed_gates(plan.snapshot.directory, loader, data, thresholds, greedy_tokens=3,
+                                        keep=passes)
+
+    monkeypatch.setattr(gates, "streamed_candidate", lambda *a, **k: computed.append(candidate(*a, **k)) or computed[0])
+    monkeypatch.setattr(gates, "streamed_reference", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("stopped")))
+    with pytest.raises(RuntimeError, match="stopped"):
+        run()
+    monkeypatch.setattr(gates, "streamed_reference", reference)
+    second = run(streamed_candidate=True)
+    third = run(streamed_candidate=True, streamed_reference=True)
+    restored = passes("candidate", lambda: pytest.fail("not kept"))
+    assert len(restored) == len(computed[0]) == 2
+    for got, want in zip(restored, computed[0], strict=True):
+        assert torch.equal(got.logits, want.logits) and got.greedy == want.greedy
+        assert all(torch.equal(got.taps[t], want.taps[t]) for t in want.taps)
+    assert [m.value for m in third.metrics] == [m.value for m in second.metrics]
+    passes.discard()
+    assert not list((tmp_path / "cache").rglob("entry.json"))
+
+
 def test_the_manifest_records_of_a_streamed_build_are_the_whole_targets(built):
     plan, modules, loader, result, returned = built
     tables = loader.load([build.tables_part(plan.args)])[0]

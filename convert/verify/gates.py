@@ -283,13 +283,15 @@ def run_gates(
 
 def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThresholds,
                        taps: list[int] | None = None, greedy_tokens: int = 16,
-                       probe_accepts: tuple[int, ...] | None = None) -> GateReport:
+                       probe_accepts: tuple[int, ...] | None = None, keep=None) -> GateReport:
     """``run_gates`` for a target larger than memory: the transformers reference (``convert.verify.reference``) and the
     candidate (``loader``: a ``convert.weights.shipped.PartLoader``) each hold one decoder layer at a time, running
     every window's calls through it before the next is loaded. The candidate runs first (each greedy token one more
     pass over its pieces), its logits to disk as each window's are computed; then the reference, whose continuation
     follows the candidate's in one pass (``_reference_window``). The same schedule, arithmetic and metrics as
-    ``run_gates``."""
+    ``run_gates``. ``keep(name, compute)``: where the candidate's windows (``"candidate"``) and the reference's
+    (``"reference"``) are kept once computed and restored from when the gate runs again (``build.GatePasses``: at
+    27B each takes about an hour); without it they are computed."""
     start = time.perf_counter()
     outline = loader.outline
     taps = list(outline.core.taps) if taps is None else list(taps)
@@ -301,9 +303,12 @@ def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThr
         cand.logits = memory_mapped(cand.logits)
         cand.taps = {t: memory_mapped(value) for t, value in cand.taps.items()}
 
-    candidates = streamed_candidate(loader, windows, taps, greedy_tokens, probe_accepts,
-                                    torch.Generator().manual_seed(data.identity.seed), consume=spill)
-    references = streamed_reference(source, windows, taps, [cand.greedy for cand in candidates])
+    keep = keep or (lambda _name, compute: compute())
+    candidates = keep("candidate", lambda: streamed_candidate(
+        loader, windows, taps, greedy_tokens, probe_accepts, torch.Generator().manual_seed(data.identity.seed),
+        consume=spill))
+    references = keep("reference", lambda: streamed_reference(source, windows, taps,
+                                                              [cand.greedy for cand in candidates]))
     stats = _Stats(taps)
     for index, (ref, cand) in enumerate(zip(references, candidates, strict=True)):
         stats.add(index, ref, cand, thresholds.near_tie_margin)
@@ -488,12 +493,12 @@ def gate_target(plan, modules: TargetModules) -> GateReport:
     return run_gates(reference, modules, data, thresholds, greedy_tokens=plan.recipe.target.gate.greedy_tokens)
 
 
-def gate_streamed(plan, loader) -> GateReport:
-    """``gate_target`` one layer at a time (``run_streamed_gates``; ``loader``: a
+def gate_streamed(plan, loader, keep=None) -> GateReport:
+    """``gate_target`` one layer at a time (``run_streamed_gates``, with its ``keep``; ``loader``: a
     ``convert.weights.shipped.PartLoader``)."""
     thresholds, data = recipe_gate(plan)
     return run_streamed_gates(plan.snapshot.directory, loader, data, thresholds,
-                              greedy_tokens=plan.recipe.target.gate.greedy_tokens)
+                              greedy_tokens=plan.recipe.target.gate.greedy_tokens, keep=keep)
 
 
 def recipe_gate(plan) -> tuple[GateThresholds, EvalData]:
