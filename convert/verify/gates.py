@@ -299,7 +299,7 @@ def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThr
     _check_inputs(outline, data, taps, greedy_tokens, probe_accepts)
     windows = data.tokens.tolist()
 
-    def spill(_index: int, cand: _Window) -> None:  # a window's logits and taps to disk until the reference's are
+    def spill(_index: int, cand: _Window) -> None:  # a window's logits and taps wait on disk for the reference's
         cand.logits = memory_mapped(cand.logits)
         cand.taps = {t: memory_mapped(value) for t, value in cand.taps.items()}
 
