@@ -31,23 +31,25 @@ ROOT = Path(__file__).resolve().parents[1]
 FP32_BOUND = 1e-5
 
 
-def _recipe(tmp_path: Path, name: str, method: str, taps: str) -> Path:
+def _recipe(tmp_path: Path, name: str, method: str, taps: str, layout: str = "stateful") -> Path:
     text = (ROOT / "recipes" / f"{name}.yaml").read_text()
     text = text.replace("path:../fixtures", f"path:{ROOT / 'fixtures'}")
-    text = text.replace("  context: 512", f"  context: 512\n  taps: {taps}\n  max_part_mb: 1\n"
+    text = text.replace("  context: 512", f"  context: 512\n  layout: {layout}\n  taps: {taps}\n  max_part_mb: 1\n"
                         f"  quantization: {{method: {method}}}")
     recipe = tmp_path / f"{name}.yaml"
     recipe.write_text(text)
     return recipe
 
 
-CASES = {"hybrid": ("tiny_qwen3_5", "affine4", "[5, 1]"), "dense": ("tiny_qwen3", "affine4", "[2, 0]")}
+# hybrid-ane: the streamed gate's one-layer pieces include attention layers alone, which take no commit inputs
+CASES = {"hybrid": ("tiny_qwen3_5", "affine4", "[5, 1]"), "dense": ("tiny_qwen3", "affine4", "[2, 0]"),
+         "hybrid-ane": ("tiny_qwen3_5", "affine4", "[5, 1]", "ane")}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def built(request, tmp_path_factory):
-    name, method, taps = CASES[request.param]
-    plan = make_plan(_recipe(tmp_path_factory.mktemp(name), name, method, taps))
+    name, method, taps, *layout = CASES[request.param]
+    plan = make_plan(_recipe(tmp_path_factory.mktemp(name), name, method, taps, *layout))
     cache = BuildCache(tmp_path_factory.mktemp("cache"))
 
     def quantize(in_memory: bool):
@@ -82,7 +84,7 @@ def test_the_weights_read_back_from_the_cache_are_the_ones_returned(built):
     assert summary(result.items(), modules.core.parameters()) == summary(returned.weights, modules.core.parameters())
 
 
-@pytest.mark.parametrize("built", ["hybrid"], indirect=True)  # the commit-next-call contract: the harder schedule
+@pytest.mark.parametrize("built", ["hybrid", "hybrid-ane"], indirect=True)  # the commit-next-call contract
 def test_the_streamed_candidate_computes_what_the_whole_candidate_computes(built):
     plan, modules, loader, *_ = built
     g = torch.Generator().manual_seed(5)

@@ -42,8 +42,9 @@ class Qwen35AneCore(Qwen35Core):
                 commit_mask=None, commit_select=None, valid_mask=None, valid_select=None, *, width: int):
         x = channels_first(host_rows(self, hidden_states))
         tapped, rows = [], {name: [] for name in (*HISTORY.values(), *GDN_NEXT.values(), *GDN_PENDING.values())}
-        if self.layers:
-            commit = host_commit(width, commit_mask, commit_select, valid_mask, valid_select)
+        if self.layers:  # a piece of attention layers alone (the streamed gate's units) takes no commit inputs
+            commit = None if commit_mask is None else host_commit(width, commit_mask, commit_select, valid_mask,
+                                                                  valid_select)
             cos = sin = bias = None
             if rope_cos is not None:
                 cos, sin = rope_cos.transpose(0, 1), rope_sin.transpose(0, 1)  # [rotary_dim / 2, S]
