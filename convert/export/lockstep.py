@@ -149,6 +149,23 @@ class StepRecord:
     products: int = 0
 
 
+def over_sessions(count: int, sessions: Sequence, work: Callable[[object, int], None]) -> None:
+    """``work(session, index)`` for every index in ``range(count)``, over ``sessions`` (each its own states over shared
+    weights) run in step (``in_step``), each taking the next index when it is done with one. Each index's work starts
+    from the states it sets itself, so which session does it changes nothing."""
+    taken, lock = iter(range(count)), threading.Lock()
+
+    def session(own) -> None:
+        while True:
+            with lock:
+                index = next(taken, None)
+            if index is None:
+                return
+            work(own, index)
+
+    in_step([functools.partial(session, own) for own in sessions[: max(1, count)]])
+
+
 def in_step(calls: Sequence[Callable[[], T]], record: StepRecord | None = None) -> list[T]:
     """Each of ``calls`` run as a session (module docstring), in a thread of its own; their results in order. The
     first session's error (in order) is raised once every session has ended. One call runs alone, here."""

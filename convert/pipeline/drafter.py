@@ -10,9 +10,7 @@ the target's shipped embedding row. The drafter's manifest binds it to that targ
 
 from __future__ import annotations
 
-import functools
 import math
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,7 +23,7 @@ import torch
 from convert import cache as build_cache
 from convert.errors import GateError, InputError
 from convert.export.ane import logits_ranges
-from convert.export.lockstep import in_step
+from convert.export.lockstep import over_sessions
 from convert.export.quantized import (
     CodesLinear,
     HalfLinear,
@@ -421,24 +419,10 @@ def over_prompts(run: Callable[[object, object, int], T], prompts: int, sessions
             journal.put(index, result)
 
     count = max(1, min(sessions, len(todo)))
-    if count == 1:
-        for i in todo:
-            finished(i, run(target_modules, drafter_modules, i))
-        return results
-    taken, lock = iter(todo), threading.Lock()
-
-    def session(target, drafter) -> None:
-        while True:
-            with lock:
-                index = next(taken, None)
-            if index is None:
-                return
-            finished(index, run(target, drafter, index))
-
     pairs = [(target_modules, drafter_modules)] + [
         (target_modules.session(), None if drafter_modules is None else drafter_modules.session())
         for _ in range(count - 1)]
-    in_step([functools.partial(session, *pair) for pair in pairs])
+    over_sessions(len(todo), pairs, lambda pair, k: finished(todo[k], run(*pair, todo[k])))
     return results
 
 

@@ -61,6 +61,7 @@ from rich.table import Table
 
 from convert.errors import GateError, InputError, PackageError
 from convert.export.functions import compute_copy
+from convert.export.lockstep import over_sessions
 from convert.inputs.thresholds import GateThresholds, default_thresholds
 from convert.models import family_of
 from convert.models.part import HIDDEN_OUT
@@ -362,18 +363,23 @@ def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy
                 else:
                     piece.modules.states()[name].copy_(value)
 
-        def load(unit) -> ModuleFunctions:  # one host over the piece: the ane layout's buffers carry between calls
-            return ModuleFunctions(loader.load([unit], compute_dtype)[0])
+        def hosts(unit) -> list[ModuleFunctions]:
+            """A host per window session over the piece (the ane layout's buffers carry between calls), its fp16
+            weights computing in ``compute_dtype`` a block at a time, so that the sessions run in step read each
+            block once (``export.lockstep``)."""
+            piece = compute_copy(loader.load([unit])[0], compute_dtype, share_weights=True)
+            return [ModuleFunctions(piece)] + [ModuleFunctions(piece.session()) for _ in windows[1:]]
 
         passes = greedy_tokens
-        with steps(f"numeric gate: the candidate, one piece at a time ({len(units)} pieces x {passes} passes)",
-                   len(units) * passes, "loads") as advance:
+        with steps(f"numeric gate: the candidate, one piece at a time, the windows in step ({len(units)} pieces x "
+                   f"{passes} passes)", len(units) * passes, "loads") as advance:
             rows = [[None] * len(calls) for calls in schedules]
             tapped = [[{} for _ in calls] for calls in schedules]
             for u, unit in enumerate(units):
-                piece = load(unit)
                 own = unit.own_taps(returned)
-                for w, calls in enumerate(schedules):
+
+                def first(piece: ModuleFunctions, w: int, u=u, unit=unit, own=own) -> None:
+                    calls = schedules[w]
                     piece.reset()
                     outs = []
                     for c, call in enumerate(calls):
@@ -390,15 +396,16 @@ def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy
                         results[w].greedy = [int(results[w].logits[-1].argmax())]
                         if consume is not None:
                             consume(w, results[w])
-                del piece
+
+                over_sessions(len(windows), hosts(unit), first)
                 advance()
             for step in range(1, greedy_tokens):
                 given = [drivers[w].inputs("decode", [results[w].greedy[-1]], len(windows[w]) + step - 1)
                          for w in range(len(windows))]
                 rows = [None] * len(windows)
                 for u, unit in enumerate(units):
-                    piece = load(unit)
-                    for w in range(len(windows)):
+                    def later(piece: ModuleFunctions, w: int, u=u, unit=unit, step=step, given=given,
+                              rows=rows) -> None:
                         restore(piece, w, u)
                         got = run(piece, "decode", given[w], rows[w])
                         if step + 1 < greedy_tokens:
@@ -406,7 +413,8 @@ def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy
                         rows[w] = got.get(HIDDEN_OUT, rows[w])
                         if unit.head is not None:
                             results[w].greedy.append(int(got["argmax_ids"][0, 0]))
-                    del piece
+
+                    over_sessions(len(windows), hosts(unit), later)
                     advance()
     return results
 
