@@ -30,6 +30,7 @@ from convert.progress import console
 from manifests import identity
 
 ENTRY = "entry.json"
+OBJECT_FILE = "object.pt"  # the payload of an entry ``BuildCache.put_object`` stores
 ENV = "SPEC_CONVERT_CACHE"
 PROJECT_PACKAGES = ("convert", "quant", "manifests")
 
@@ -175,6 +176,25 @@ class BuildCache:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return Entry(final, meta)
+
+    def put_object(self, stage: str, entry_key: str, value, meta: dict) -> None:
+        """Store ``value`` (tensors, numpy arrays, plain containers: pickled by ``torch.save``) as an entry's one
+        payload, with ``meta``; atomic, as ``put``."""
+        import torch
+
+        def write(directory: Path) -> dict:
+            torch.save(value, directory / OBJECT_FILE)
+            return meta
+
+        self.put(stage, entry_key, write)
+
+    def get_object(self, stage: str, entry_key: str, mmap: bool = False):
+        """What ``put_object`` stored under the key, or None; with ``mmap`` its tensors are mapped from the entry's
+        file rather than read into memory."""
+        import torch
+
+        entry = self.get(stage, entry_key)
+        return None if entry is None else torch.load(entry.path(OBJECT_FILE), mmap=mmap, weights_only=False)
 
     def remove(self, stage: str, entry_key: str) -> None:
         """Drop an entry that is no longer needed (absent: nothing to do)."""

@@ -11,7 +11,6 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from convert import cache as build_cache
@@ -58,7 +57,6 @@ from manifests.schema import Manifest
 CHAINED_RUN_PARAMETERS = 50_000_000
 GATE_STAGE = "gate"
 GATE_PASSES_STAGE = "gate-passes"
-PASSES_FILE = "windows.pt"
 GATE_TOOLCHAIN = ("torch", "transformers", "tokenizers", "numpy")
 
 
@@ -88,18 +86,19 @@ def exact_result(plan: Plan) -> QuantizeResult:
         return QuantizeResult({}, None, None, pack=plan.snapshot.packed)
 
 
-def gate(plan: Plan, cache: BuildCache, source_files, compute: Callable[[GatePasses | None], GateReport],
+def gate(plan: Plan, cache: BuildCache, source_files, compute: Callable[[GatePasses | None, tuple], GateReport],
          report_path: Path | None) -> GateReport:
-    """The numeric gate (``compute(passes)``: the target against the transformers reference); prints its table; fails
+    """The numeric gate (``compute(passes, settings)``: the target against the transformers reference on
+    ``gates.recipe_gate``'s thresholds and data, computed once here); prints its table; fails
     closed (``GateError``) after writing the report to ``report_path`` when given. The report is kept in ``cache``
     under a key of everything it was computed from (the source files, the recipe's target section, the gate data and
     thresholds, the toolchain, the build's code) and restored from there when a build is run again: at 27B the gate
     takes hours, and a build resumed in a later session starts after it; a streamed gate stopped part way keeps its
     candidate's and reference's windows (``GatePasses``)."""
+    settings = thresholds, data = gates.recipe_gate(plan)
     if not cache.enabled:
-        report = compute(None)
+        report = compute(None, settings)
     else:
-        thresholds, data = gates.recipe_gate(plan)
         entry_key = build_cache.key({
             "stage": GATE_STAGE, "code": build_cache.code_fingerprint(("convert.pipeline.build",)),
             "versions": build_cache.versions(GATE_TOOLCHAIN), "sources": {r.path: r.sha256 for r in source_files},
@@ -111,7 +110,7 @@ def gate(plan: Plan, cache: BuildCache, source_files, compute: Callable[[GatePas
                 report = GateReport.model_validate_json(entry.path(gates.REPORT_FILE).read_text())
         else:
             passes = GatePasses(cache.root, entry_key)
-            report = compute(passes)
+            report = compute(passes, settings)
             cache.put(GATE_STAGE, entry_key, lambda d: _stored_report(d, report))
             passes.discard()  # the report holds what they were for (at 27B they are 8 GB of logits)
     _print_gate(report, report_path)
@@ -130,17 +129,12 @@ class GatePasses:
 
     def __call__(self, name: str, compute: Callable[[], list]) -> list:
         cache = BuildCache(self.root)
-        entry = cache.get(GATE_PASSES_STAGE, self._key(name))
-        if entry is not None:
+        windows = cache.get_object(GATE_PASSES_STAGE, self._key(name), mmap=True)
+        if windows is not None:
             console.print(f"  numeric gate: the {name}'s windows restored from the cache")
-            return torch.load(entry.path(PASSES_FILE), mmap=True, weights_only=False)
+            return windows
         windows = compute()
-
-        def write(directory: Path) -> dict:
-            torch.save(windows, directory / PASSES_FILE)
-            return {"passes": name}
-
-        cache.put(GATE_PASSES_STAGE, self._key(name), write)
+        cache.put_object(GATE_PASSES_STAGE, self._key(name), windows, {"passes": name})
         return windows
 
     def discard(self) -> None:
@@ -253,7 +247,8 @@ def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
     if len(plan.parts) > 1:
         return _build_parts(plan, out, failed_report, cache, source_files, stack)
     modules, quantization = shipped_modules(plan, cache, {r.path: r.sha256 for r in source_files})
-    report = gate(plan, cache, source_files, lambda _passes: gates.gate_target(plan, modules), failed_report)
+    report = gate(plan, cache, source_files, lambda _passes, settings: gates.gate_target(plan, modules, settings),
+                  failed_report)
     packages = []
     for done in package_formats(plan.recipe.backends, modules, out, plan.recipe.name, cache=cache):
         if done.format == "coreai":
@@ -288,7 +283,8 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, 
     drafter stage lets them go while it quantizes the drafter; ``stack`` keeps a scratch cache until then)."""
     run = in_fresh_process if plan.parameter_count > CHAINED_RUN_PARAMETERS else in_this_process
     result = run(quantize_stage, plan, parts_cache(plan, cache, stack), {r.path: r.sha256 for r in source_files})
-    report = gate(plan, cache, source_files, lambda passes: run(_gate_parts, plan, result, passes), failed_report)
+    report = gate(plan, cache, source_files, lambda passes, settings: run(_gate_parts, plan, result, passes, settings),
+                  failed_report)
     loader = PartLoader(plan, result)
     packages, parts = _package_parts(plan, loader, out, cache, report)
     # the record reads every unit back (the tables' codes too) and needs only the core's names and shapes: from the
@@ -311,8 +307,8 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, 
     return manifest, whole, lambda: lean_whole().core.layers
 
 
-def _gate_parts(plan: Plan, result: QuantizeResult | None, passes: GatePasses | None) -> GateReport:
-    return gates.gate_streamed(plan, PartLoader(plan, result), passes)
+def _gate_parts(plan: Plan, result: QuantizeResult | None, passes: GatePasses | None, settings) -> GateReport:
+    return gates.gate_streamed(plan, PartLoader(plan, result), passes, settings)
 
 
 def tables_part(args) -> Part:

@@ -60,7 +60,6 @@ from quant.types import QuantizedWeight
 
 T = TypeVar("T")
 JOURNAL_STAGE = "prompt-runs"  # the build cache's stage of ``PromptJournal`` entries
-JOURNAL_FILE = "result.pt"
 MAX_SESSIONS = 8
 """Prompts the drafter stage runs at once at most (``over_prompts``; the plan takes fewer when memory is short): each
 block of a weight is made once for all of them, and past a few sessions their products are most of the work."""
@@ -379,7 +378,7 @@ class PromptJournal:
     (``over_prompts``), so that a build killed, or stopped at the end of a working session, runs again only the
     prompts it had not finished: at 27B on two cores a phase runs for hours. ``key``: the sha256 of everything the
     phase's results are computed from (``drafter_build.PhaseKeys``); entries are stage ``JOURNAL_STAGE``, one per
-    prompt. A result is what the phase's run returns (ids, rounds, numpy arrays), pickled by ``torch.save``."""
+    prompt. A result is what the phase's run returns (ids, rounds, numpy arrays: ``BuildCache.put_object``)."""
 
     def __init__(self, cache, key: str):
         self.cache, self.key = cache, key
@@ -388,15 +387,10 @@ class PromptJournal:
         return build_cache.key({"phase": self.key, "prompt": index})
 
     def get(self, index: int):
-        entry = self.cache.get(JOURNAL_STAGE, self._key(index))
-        return None if entry is None else torch.load(entry.path(JOURNAL_FILE), weights_only=False)
+        return self.cache.get_object(JOURNAL_STAGE, self._key(index))
 
     def put(self, index: int, result) -> None:
-        def write(directory: Path) -> dict:
-            torch.save(result, directory / JOURNAL_FILE)
-            return {"prompt": index}
-
-        self.cache.put(JOURNAL_STAGE, self._key(index), write)
+        self.cache.put_object(JOURNAL_STAGE, self._key(index), result, {"prompt": index})
 
 
 def over_prompts(run: Callable[[object, object, int], T], prompts: int, sessions: int, target_modules,
@@ -448,19 +442,18 @@ def _accumulating(core: torch.nn.Module, names: list[str]) -> Iterator[dict[str,
 
 
 def quantize(modules, quant: DrafterQuantization, hessians: Iterable[dict[str, torch.Tensor]] | None = None,
-             directory: Path | None = None) -> dict:
+             keep: Callable[[str, QuantizedWeight], None] | None = None) -> dict:
     """4-bit of the drafter's own linears (round to nearest, or GPTQ under ``hessians``: groups of {name: Hessian},
     as ``calibration_hessians`` yields them, each dropped once its linears are quantized); the borrowed tables stay
     as the target ships them. Each linear becomes a ``CodesLinear`` as soon as it is quantized (its codes packed, the
     weight computed at each call: at the 27B drafters' size 0.5 bytes a weight, where the unpacked codes of every
     linear held until the end were 1 and a dense copy beside them 2 more), until
     ``export.quantized.packaged_from_codes`` makes them the layers a package is made from. Returns the manifest's
-    quantization record. ``directory``: each linear's codes are also written there as it is quantized (a build cache
-    entry: ``restore_quantized``), and the record gets the metadata that reads them back."""
+    quantization record. ``keep(name, weights)``: called with each linear's result as it is quantized
+    (``store_quantized``)."""
     method, group = quant.format, quant.resolved_group_size
     linears = dict(own_linears(modules.core))
     own = [p for n, p in modules.core.named_parameters() if not n.startswith(BORROWED)]
-    stored = {}
 
     def quantized() -> Iterator[tuple[str, QuantizedWeight]]:
         for taken in ({name: None for name in linears},) if hessians is None else hessians:
@@ -469,21 +462,32 @@ def quantize(modules, quant: DrafterQuantization, hessians: Iterable[dict[str, t
                 result = (round_to_nearest(method, weight, group) if hessian is None
                           else gptq_quantize(weight, hessian, method, group, name=name))
                 apply_quantized(modules.core, {name: result}, codes_only=True)
-                if directory is not None:
-                    (directory / name).mkdir()
-                    stored[name] = write_entry(directory / name, {name: result})
+                if keep is not None:
+                    keep(name, result)
                 yield name, result
 
     bits_per_weight, layers = summary(quantized(), own)  # one linear's unpacked codes held at a time
     if linears:
         raise InputError(f"drafter.quantization.calibration: linear {next(iter(linears))} saw no calibration input")
-    record = {"method": quant.method, "group_size": group, "bits_per_weight": bits_per_weight, "layers": layers}
-    return record if directory is None else {"record": record, "linears": stored}
+    return {"method": quant.method, "group_size": group, "bits_per_weight": bits_per_weight, "layers": layers}
+
+
+def store_quantized(modules, quant: DrafterQuantization, hessians, directory: Path) -> dict:
+    """``quantize``, each linear's codes written into ``directory`` (a build cache entry's) as soon as it is
+    quantized: a build killed in GPTQ leaves no entry. Returns the entry's metadata, which ``restore_quantized``
+    reads back."""
+    linears = {}
+
+    def keep(name: str, weights: QuantizedWeight) -> None:
+        (directory / name).mkdir()
+        linears[name] = write_entry(directory / name, {name: weights})
+
+    return {"record": quantize(modules, quant, hessians, keep), "linears": linears}
 
 
 def restore_quantized(modules, entry) -> dict:
-    """The drafter's linears as ``quantize`` left them, from the build cache ``entry`` it wrote (``directory``);
-    returns its quantization record."""
+    """The drafter's linears as ``store_quantized`` left them, from its build cache ``entry``; returns its
+    quantization record."""
     for name, meta in entry.meta["linears"].items():
         weights = read_entry(build_cache.Entry(entry.path(name), meta))
         apply_quantized(modules.core, weights, codes_only=True)

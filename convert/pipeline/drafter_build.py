@@ -138,7 +138,7 @@ def shipped_drafter(plan, target: TargetModules, target32: TargetModules,
             record = drafter.quantize(modules, quant, hessians)
         else:
             entry = keys.cache.put(QUANTIZED_STAGE, quantized_key,
-                                   lambda directory: drafter.quantize(modules, quant, hessians, directory))
+                                   lambda directory: drafter.store_quantized(modules, quant, hessians, directory))
             record = entry.meta["record"]
     if dropped:
         with stage("load the target's decoder layers again, as packed codes (let go while GPTQ ran)"):

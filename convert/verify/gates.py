@@ -493,18 +493,21 @@ def artifact_from_check(package: str, check: dict, seconds: float) -> ArtifactRe
     return ArtifactResult(package=package, passed=True, seconds=seconds, **{k: check[k] for k in keys})
 
 
-def gate_target(plan, modules: TargetModules) -> GateReport:
+def gate_target(plan, modules: TargetModules,
+                settings: tuple[GateThresholds, EvalData] | None = None) -> GateReport:
     """The recipe's gate (``target.gate``) on a build plan's shipped modules: the reference is the transformers
-    model in fp32 from the same pinned snapshot, the data the recipe's evaluation text through its tokenizer."""
-    thresholds, data = recipe_gate(plan)
+    model in fp32 from the same pinned snapshot, the data the recipe's evaluation text through its tokenizer
+    (``settings``: ``recipe_gate(plan)`` when the caller has it already)."""
+    thresholds, data = settings or recipe_gate(plan)
     reference = load_reference(plan.snapshot.directory)
     return run_gates(reference, modules, data, thresholds, greedy_tokens=plan.recipe.target.gate.greedy_tokens)
 
 
-def gate_streamed(plan, loader, keep=None) -> GateReport:
+def gate_streamed(plan, loader, keep=None,
+                  settings: tuple[GateThresholds, EvalData] | None = None) -> GateReport:
     """``gate_target`` one layer at a time (``run_streamed_gates``, with its ``keep``; ``loader``: a
     ``convert.weights.shipped.PartLoader``)."""
-    thresholds, data = recipe_gate(plan)
+    thresholds, data = settings or recipe_gate(plan)
     return run_streamed_gates(plan.snapshot.directory, loader, data, thresholds,
                               greedy_tokens=plan.recipe.target.gate.greedy_tokens, keep=keep)
 
@@ -512,7 +515,6 @@ def gate_streamed(plan, loader, keep=None) -> GateReport:
 def recipe_gate(plan) -> tuple[GateThresholds, EvalData]:
     """The recipe's thresholds (defaults of its method, overridden by ``target.gate.thresholds``) and data."""
     from transformers import PreTrainedTokenizerFast
-
 
     target, source = plan.recipe.target, plan.snapshot.directory
     settings = target.gate
