@@ -41,8 +41,7 @@ def main() -> None:
     from convert.cache import BuildCache
     from convert.pipeline import build
     from convert.pipeline.plan import make_plan
-    from convert.runtime.host import TargetDriver
-    from convert.verify.checks import part_calls, short_schedule
+    from convert.verify.checks import part_calls
     from convert.weights.shipped import PartLoader
 
     seconds: dict[str, float] = {}
@@ -59,9 +58,7 @@ def main() -> None:
 
     began = time.perf_counter()
     loader = PartLoader(plan, result)
-    driver = TargetDriver(None, loader.outline.widths, loader.outline.contract)
-    schedule = [(f, driver.inputs(f, tokens, p0))
-                for f, tokens, p0 in short_schedule(loader.outline.widths, plan.args.vocab_size)]
+    schedule = build.short_schedule_inputs(loader, plan.args.vocab_size)
     rows = [None] * len(schedule)
     for earlier in plan.parts[:options.part]:  # the rows this part's calls take
         _, rows = part_calls(loader.load([earlier])[0], schedule, rows)
@@ -80,7 +77,6 @@ def main() -> None:
         "layers": list(part.layers), "embedding": part.embedding, "head": part.head,
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
         "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-        "children_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2),
         "packages": {e["path"]: sum(f["size"] for f in e["files"]) for e in entries},
         "output_bytes": du(out), "functions": [f["name"] for f in record["functions"]],
     }

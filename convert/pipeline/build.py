@@ -328,10 +328,7 @@ def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache,
     pieces = None
     packages, records, checked = [], [], []
     if short:
-        outline = loader.outline
-        driver = TargetDriver(None, outline.widths, outline.contract)
-        schedule = [(f, driver.inputs(f, tokens, p0)) for f, tokens, p0 in short_schedule(outline.widths,
-                                                                                           plan.args.vocab_size)]
+        schedule = short_schedule_inputs(loader, plan.args.vocab_size)
         rows = [None] * len(schedule)
         for i in range(len(parts)):
             entries, record, coreai, rows = in_fresh_process(_package_part, plan, loader.result, i, out, cache,
@@ -355,6 +352,14 @@ def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache,
         with stage(f"artifact gate: {what}"):
             report.artifact = gates.artifact_of_parts(checked, parts, pieces, target.taps, loader.outline, not short)
     return packages, records
+
+
+def short_schedule_inputs(loader: PartLoader, vocab: int) -> list[tuple[str, dict]]:
+    """``checks.short_schedule`` as (function, whole-target inputs) through the loader's host contract: what each part
+    of a target above ``CHAINED_RUN_PARAMETERS`` records and replays."""
+    outline = loader.outline
+    driver = TargetDriver(None, outline.widths, outline.contract)
+    return [(f, driver.inputs(f, tokens, p0)) for f, tokens, p0 in short_schedule(outline.widths, vocab)]
 
 
 def _package_part(plan: Plan, result: QuantizeResult | None, index: int, out: Path, cache: BuildCache,
