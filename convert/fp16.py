@@ -16,11 +16,14 @@ index): meant for the gates' and checks' references on small models and short se
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -87,3 +90,293 @@ def like_the_runtime():
     computes fp16 natively, torch's own kernels elsewhere (``native_fp16_cpu``). The check then compares a package
     with the modules computing as the runtime does, on either kind of CPU."""
     return true_fp16(native_fp16_cpu())
+
+
+# ---- The devices' arithmetic (docs/fp16.md, "Device modes") ---------------------------------------------------------
+
+PORT_LIMIT = 2.0**15  # the ANE's matmul / conv output port saturates here (M1, measured: half fp16's maximum)
+FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504: a larger fp16 value is stored as inf
+TILE = 4  # the ANE's first reduction stage: input lanes in tiles of four, each tile's sum rounded to fp16
+DEVICES = ("ane", "gpu")
+# one tile tensor of a product (fp16) holds at most this many elements: the rows are done in chunks past it
+_CHUNK = 1 << 25
+# the products the device modes compute their own way (the graphs' linears, convs and attention products)
+_PRODUCTS = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.mv, aten.dot, aten.convolution)
+
+
+def ane_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The ANE's accumulator for ``a @ b`` ([..., M, K] @ [..., K, N], fp16), before its output port: the sum in fp32
+    of ``ane_tiles``, a block of rows at a time. Returns fp32 [..., M, N]."""
+    step = max(1, _CHUNK // max(1, -(-a.shape[-1] // TILE) * b.shape[-1] *
+                                math.prod(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))))
+    return torch.cat([ane_tiles(a[..., lo:lo + step, :], b).sum(-3, dtype=torch.float32)
+                      for lo in range(0, a.shape[-2], step)], dim=-2)
+
+
+def ane_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The ANE's first reduction stage for ``a @ b`` ([..., M, K] @ [..., K, N], fp16): the K products of each output
+    in tiles of four consecutive lanes (K padded with zeros), each tile summed in order with every partial rounded to
+    fp16, the first product too. Returns the tiles, fp16 [..., T, M, N] (T = K / 4, rounded up).
+
+    Each step is one fp16 ``addcmul``: torch computes it in fp32 (the product of two fp16 values is exact there) and
+    rounds the sum once to fp16, as ``ane_tiles_spelled_out`` does by hand (``tests/test_device_arithmetic.py`` checks
+    the two agree bit for bit). A partial formed in fp32 before its rounding is a double rounding, which differs from
+    one rounding of the exact sum only where the fp32 sum lands on an fp16 tie."""
+    pad = -a.shape[-1] % TILE
+    # [..., T, M, 4] and [..., T, 4, N], contiguous: the broadcast products below run on unit strides
+    a = nn.functional.pad(a, (0, pad)).unflatten(-1, (-1, TILE)).movedim(-2, -3).contiguous()
+    b = nn.functional.pad(b, (0, 0, 0, pad)).unflatten(-2, (-1, TILE)).contiguous()
+    tiles = a[..., 0, None] * b[..., :, None, 0, :]  # the first product, rounded
+    for lane in range(1, TILE):
+        tiles.addcmul_(a[..., lane, None], b[..., :, None, lane, :])
+    return tiles
+
+
+def ane_tiles_spelled_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``ane_tiles`` by hand: each product formed in fp32 (exact), each partial rounded to fp16; fp32 [..., T, M, N]."""
+    pad = -a.shape[-1] % TILE
+    a = nn.functional.pad(a.float(), (0, pad)).unflatten(-1, (-1, TILE)).movedim(-2, -3)
+    b = nn.functional.pad(b.float(), (0, 0, 0, pad)).unflatten(-2, (-1, TILE))
+    tiles = None
+    for lane in range(TILE):
+        product = a[..., lane, None] * b[..., :, None, lane, :]
+        tiles = (product if tiles is None else tiles + product).half().float()
+    return tiles
+
+
+def gpu_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Core ML on the GPU: fp16 operands, an fp32 accumulator (``allowLowPrecisionAccumulationOnGPU`` off, the
+    default). Returns fp32 [..., M, N]."""
+    return a.float() @ b.float()
+
+
+def ane_port(accumulated: torch.Tensor) -> torch.Tensor:
+    """The ANE's output port: one rounding to fp16, and a sum past +-32,768 saturates. We model the saturated port
+    as +-inf (the pessimistic reading: what follows sees a value the model cannot have)."""
+    out = accumulated.half()
+    return torch.where(accumulated.abs() > PORT_LIMIT, torch.copysign(torch.full_like(out, math.inf), out), out)
+
+
+def gpu_port(accumulated: torch.Tensor) -> torch.Tensor:
+    """The GPU's result: one rounding to fp16 (past 65,504: inf)."""
+    return accumulated.half()
+
+
+class Peaks:
+    """The largest magnitudes a run computes, by the module that computed them (its qualified name under the roots
+    given, the innermost one running) and kind: ``input`` (the activations a matrix product or convolution reads: its
+    first operand), ``port`` (its accumulated output, before the port rounds it), ``store`` (any other floating
+    result: what the device stores) and ``output`` (what a module returned: a decoder layer's is the residual stream
+    after it). Non-finite values are counted, not maxed."""
+
+    KINDS = ("input", "port", "store", "output")
+
+    def __init__(self, only: torch.dtype | None = None, stores: bool = False, **roots: nn.Module):
+        """``roots``: the modules whose names the peaks are noted under, each name prefixed with its keyword;
+        ``only``: note stores and outputs of this dtype alone (a device pass: what the device holds in fp16);
+        ``stores``: note every op's result too (kind ``store``; a pass with them is about a third slower)."""
+        self.only, self.stores = only, stores
+        self.names = {}
+        for prefix, root in roots.items():
+            for name, module in root.named_modules():
+                self.names.setdefault(id(module), f"{prefix}.{name}" if name else prefix)
+        self.peaks: dict[tuple[str, str], float] = {}
+        self.nonfinite: dict[tuple[str, str], int] = {}
+        self._running: list[str] = []
+
+    def where(self) -> str:
+        return self._running[-1] if self._running else "(outside the modules)"
+
+    def note(self, kind: str, value, where: str | None = None) -> None:
+        """Record ``value``'s largest finite magnitude (tensors in a tuple, list or dict each)."""
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, (tuple, list)):
+            for v in value:
+                self.note(kind, v, where)
+            return
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() == 0:
+            return
+        if self.only is not None and value.dtype != self.only and kind != "port":  # a port holds the accumulator
+            return
+        key = (where or self.where(), kind)
+        peak = float(torch.linalg.vector_norm(value.detach(), ord=math.inf))  # one pass; inf or nan if any is
+        if not math.isfinite(peak):
+            finite = torch.isfinite(value)
+            self.nonfinite[key] = self.nonfinite.get(key, 0) + int(finite.numel() - finite.sum())
+            value = value[finite]
+            peak = float(value.abs().max()) if value.numel() else 0.0
+        self.peaks[key] = max(self.peaks.get(key, 0.0), peak)
+
+    def merge(self, other: Peaks) -> None:
+        for key, peak in other.peaks.items():
+            self.peaks[key] = max(self.peaks.get(key, 0.0), peak)
+        for key, count in other.nonfinite.items():
+            self.nonfinite[key] = self.nonfinite.get(key, 0) + count
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """Modules' forwards push their names while they run, and their outputs are noted (kind ``output``)."""
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        def enter(module, _inputs):
+            name = self.names.get(id(module))
+            if name is not None:
+                self._running.append(name)
+
+        def leave(module, _inputs, output):
+            name = self.names.get(id(module))
+            if name is not None:
+                self._running.pop()
+                self.note("output", output, name)
+
+        handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+        _WATCHING.append(self)
+        try:
+            yield
+        finally:
+            _WATCHING.pop()
+            for handle in handles:
+                handle.remove()
+            self._running.clear()
+
+
+_WATCHING: list[Peaks] = []  # the Peaks whose ``watching`` is running, innermost last
+
+
+@contextmanager
+def within(module: nn.Module) -> Iterator[None]:
+    """What the body computes is noted under ``module``'s name by the watching ``Peaks``, if any: for code that computes
+    with a module's weights without calling its forward (the ane layout's 1x1 convolutions, its decoder loops)."""
+    peaks = _WATCHING[-1] if _WATCHING else None
+    name = peaks.names.get(id(module)) if peaks is not None else None
+    if name is None:
+        yield
+        return
+    peaks._running.append(name)
+    try:
+        yield
+    finally:
+        peaks._running.pop()
+
+
+def noted_output(module: nn.Module, value: torch.Tensor) -> torch.Tensor:
+    """``value`` noted as ``module``'s output by the watching ``Peaks``, if any (a decoder layer's rows in a loop that
+    does not call its forward); returns ``value``."""
+    peaks = _WATCHING[-1] if _WATCHING else None
+    name = peaks.names.get(id(module)) if peaks is not None else None
+    if name is not None:
+        peaks.note("output", value, name)
+    return value
+
+
+def _fp16(*tensors) -> bool:
+    return all(isinstance(t, torch.Tensor) and t.dtype == torch.float16 for t in tensors)
+
+
+def _pointwise_conv(x, weight, stride, padding, dilation, transposed, groups):
+    """A convolution the device modes compute as a product: ``(operand [..., M, K], weight [K, N], back)`` where
+    ``back`` takes the product [..., M, N] to the convolution's output; None for a form we do not model."""
+    if transposed or any(s != 1 for s in stride) or any(d != 1 for d in dilation):
+        return None
+    kernel = weight.shape[2:]
+    if groups == 1 and all(k == 1 for k in kernel) and all(p == 0 for p in padding):  # a 1x1 convolution
+        rows = x.movedim(1, -1)  # [N, *spatial, C]
+        return rows, weight.flatten(1).T, lambda out: out.movedim(-1, 1)
+    if groups == x.shape[1] == weight.shape[0] and weight.shape[1] == 1 and len(kernel) == 1:  # depthwise conv1d
+        taps = kernel[0]
+        windows = nn.functional.pad(x, (padding[0], padding[0])).unfold(-1, taps, 1)  # [N, C, L, taps]
+        return windows[..., None, :], weight[:, 0, :, None][:, None], lambda out: out[..., 0, 0]
+    return None
+
+
+class DeviceArithmetic(TorchDispatchMode):
+    """Dispatch mode: fp16 matrix products and convolutions computed as ``device`` computes them (``ane``:
+    ``ane_accumulate`` then ``ane_port``; ``gpu``: ``gpu_accumulate`` then ``gpu_port``), a bias added in fp16 after;
+    every other op as torch computes it (an fp16 elementwise op rounds its result, as on the device). With ``peaks``,
+    every product's accumulated output is noted (``port``) and every other op's floating result (``store``), fp32 ones
+    too: without a device, the mode only watches (the range of an fp32 run)."""
+
+    def __init__(self, device: str | None, peaks: Peaks | None = None):
+        super().__init__()
+        if device is not None and device not in DEVICES:
+            raise ValueError(f"device arithmetic {device!r}: one of {', '.join(DEVICES)}")
+        self.device, self.peaks = device, peaks
+        self.accumulate = {"ane": ane_accumulate, "gpu": gpu_accumulate, None: None}[device]
+        self.port = {"ane": ane_port, "gpu": gpu_port, None: None}[device]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if packet in _PRODUCTS:
+            out = self._product(packet, func, args, kwargs)
+            if out is not None:
+                return out
+        out = func(*args, **kwargs)
+        if self.peaks is not None and self.peaks.stores and not _aliases(func):
+            self.peaks.note("store", out)
+        return out
+
+    def _product(self, packet, func, args, kwargs):
+        bias, alpha, beta = None, 1, 1
+        if packet in (aten.addmm, aten.baddbmm):
+            bias, a, b = args[:3]
+            beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+            operands, back = (a, b), None
+        elif packet is aten.mv:
+            operands, back = (args[0], args[1][:, None]), lambda out: out[..., 0]
+        elif packet is aten.dot:
+            operands, back = (args[0][None], args[1][:, None]), lambda out: out[0, 0]
+        elif packet is aten.convolution:
+            x, weight, bias = args[:3]
+            formed = _pointwise_conv(x, weight, *args[3:6], args[6], args[8]) if _fp16(x, weight) else None
+            if formed is None:
+                if self.device is not None and _fp16(x, weight):
+                    raise NotImplementedError(f"device arithmetic: a convolution of weight {list(weight.shape)}, "
+                                              f"groups {args[8]}, is not modelled")
+                return None
+            *operands, back = formed
+            if bias is not None:
+                bias = bias.reshape(-1, *[1] * (x.dim() - 2)) if packet is aten.convolution else bias
+        else:
+            operands, back = tuple(args[:2]), None
+        if self.device is None or not _fp16(*operands):
+            if self.peaks is None:
+                return None
+            out = func(*args, **kwargs)  # torch's own product: the peaks of an fp32 run
+            self.peaks.note("port", out)
+            return out
+        if self.peaks is not None:
+            self.peaks.note("input", operands[0])  # the activations entering the product, as stored (fp16)
+        accumulated = self.accumulate(*operands)
+        if alpha != 1:
+            accumulated = accumulated * alpha
+        if self.peaks is not None:
+            self.peaks.note("port", accumulated)
+        out = self.port(accumulated)
+        if back is not None:
+            out = back(out)
+        if bias is not None:
+            out = out + (bias if beta == 1 else bias * beta).to(out.dtype)
+        return out
+
+
+def _aliases(func) -> bool:
+    """Whether ``func`` returns a view or its input (nothing computed)."""
+    returns = func._schema.returns
+    return bool(returns) and returns[0].alias_info is not None
+
+
+@contextmanager
+def device_arithmetic(device: str | None, peaks: Peaks | None = None) -> Iterator[None]:
+    """Run the body in ``device``'s arithmetic (``DeviceArithmetic``), noting ``peaks`` (and which module computed
+    each) when given; ``device=None`` with ``peaks``: torch's own arithmetic, watched."""
+    if device is None and peaks is None:
+        yield
+        return
+    with DeviceArithmetic(device, peaks):
+        if peaks is None:
+            yield
+        else:
+            with peaks.watching():
+                yield

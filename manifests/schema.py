@@ -255,6 +255,16 @@ class Quantization(Model):
     layers: list[QuantizedLayer]
 
 
+class DeviceGate(Model):
+    device: Literal["ane", "gpu"] = Field(description="the arithmetic of the device the layout targets: ane (the "
+                                          "Neural Engine's) or gpu (Core ML on the GPU), emulated on the build's CPU")
+    windows: int = Field(description="evaluation windows computed in that arithmetic")
+    passed: bool
+    metrics: dict[str, float]
+    range: dict[str, str | int | float | bool | dict | list] = Field(
+        description="the range verdict: limits by kind, tensors checked, those over their limit")
+
+
 class Gate(Model):
     passed: bool
     data: dict[str, str | int] = Field(description="evaluation text identity: corpus, corpus_sha256, n, length, seed")
@@ -263,6 +273,8 @@ class Gate(Model):
     artifact: dict[str, str | int | float | bool | None] | None = Field(
         description="the .aimodel run on the Core AI runtime against the gated modules"
     )
+    device: DeviceGate | None = Field(None, description="the shipped modules in the device's arithmetic against the "
+                                      "fp32 reference (issue #40); none in bundles built before it")
 
 
 class TensorDesc(Model):

@@ -18,6 +18,7 @@ from torch import nn
 
 from convert.export.quantized import QuantizedLinear, RowParts
 from convert.export.spec import TensorSpec
+from convert.fp16 import within
 from manifests.identity import EMBEDDINGS_FILE
 
 ANE_DIM_LIMIT = 65_536  # the ANE's largest dim (forge: an axis past it fails the compile of the whole package)
@@ -70,7 +71,8 @@ def pointwise(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return channels_first(linear(rows_of(x)))
     if rotation is not None:  # a rotation acts on the input's channels: the last dim of its own layout
         x = rotation(x.transpose(1, 3)).transpose(1, 3)
-    return nn.functional.conv2d(x, weight.to(x.dtype)[:, :, None, None], linear.bias)
+    with within(linear):  # a device pass's range report names the product by its linear
+        return nn.functional.conv2d(x, weight.to(x.dtype)[:, :, None, None], linear.bias)
 
 
 def even_ranges(rows: int, most: int, align: int) -> list[tuple[int, int]]:

@@ -62,6 +62,7 @@ from rich.table import Table
 from convert.errors import GateError, InputError, PackageError
 from convert.export.functions import compute_copy
 from convert.export.lockstep import over_sessions
+from convert.fp16 import FP16_MAX, PORT_LIMIT, Peaks, device_arithmetic
 from convert.inputs.thresholds import GateThresholds, default_thresholds
 from convert.models import family_of
 from convert.models.part import HIDDEN_OUT
@@ -146,6 +147,95 @@ class NotRun(BaseModel):
     reason: str
 
 
+# The arithmetic each graph layout's package computes in on the device (``convert.fp16``): the ane layout's programs run
+# on the Neural Engine, the stateful layout's on the GPU through Core ML.
+DEVICE_OF_LAYOUT = {"ane": "ane", "stateful": "gpu"}
+# What the range verdict judges: every product's input and output port and every module's output (a decoder layer's:
+# the residual stream after it); other stored intermediates are not (a silu's exp may rightly overflow to inf), but
+# one past fp16 shows at the input of the product that reads it.
+JUDGED_KINDS = ("input", "port", "output")
+TIGHTEST_SHOWN = 8
+
+
+class RangeEntry(BaseModel):
+    """One tensor's largest magnitude in the device pass against its limit (``tensor``: the module that computed it,
+    by its qualified name; ``kind``: ``input``, ``port`` or ``output``, ``convert.fp16.Peaks``)."""
+
+    tensor: str
+    kind: str
+    peak: float
+    limit: float
+    nonfinite: int = 0
+
+    @computed_field
+    @property
+    def headroom(self) -> float:
+        """limit / peak (above 1: inside the limit)."""
+        return self.limit / self.peak if self.peak > 0 else float("inf")
+
+    @property
+    def over(self) -> bool:
+        return self.nonfinite > 0 or self.peak > self.limit
+
+    def phrase(self) -> str:
+        what = f"{self.tensor} ({self.kind})"
+        if self.nonfinite:
+            return (f"{what}: {self.nonfinite} values past fp16 (inf or NaN; the largest finite {self.peak:.6g}, "
+                    f"limit {self.limit:.6g})")
+        return f"{what}: peak {self.peak:.6g} > limit {self.limit:.6g}"
+
+
+class RangeReport(BaseModel):
+    """The range verdict of a device pass: every judged tensor's peak against its limit (a product's port: 32,768 on
+    the ANE, fp16's 65,504 on the GPU; a product's input and a module's output: 65,504), in the order computed."""
+
+    device: str
+    limits: dict[str, float]
+    checked: int
+    over: list[RangeEntry]
+    tightest: list[RangeEntry]
+
+    @computed_field
+    @property
+    def passed(self) -> bool:
+        return not self.over
+
+    @classmethod
+    def of(cls, device: str, peaks: Peaks) -> RangeReport:
+        limits = {"input": FP16_MAX, "port": PORT_LIMIT if device == "ane" else FP16_MAX, "output": FP16_MAX}
+        entries = [RangeEntry(tensor=name, kind=kind, peak=peak, limit=limits[kind],
+                              nonfinite=peaks.nonfinite.get((name, kind), 0))
+                   for (name, kind), peak in peaks.peaks.items() if kind in JUDGED_KINDS]
+        return cls(device=device, limits=limits, checked=len(entries), over=[e for e in entries if e.over],
+                   tightest=sorted(entries, key=lambda e: e.headroom)[:TIGHTEST_SHOWN])
+
+
+class DevicePass(BaseModel):
+    """The gate's second candidate: the shipped fp16 modules computed in the arithmetic of the device the recipe's
+    layout targets (``convert.fp16.DeviceArithmetic``) on the first ``windows`` windows, against the same fp32
+    reference, with its own bars and a range verdict."""
+
+    device: str
+    windows: int
+    metrics: list[Metric]
+    range: RangeReport
+    seconds: float
+
+    @computed_field
+    @property
+    def passed(self) -> bool:
+        return all(m.passed for m in self.metrics) and self.range.passed
+
+    def failures(self) -> list[str]:
+        failed = [f"device pass ({self.device}) {m.name} {m.value:.4g} {'>' if m.bound == 'max' else '<'} "
+                  f"{m.threshold:.4g}" for m in self.metrics if not m.passed]
+        if self.range.over:
+            first = self.range.over[0]
+            more = f" (and {len(self.range.over) - 1} more)" if len(self.range.over) > 1 else ""
+            failed.append(f"range ({self.device}): {first.phrase()}{more}")
+        return failed
+
+
 class ArtifactResult(BaseModel):
     """The shipped ``.aimodel`` on the Core AI runtime in lockstep with the modules (``checks.run_coreai``), or a
     parted target's packages (``artifact_of_parts``); ``scope`` says which run it was."""
@@ -169,18 +259,22 @@ class GateReport(BaseModel):
     metrics: list[Metric]
     flips: list[Flip]
     artifact: ArtifactResult | None = None
+    device: DevicePass | None = None
     not_run: list[NotRun]
     seconds: float
 
     @computed_field
     @property
     def passed(self) -> bool:
-        return all(m.passed for m in self.metrics) and (self.artifact is None or self.artifact.passed)
+        return (all(m.passed for m in self.metrics) and (self.artifact is None or self.artifact.passed)
+                and (self.device is None or self.device.passed))
 
     def failures(self) -> list[str]:
         """One phrase per failed check: metric, value, the bound it broke."""
         failed = [f"{m.name} {m.value:.4g} {'>' if m.bound == 'max' else '<'} {m.threshold:.4g}"
                   for m in self.metrics if not m.passed]
+        if self.device is not None:
+            failed += self.device.failures()
         if self.artifact is not None and not self.artifact.passed:
             failed.append(f"artifact {self.artifact.package}: {self.artifact.error}")
         return failed
@@ -198,6 +292,8 @@ class GateReport(BaseModel):
             threshold = "-" if m.threshold is None else f"{'<=' if m.bound == 'max' else '>='} {m.threshold:.4g}"
             result = "info" if m.threshold is None else ("pass" if m.passed else "[red]FAIL[/red]")
             table.add_row(m.name, threshold, f"{m.value:.6g}", result)
+        if self.device is not None:
+            self._device_rows(table, self.device)
         if self.artifact is None:
             table.add_row("artifact (.aimodel on Core AI)", "argmax equal", "not run", "-")
         else:
@@ -205,6 +301,25 @@ class GateReport(BaseModel):
             value = f"{a.argmax_compared} ids, {a.argmax_near_ties} near ties" if a.passed else "differs"
             table.add_row(f"artifact {a.package}", "argmax equal", value, "pass" if a.passed else "[red]FAIL[/red]")
         return table
+
+    @staticmethod
+    def _device_rows(table: Table, device: DevicePass) -> None:
+        where = f"device pass ({device.device}, {device.windows} windows)"
+        for m in device.metrics:
+            if m.threshold is None:
+                continue  # reported in gate_report.json
+            threshold = "-" if m.threshold is None else f"{'<=' if m.bound == 'max' else '>='} {m.threshold:.4g}"
+            result = "info" if m.threshold is None else ("pass" if m.passed else "[red]FAIL[/red]")
+            table.add_row(f"{where}: {m.name}", threshold, f"{m.value:.6g}", result)
+        r = device.range
+        if r.passed:
+            tight = r.tightest[0] if r.tightest else None
+            value = (f"{r.checked} tensors; least headroom {tight.headroom:.3g}x at {tight.tensor} ({tight.kind}, "
+                     f"peak {tight.peak:.4g})") if tight else "nothing computed"
+        else:
+            value = r.over[0].phrase() + (f" (+{len(r.over) - 1})" if len(r.over) > 1 else "")
+        limits = ", ".join(f"{k} {v:.6g}" for k, v in r.limits.items())
+        table.add_row(f"{where}: range", f"within {limits}", value, "pass" if r.passed else "[red]FAIL[/red]")
 
     def write_json(self, path: Path) -> Path:
         path.write_text(self.model_dump_json(indent=2) + "\n")
@@ -218,6 +333,10 @@ class GateReport(BaseModel):
             "thresholds": self.thresholds.model_dump(),
             "metrics": {m.name: m.value for m in self.metrics},
             "artifact": None if self.artifact is None else self.artifact.model_dump(exclude={"seconds"}),
+            "device": None if self.device is None else {
+                "device": self.device.device, "windows": self.device.windows, "passed": self.device.passed,
+                "metrics": {m.name: m.value for m in self.device.metrics},
+                "range": self.device.range.model_dump(exclude={"tightest"})},
         }
 
 
@@ -254,12 +373,16 @@ def run_gates(
     probe_accepts: tuple[int, ...] | None = None,
     compute_dtype: torch.dtype = torch.float32,
     progress: bool = True,
+    device: str | None = None,
+    device_windows: int = 0,
 ) -> GateReport:
     """Gate ``modules`` (weights as shipped) against ``reference`` (a transformers causal LM in fp32).
 
     ``taps``: tapped layers to gate (default: every tap the modules return). ``probe_accepts``: one verify block
     per entry, compared with the decode chain after keeping that many of its rows (default: ``default_probe``).
     The modules' own states are left untouched: the candidate runs on a copy in ``compute_dtype``.
+    ``device`` (``DEVICE_OF_LAYOUT``): the second candidate, the fp16 modules in that device's arithmetic on the first
+    ``device_windows`` windows (``DevicePass``).
     """
     start = time.perf_counter()
     taps = list(modules.core.taps) if taps is None else list(taps)
@@ -269,17 +392,63 @@ def run_gates(
     candidate = compute_copy(modules, compute_dtype)
     generator = torch.Generator().manual_seed(data.identity.seed)
     stats = _Stats(taps)
+    windows = data.tokens.tolist()
+    device_windows = min(device_windows, len(windows)) if device else 0
+    kept: list[tuple[_Window, _Window]] = []  # the first windows' (reference, candidate), for the device pass
     with progress_bar(progress) as bar:
-        task = bar.add_task("numeric gate", total=data.identity.n)
-        for index, window in enumerate(data.tokens.tolist()):
+        task = bar.add_task("numeric gate", total=data.identity.n + device_windows)
+        for index, window in enumerate(windows):
             cand = _candidate_window(candidate, window, taps, greedy_tokens, probe_accepts, generator)
             ref = _reference_window(reference, window, taps, cand.greedy, modules)
             stats.add(index, ref, cand, thresholds.near_tie_margin)
             stats.add_greedy(ref.greedy, cand.greedy)
+            if index < device_windows:
+                kept.append((ref, cand))
             bar.advance(task)
+        passed = None
+        if device_windows:
+            passed = device_pass(reference, modules, windows[:device_windows], kept, device, thresholds, taps,
+                                 greedy_tokens, probe_accepts, data.identity.seed, lambda: bar.advance(task))
     weights = str(next(modules.core.parameters()).dtype).removeprefix("torch.")
-    return _report(stats, thresholds, data, f"export modules, weights as shipped ({weights}), computed in "
-                   f"{str(compute_dtype).removeprefix('torch.')}", greedy_tokens, start)
+    report = _report(stats, thresholds, data, f"export modules, weights as shipped ({weights}), computed in "
+                     f"{str(compute_dtype).removeprefix('torch.')}", greedy_tokens, start)
+    report.device = passed
+    return report
+
+
+def device_pass(reference, modules: TargetModules, windows: list[list[int]], kept: list[tuple[_Window, _Window]],
+                device: str, thresholds: GateThresholds, taps: list[int], greedy_tokens: int,
+                probe_accepts: tuple[int, ...], seed: int, advance=lambda: None) -> DevicePass:
+    """``DevicePass``: the shipped fp16 modules computed in ``device``'s arithmetic on ``windows`` (the same schedule
+    and seeded drafts as the fp32 candidate's), against the reference's windows ``kept`` beside the fp32 candidate's
+    (the reference computed again only where the device's greedy ids part from the fp32 candidate's), every product
+    port and module output watched (``RangeReport``)."""
+    start = time.perf_counter()
+    candidate = compute_copy(modules, torch.float16)
+    peaks = Peaks(only=torch.float16, target=candidate.core)
+    generator = torch.Generator().manual_seed(seed)
+    stats = _Stats(taps)
+    for index, (window, (ref, fp32)) in enumerate(zip(windows, kept, strict=True)):
+        with device_arithmetic(device, peaks):
+            cand = _candidate_window(candidate, window, taps, greedy_tokens, probe_accepts, generator)
+        cand.logits = cand.logits.float()
+        cand.taps = {t: v.float() for t, v in cand.taps.items()}
+        if cand.greedy != fp32.greedy:
+            ref = _reference_window(reference, window, taps, cand.greedy, modules)
+        stats.add(index, ref, cand, thresholds.near_tie_margin)
+        stats.add_greedy(ref.greedy, cand.greedy)
+        advance()
+    th = thresholds
+    gated = {"kl_mean": (th.device_mean_kl_max, "max"), "top1": (th.device_top1_min, "min"),
+             "greedy_match": (th.device_greedy_match_min, "min")}
+    metrics = []
+    for m in stats.metrics(thresholds):
+        if m.name in gated:
+            metrics.append(Metric.gated(m.name, m.value, *gated[m.name]))
+        elif m.name not in ("kl_p99", "block_chain_real_flips"):
+            metrics.append(Metric(name=m.name, value=m.value, threshold=None, bound=None, passed=True))
+    return DevicePass(device=device, windows=len(windows), metrics=metrics, range=RangeReport.of(device, peaks),
+                      seconds=time.perf_counter() - start)
 
 
 def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThresholds,
@@ -500,7 +669,9 @@ def gate_target(plan, modules: TargetModules,
     (``settings``: ``recipe_gate(plan)`` when the caller has it already)."""
     thresholds, data = settings or recipe_gate(plan)
     reference = load_reference(plan.snapshot.directory)
-    return run_gates(reference, modules, data, thresholds, greedy_tokens=plan.recipe.target.gate.greedy_tokens)
+    gate = plan.recipe.target.gate
+    return run_gates(reference, modules, data, thresholds, greedy_tokens=gate.greedy_tokens,
+                     device=DEVICE_OF_LAYOUT[plan.recipe.target.layout], device_windows=gate.device_samples)
 
 
 def gate_streamed(plan, loader, keep=None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from convert.export.ane import attend, channels_first, history_bias, pointwise, rms_norm, silu
+from convert.fp16 import noted_output, within
 from convert.models.part import ane_outputs, host_rows
 from convert.models.qwen3.core import MLP, Attention, DecoderLayer, Qwen3Core
 
@@ -32,7 +33,9 @@ class Qwen3AneCore(Qwen3Core):
             bias = history_bias(history_mask, width)
             keys, values = [], []
             for j, (i, layer) in enumerate(zip(self.part.layer_indices, self.layers, strict=True)):
-                x, k, v = decoder_layer(layer, x, cos, sin, bias, key_history[j], value_history[j], width)
+                with within(layer):
+                    x, k, v = decoder_layer(layer, x, cos, sin, bias, key_history[j], value_history[j], width)
+                noted_output(layer, x)
                 keys.append(k)
                 values.append(v)
                 if i in self.taps:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from convert.export.ane import channels_first, history_bias, pointwise, rms_norm, rows_of
+from convert.fp16 import noted_output, within
 from convert.models.part import ane_outputs, host_rows
 from convert.models.qwen3.ane import attend_heads, mlp, rotate
 from convert.models.qwen3.config import HISTORY
@@ -50,25 +51,27 @@ class Qwen35AneCore(Qwen35Core):
                 cos, sin = rope_cos.transpose(0, 1), rope_sin.transpose(0, 1)  # [rotary_dim / 2, S]
                 bias = history_bias(history_mask, width)
             for i, layer in zip(self.part.layer_indices, self.layers, strict=True):
-                h = rms_norm(layer.input_layernorm, x)
-                if layer.kind == LINEAR:
-                    gdn = layer.linear_attn
-                    h, state, history, mixed, ba = gated_delta_net(
-                        gdn, h, commit, self, conv_state[gdn.slot], recurrent_state[gdn.slot], pending_qkv[gdn.slot],
-                        pending_ba[gdn.slot])
-                    rows["conv_state_next"].append(history)
-                    rows["recurrent_state_next"].append(state)
-                    if commit.valid is None:  # decode / verify leave their rows pending
-                        rows["pending_qkv_rows"].append(mixed)
-                        rows["pending_ba_rows"].append(ba)
-                else:
-                    attn = layer.self_attn
-                    h, k, v = gated_attention(attn, h, cos, sin, bias, key_history[attn.layer_index],
-                                              value_history[attn.layer_index], width)
-                    rows["key_rows"].append(k)
-                    rows["value_rows"].append(v)
-                x = x + h
-                x = x + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
+                with within(layer):
+                    h = rms_norm(layer.input_layernorm, x)
+                    if layer.kind == LINEAR:
+                        gdn = layer.linear_attn
+                        h, state, history, mixed, ba = gated_delta_net(
+                            gdn, h, commit, self, conv_state[gdn.slot], recurrent_state[gdn.slot],
+                            pending_qkv[gdn.slot], pending_ba[gdn.slot])
+                        rows["conv_state_next"].append(history)
+                        rows["recurrent_state_next"].append(state)
+                        if commit.valid is None:  # decode / verify leave their rows pending
+                            rows["pending_qkv_rows"].append(mixed)
+                            rows["pending_ba_rows"].append(ba)
+                    else:
+                        attn = layer.self_attn
+                        h, k, v = gated_attention(attn, h, cos, sin, bias, key_history[attn.layer_index],
+                                                  value_history[attn.layer_index], width)
+                        rows["key_rows"].append(k)
+                        rows["value_rows"].append(v)
+                    x = x + h
+                    x = x + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
+                noted_output(layer, x)
                 if i in self.taps:
                     tapped.append((self.taps.index(i), x))
         dtype = x.dtype

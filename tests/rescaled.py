@@ -1,0 +1,50 @@
+"""Function-preserving rescales of a checkpoint (issue #40): the magnitudes real checkpoints carry, with the same
+function. RMSNorm divides a row by its own scale, so multiplying the residual stream by B (the embedding rows and every
+projection that writes into it) leaves every normed input, the final norm and the logits as they were; multiplying an
+MLP's ``up_proj`` by B and dividing its ``down_proj`` by B raises the intermediate alone. Factors are powers of two:
+exact in any float format until a value leaves its range."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+# the projections that write into a decoder's residual stream (Qwen3 / Qwen3.5 / their MTP layers)
+RESIDUAL_WRITERS = ("self_attn.o_proj.weight", "linear_attn.out_proj.weight", "mlp.down_proj.weight")
+
+
+def rescaled(source: Path, out: Path, factors) -> Path:
+    """A copy of the checkpoint ``source`` at ``out`` with each tensor multiplied by ``factors(key)`` (1: unchanged),
+    in its own dtype."""
+    config = json.loads((source / "config.json").read_text())
+    if config.get("tie_word_embeddings") or config.get("text_config", {}).get("tie_word_embeddings"):
+        raise ValueError(f"{source}: a tied lm_head would scale the logits too")
+    shutil.copytree(source, out)
+    for path in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(path))
+        changed = {k: (v.float() * factors(k)).to(v.dtype) for k, v in tensors.items() if factors(k) != 1}
+        if changed:
+            save_file({**tensors, **changed}, str(path), metadata={"format": "pt"})
+    return out
+
+
+def residual_scaled(source: Path, out: Path, factor: float) -> Path:
+    """The target's residual stream times ``factor``: its embedding rows and every residual writer of its decoder
+    layers (not an MTP head's: its own residual stream starts from its fc)."""
+    def factors(key: str) -> float:
+        target = not key.startswith("mtp.")
+        return factor if target and (key.endswith("embed_tokens.weight") or key.endswith(RESIDUAL_WRITERS)) else 1
+    return rescaled(source, out, factors)
+
+
+def mlp_rebalanced(source: Path, out: Path, factor: float) -> Path:
+    """Every target MLP's intermediate times ``factor``: ``up_proj`` times it, ``down_proj`` divided by it."""
+    def factors(key: str) -> float:
+        if key.startswith("mtp."):
+            return 1
+        return factor if key.endswith("mlp.up_proj.weight") else 1 / factor if key.endswith("mlp.down_proj.weight") \
+            else 1
+    return rescaled(source, out, factors)
