@@ -27,7 +27,7 @@ target:
   gate:  # random weights have near-flat logits: fp16 rounding flips a few argmax ids
     data: {{samples: 4, length: 40}}
     greedy_tokens: 8
-    thresholds: {{top1_min: 0.95, greedy_match_min: 0.5}}
+    thresholds: {{device_top1_min: 0.95, top1_min: 0.95, greedy_match_min: 0.5}}
 """
 
 pytestmark = pytest.mark.slow
@@ -207,7 +207,7 @@ def test_gate_command_on_a_bundle(built, tmp_path):
     assert data["data"]["corpus"] == "fixture:eval" and data["data"]["n"] == 4
     assert manifest(bundle)["gate"]["metrics"]["kl_mean"] == pytest.approx(
         next(m["value"] for m in data["metrics"] if m["name"] == "kl_mean"))
-    bad = (tmp / "a.yaml").read_text().replace("top1_min: 0.95", "top1_minimum: 0.95")
+    bad = (tmp / "a.yaml").read_text().replace(" top1_min: 0.95", " top1_minimum: 0.95")
     (tmp_path / "bad.yaml").write_text(bad)
     result = CliRunner().invoke(main, ["gate", str(tmp_path / "bad.yaml")])
     assert result.exit_code == 2 and "target.gate.thresholds.top1_minimum: unknown metric" in result.output

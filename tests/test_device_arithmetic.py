@@ -117,6 +117,7 @@ class Block(nn.Module):
 
 
 def test_peaks_name_the_module_that_computed_each_value():
+    torch.manual_seed(0)
     model = nn.Sequential(Block(), Block()).half()
     with torch.no_grad():
         model[1].up.weight.mul_(1000.0)
@@ -129,7 +130,8 @@ def test_peaks_name_the_module_that_computed_each_value():
         noted_output(model[0], torch.full((2, 8), 77.0, dtype=HALF))
     assert peaks.peaks[("m.1.up", "port")] > 100 * peaks.peaks[("m.0.up", "port")]
     assert ("m.1", "output") in peaks.peaks and peaks.peaks[("m.0", "output")] == 77.0
-    assert peaks.peaks[("m.0.down", "port")] >= float(product.abs().max())
+    # the port holds the accumulator, before the output's rounding to fp16 (half a unit in its last place apart)
+    assert peaks.peaks[("m.0.down", "port")] >= float(product.abs().max()) * (1 - 2**-11)
     assert all(kind in Peaks.KINDS for _, kind in peaks.peaks)
 
 

@@ -31,7 +31,7 @@ target:
   gate:  # random weights have near-flat logits: fp16 rounding flips a few argmax ids
     data: {{samples: 2, length: {length}}}
     greedy_tokens: 8
-    thresholds: {{top1_min: 0.95, greedy_match_min: 0.5}}
+    thresholds: {{device_top1_min: 0.95, top1_min: 0.95, greedy_match_min: 0.5}}
 backends: [{backends}]
 """
 DRAFTER = """\

@@ -88,7 +88,7 @@ class GateData(TextSample):
 class Gate(Strict):
     data: GateData = GateData()
     greedy_tokens: int = Field(16, gt=0, description="greedy continuation length compared per window")
-    device_samples: int = Field(2, gt=0, description="windows (the first of the data's) also computed in the "
+    device_samples: int = Field(1, gt=0, description="windows (the first of the data's) also computed in the "
                                 "arithmetic of the device the layout targets (the gate's device pass, docs/fp16.md)")
     thresholds: dict[str, float] = Field(
         default_factory=dict, description="overrides of the method's default bars (GateThresholds, "

@@ -32,11 +32,11 @@ class GateThresholds(BaseModel):
     device_greedy_match_min: float = Field(ge=0, le=1, description="the device pass: greedy continuation match")
 
 
-# The device pass's bars (the shipped modules in the device's arithmetic, 2 windows by default): the fp16 arithmetic
-# measured on the fixtures (docs/fp16.md, "The gate's device pass") costs a mean KL of 2.4e-6 to 9.6e-6 and at most
-# 1 of 1,024 top-1 ids, so 1e-4 and 0.99 leave 10x headroom while a package whose ranges overflow (KL nan, top-1
-# near 0) fails; a quantized method keeps its fp32 bars, which its quantization error dominates. Greedy match over
-# 2 windows moves in steps of 1/32: one early divergence at a near tie costs a window half its continuation.
+# The device pass's bars (the shipped modules in the device's arithmetic, on target.gate.device_samples windows, 1 by
+# default): the fp16 arithmetic measured on the fixtures (docs/fp16.md, "The gate's device pass") costs a mean KL of
+# 2.4e-6 to 9.6e-6 and at most 1 of 1,024 top-1 ids, so 1e-4 and 0.99 leave 10x headroom while a package whose
+# ranges overflow (KL nan, top-1 near 0) fails; a quantized method keeps its fp32 bars, which its quantization error
+# dominates. Greedy match over one window moves in steps of 1/16: one early divergence at a near tie costs half.
 _FP16_DEVICE = dict(device_mean_kl_max=1e-4, device_top1_min=0.99, device_greedy_match_min=0.5)
 _QUANTIZED_DEVICE = dict(device_mean_kl_max=0.1, device_top1_min=0.85, device_greedy_match_min=0.4)
 # Measured on the fixture (python -m bench.gates, 32 x 256 held-out tokens; docs/benchmarks.md "Gates").

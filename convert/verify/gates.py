@@ -22,9 +22,12 @@ Every position of the window thus has candidate logits computed from the true to
 Candidate arithmetic: fp32, on the shipped weights (fp16 values upcast, exactly). On this CPU fp16 torch
 runs prefill and verify calls 3-7x slower than fp32, which would take the 32 x 256 fixture gate past a
 minute; fp32 isolates what the shipped weights (fp16 rounding, 4-bit quantization) do to the model. The
-device's fp16 arithmetic is covered by ``artifact_gate``: the shipped ``.aimodel`` on the Core AI runtime
-must give the argmax ids of the fp16 modules (``convert.verify.checks.run_coreai``). ``compute_dtype`` can
-select fp16 for a measurement of what fp16 arithmetic adds (docs/benchmarks.md, "Gates").
+device's fp16 arithmetic is the second candidate's (``device_pass``): the fp16 modules computed as the device the
+layout targets computes (``convert.fp16.DeviceArithmetic``: the ANE's or the GPU's) on the first windows, with its
+own bars and a range verdict (``RangeReport``: every product's input and port and every module's output within its
+limit, named). ``artifact_gate`` then shows the shipped ``.aimodel`` on the Core AI runtime gives the argmax ids of
+the fp16 modules (``convert.verify.checks.run_coreai``). ``compute_dtype`` can select fp16 for a measurement of what
+torch's fp16 arithmetic adds (docs/benchmarks.md, "Gates").
 
 Metrics, over every position of every window (n x length):
 
@@ -484,8 +487,11 @@ def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThr
         stats.add(index, ref, cand, thresholds.near_tie_margin)
         stats.add_greedy(ref.greedy, cand.greedy)
         references[index] = candidates[index] = None  # each window's logits freed once read
-    return _report(stats, thresholds, data, "export modules, weights as shipped (float16), computed in float32, "
-                   "one layer at a time", greedy_tokens, start)
+    report = _report(stats, thresholds, data, "export modules, weights as shipped (float16), computed in float32, "
+                     "one layer at a time", greedy_tokens, start)
+    report.not_run.append(NotRun(what="device pass (the shipped modules in the device's arithmetic)", reason=(
+        "not wired into the streamed gate yet (issue #40): at this size the range is not checked")))
+    return report
 
 
 def _report(stats: _Stats, thresholds: GateThresholds, data: EvalData, candidate: str, greedy_tokens: int,
