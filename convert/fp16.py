@@ -208,12 +208,6 @@ class Peaks:
             peak = float(value.abs().max()) if value.numel() else 0.0
         self.peaks[key] = max(self.peaks.get(key, 0.0), peak)
 
-    def merge(self, other: Peaks) -> None:
-        for key, peak in other.peaks.items():
-            self.peaks[key] = max(self.peaks.get(key, 0.0), peak)
-        for key, count in other.nonfinite.items():
-            self.nonfinite[key] = self.nonfinite.get(key, 0) + count
-
     @contextmanager
     def watching(self) -> Iterator[None]:
         """Modules' forwards push their names while they run, and their outputs are noted (kind ``output``)."""
@@ -244,12 +238,17 @@ class Peaks:
 _WATCHING: list[Peaks] = []  # the Peaks whose ``watching`` is running, innermost last
 
 
+def _watched(module: nn.Module) -> tuple[Peaks | None, str | None]:
+    """The watching ``Peaks`` (innermost) and ``module``'s name there; (None, None) when nothing watches it."""
+    peaks = _WATCHING[-1] if _WATCHING else None
+    return (peaks, peaks.names.get(id(module))) if peaks is not None else (None, None)
+
+
 @contextmanager
 def within(module: nn.Module) -> Iterator[None]:
     """What the body computes is noted under ``module``'s name by the watching ``Peaks``, if any: for code that computes
     with a module's weights without calling its forward (the ane layout's 1x1 convolutions, its decoder loops)."""
-    peaks = _WATCHING[-1] if _WATCHING else None
-    name = peaks.names.get(id(module)) if peaks is not None else None
+    peaks, name = _watched(module)
     if name is None:
         yield
         return
@@ -263,8 +262,7 @@ def within(module: nn.Module) -> Iterator[None]:
 def noted_output(module: nn.Module, value: torch.Tensor) -> torch.Tensor:
     """``value`` noted as ``module``'s output by the watching ``Peaks``, if any (a decoder layer's rows in a loop that
     does not call its forward); returns ``value``."""
-    peaks = _WATCHING[-1] if _WATCHING else None
-    name = peaks.names.get(id(module)) if peaks is not None else None
+    peaks, name = _watched(module)
     if name is not None:
         peaks.note("output", value, name)
     return value
@@ -294,8 +292,9 @@ class DeviceArithmetic(TorchDispatchMode):
     """Dispatch mode: fp16 matrix products and convolutions computed as ``device`` computes them (``ane``:
     ``ane_accumulate`` then ``ane_port``; ``gpu``: ``gpu_accumulate`` then ``gpu_port``), a bias added in fp16 after;
     every other op as torch computes it (an fp16 elementwise op rounds its result, as on the device). With ``peaks``,
-    every product's accumulated output is noted (``port``) and every other op's floating result (``store``), fp32 ones
-    too: without a device, the mode only watches (the range of an fp32 run)."""
+    every product's accumulated output is noted (``port``; in a device's arithmetic its input too, ``input``) and,
+    where ``peaks.stores``, every other op's floating result (``store``): without a device, the mode only watches (the
+    range of an fp32 run)."""
 
     def __init__(self, device: str | None, peaks: Peaks | None = None):
         super().__init__()

@@ -133,6 +133,16 @@ class Metric(BaseModel):
         passed = value <= threshold if bound == "max" else value >= threshold
         return cls(name=name, value=value, threshold=threshold, bound=bound, passed=bool(passed))
 
+    def failure(self) -> str:
+        """The failed metric as the failure line names it: its value and the bound it broke."""
+        return f"{self.name} {self.value:.4g} {'>' if self.bound == 'max' else '<'} {self.threshold:.4g}"
+
+    def cells(self) -> tuple[str, str, str]:
+        """The table's threshold, value and result cells."""
+        threshold = "-" if self.threshold is None else f"{'<=' if self.bound == 'max' else '>='} {self.threshold:.4g}"
+        result = "info" if self.threshold is None else ("pass" if self.passed else "[red]FAIL[/red]")
+        return threshold, f"{self.value:.6g}", result
+
 
 class Flip(BaseModel):
     """A probe position where ``verify`` and the ``decode`` chain chose different ids."""
@@ -230,8 +240,7 @@ class DevicePass(BaseModel):
         return all(m.passed for m in self.metrics) and self.range.passed
 
     def failures(self) -> list[str]:
-        failed = [f"device pass ({self.device}) {m.name} {m.value:.4g} {'>' if m.bound == 'max' else '<'} "
-                  f"{m.threshold:.4g}" for m in self.metrics if not m.passed]
+        failed = [f"device pass ({self.device}) {m.failure()}" for m in self.metrics if not m.passed]
         if self.range.over:
             first = self.range.over[0]
             more = f" (and {len(self.range.over) - 1} more)" if len(self.range.over) > 1 else ""
@@ -274,8 +283,7 @@ class GateReport(BaseModel):
 
     def failures(self) -> list[str]:
         """One phrase per failed check: metric, value, the bound it broke."""
-        failed = [f"{m.name} {m.value:.4g} {'>' if m.bound == 'max' else '<'} {m.threshold:.4g}"
-                  for m in self.metrics if not m.passed]
+        failed = [m.failure() for m in self.metrics if not m.passed]
         if self.device is not None:
             failed += self.device.failures()
         if self.artifact is not None and not self.artifact.passed:
@@ -292,9 +300,7 @@ class GateReport(BaseModel):
         for column in ("metric", "threshold", "value", "result"):
             table.add_column(column, justify="left" if column == "metric" else "right")
         for m in self.metrics:
-            threshold = "-" if m.threshold is None else f"{'<=' if m.bound == 'max' else '>='} {m.threshold:.4g}"
-            result = "info" if m.threshold is None else ("pass" if m.passed else "[red]FAIL[/red]")
-            table.add_row(m.name, threshold, f"{m.value:.6g}", result)
+            table.add_row(m.name, *m.cells())
         if self.device is not None:
             self._device_rows(table, self.device)
         if self.artifact is None:
@@ -309,11 +315,8 @@ class GateReport(BaseModel):
     def _device_rows(table: Table, device: DevicePass) -> None:
         where = f"device pass ({device.device}, {device.windows} windows)"
         for m in device.metrics:
-            if m.threshold is None:
-                continue  # reported in gate_report.json
-            threshold = "-" if m.threshold is None else f"{'<=' if m.bound == 'max' else '>='} {m.threshold:.4g}"
-            result = "info" if m.threshold is None else ("pass" if m.passed else "[red]FAIL[/red]")
-            table.add_row(f"{where}: {m.name}", threshold, f"{m.value:.6g}", result)
+            if m.threshold is not None:  # the reported ones are in gate_report.json
+                table.add_row(f"{where}: {m.name}", *m.cells())
         r = device.range
         if r.passed:
             tight = r.tightest[0] if r.tightest else None
@@ -408,14 +411,14 @@ def run_gates(
             if index < device_windows:
                 kept.append((ref, cand))
             bar.advance(task)
-        passed = None
+        device_result = None
         if device_windows:
-            passed = device_pass(reference, modules, windows[:device_windows], kept, device, thresholds, taps,
+            device_result = device_pass(reference, modules, windows[:device_windows], kept, device, thresholds, taps,
                                  greedy_tokens, probe_accepts, data.identity.seed, lambda: bar.advance(task))
     weights = str(next(modules.core.parameters()).dtype).removeprefix("torch.")
     report = _report(stats, thresholds, data, f"export modules, weights as shipped ({weights}), computed in "
                      f"{str(compute_dtype).removeprefix('torch.')}", greedy_tokens, start)
-    report.device = passed
+    report.device = device_result
     return report
 
 
