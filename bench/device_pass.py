@@ -2,7 +2,8 @@
 either layout, beside the fp32 candidate: both passes' mean KL, top-1 and greedy match, the range verdict's tightest
 tensors and the time. A recipe for the fixture is written to a temporary folder and planned as ``build`` plans it
 (the layout's device: ``ane`` for ``layout: ane``, ``gpu`` for ``stateful``). ``--residual-scale B`` /
-``--mlp-scale B`` gate a function-preserving rescale of the fixture instead (``tests/rescaled.py``). Run from the
+``--mlp-scale B`` gate a function-preserving rescale of the fixture instead (``tests/rescaled.py``), whose range scales
+(``convert/weights/rescale.py``, measured on the first window) the build folds as ``shipped_modules`` does. Run from the
 repo root: ``.venv/bin/python -m bench.device_pass --fixture stdlib-qwen3 --layout ane [--method lut4]``."""
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def main() -> None:
         recipe.write_text(RECIPE.format(source=source, layout=options.layout, quantization=quantization, n=options.n,
                                         length=options.length))
         plan = make_plan(recipe, str(Path(tmp) / "out"))
-        modules, _ = shipped_modules(plan)
+        start = time.perf_counter()
+        modules, _ = shipped_modules(plan)  # the range scales measured on the first window, folded
+        load_seconds = time.perf_counter() - start
         start = time.perf_counter()
         report = gates.gate_target(plan, modules)
         seconds = time.perf_counter() - start
@@ -70,6 +73,10 @@ def main() -> None:
         "tightest": [(e.tensor, e.kind, e.peak, e.headroom) for e in device.range.tightest[:3]],
         "first_over": device.range.over[0].phrase() if device.range.over else None,
         "gate_seconds": round(seconds, 1), "device_pass_seconds": round(device.seconds, 1), "passed": report.passed,
+        "shipped_modules_seconds": round(load_seconds, 1),
+        "rescale": None if modules.rescale is None else {
+            "residual_scale": modules.rescale.residual_scale, "mlp_scales": modules.rescale.mlp_scales,
+            "tightest": [(e.tensor, e.kind, e.peak, e.scaled) for e in modules.rescale.tightest[:3]]},
     }
     print(json.dumps(summary, indent=1))
     if options.json:

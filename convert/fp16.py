@@ -98,6 +98,12 @@ PORT_LIMIT = 2.0**15  # the ANE's matmul / conv output port saturates here (M1, 
 FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504: a larger fp16 value is stored as inf
 TILE = 4  # the ANE's first reduction stage: input lanes in tiles of four, each tile's sum rounded to fp16
 DEVICES = ("ane", "gpu")
+
+
+def limits(device: str) -> dict[str, float]:
+    """The largest magnitude ``device`` holds, by ``Peaks`` kind: a product's input (stored fp16) and a module's output
+    65,504; a product's port 32,768 on the ANE, 65,504 on the GPU (fp32 accumulation, stored fp16)."""
+    return {"input": FP16_MAX, "port": PORT_LIMIT if device == "ane" else FP16_MAX, "output": FP16_MAX}
 # one tile tensor of a product (fp16) holds at most this many elements: the rows are done in chunks past it
 _CHUNK = 1 << 25
 # the products the device modes compute their own way (the graphs' linears, convs and attention products)
@@ -328,23 +334,19 @@ class DeviceArithmetic(TorchDispatchMode):
             operands, back = (args[0][None], args[1][:, None]), lambda out: out[0, 0]
         elif packet is aten.convolution:
             x, weight, bias = args[:3]
-            formed = _pointwise_conv(x, weight, *args[3:6], args[6], args[8]) if _fp16(x, weight) else None
+            if self.device is None or not _fp16(x, weight):
+                return self._torch_product(func, args, kwargs, x)
+            formed = _pointwise_conv(x, weight, *args[3:6], args[6], args[8])
             if formed is None:
-                if self.device is not None and _fp16(x, weight):
-                    raise NotImplementedError(f"device arithmetic: a convolution of weight {list(weight.shape)}, "
-                                              f"groups {args[8]}, is not modelled")
-                return None
+                raise NotImplementedError(f"device arithmetic: a convolution of weight {list(weight.shape)}, "
+                                          f"groups {args[8]}, is not modelled")
             *operands, back = formed
             if bias is not None:
                 bias = bias.reshape(-1, *[1] * (x.dim() - 2)) if packet is aten.convolution else bias
         else:
             operands, back = tuple(args[:2]), None
         if self.device is None or not _fp16(*operands):
-            if self.peaks is None:
-                return None
-            out = func(*args, **kwargs)  # torch's own product: the peaks of an fp32 run
-            self.peaks.note("port", out)
-            return out
+            return self._torch_product(func, args, kwargs, operands[0])
         if self.peaks is not None:
             self.peaks.note("input", operands[0])  # the activations entering the product, as stored (fp16)
         accumulated = self.accumulate(*operands)
@@ -357,6 +359,17 @@ class DeviceArithmetic(TorchDispatchMode):
             out = back(out)
         if bias is not None:
             out = out + (bias if beta == 1 else bias * beta).to(out.dtype)
+        return out
+
+
+    def _torch_product(self, func, args, kwargs, operand):
+        """A product torch computes itself (no device, or not fp16: the range of an fp32 run), its activations
+        ``operand`` and its output noted; None (computed by the caller) when nothing watches."""
+        if self.peaks is None:
+            return None
+        self.peaks.note("input", operand)
+        out = func(*args, **kwargs)
+        self.peaks.note("port", out)
         return out
 
 

@@ -204,6 +204,8 @@ class HostContract(Model):
 class Taps(Model):
     layers: list[Count]
     convention: str = TAP_CONVENTION
+    scale: Positive = Field(1.0, description="the taps are the residual stream times this (rescale.residual_scale): a "
+                            "drafter reads them so, its fc's norm folding the scale")
 
 
 class Tokenizer(Model):
@@ -253,6 +255,30 @@ class Quantization(Model):
     kept_fp16: list[str]
     calibration: CalibrationIdentity | None
     layers: list[QuantizedLayer]
+
+
+class RescalePeak(Model):
+    tensor: str = Field(description="the module that computed it, by qualified name")
+    kind: Literal["input", "port", "output"] = Field(description="a product's input or output port, a module's output")
+    peak: float = Field(description="its largest magnitude on the data measured, fp32")
+    limit: float = Field(description="the device's: 32,768 at an ANE port, fp16's 65,504 elsewhere")
+    scaled: float = Field(description="its peak once the scales are folded")
+
+
+class Rescale(Model):
+    """The function-preserving scales folded into the shipped weights (``convert/weights/rescale.py``): powers of two
+    chosen from the peaks of the fp32 modules so that every tensor stays within its device limit over headroom."""
+
+    device: Literal["ane", "gpu"]
+    headroom: Positive
+    windows: Count = Field(description="gate windows the peaks were measured on")
+    residual_scale: Positive = Field(description="the residual stream times this: the rows entering the first layer "
+                                     "(after the lookup; the host passes the table's rows as they are), every block's "
+                                     "last linear, so the taps and the rows between parts; each norm reading it has "
+                                     "its eps times the square")
+    mlp_scales: dict[str, Positive] = Field(description="decoder layer -> its MLP intermediate divided by this "
+                                            "(up_proj divided, down_proj multiplied); layers not listed: 1")
+    tightest: list[RescalePeak] = Field(description="the tensors nearest their limits once scaled, tightest first")
 
 
 class DeviceGate(Model):
@@ -380,6 +406,8 @@ class Manifest(BundleManifest):
     tokenizer: Tokenizer
     weights: Weights
     quantization: Quantization | None = None
+    rescale: Rescale | None = Field(None, description="the range scales folded into the weights; null: not measured "
+                                    "(a parted target's streamed build)")
     gate: Gate
     functions: list[Function] = Field(description="what the target computes for the host, whole or chained")
     parts: list[Part] | None = Field(None, description="a target over target.max_part_mb ships as parts, called in "
@@ -460,6 +488,9 @@ class DrafterManifest(BundleManifest):
         "states, verify_cost and draft_cost in target decode calls, predicted_speedup); ngram (the prompt-lookup "
         "baseline on the same prompts and target: verify_calls, decode_calls, hit_rate, predicted_speedup)")
     ab: dict | None = Field(None, description="quantized vs fp16 drafter, paired by text offset (quantized only)")
+    rescale: Rescale | None = Field(None, description="the drafter's range scale: its residual stream times "
+                                    "residual_scale (a DFlash2 drafter's includes its target's, whose embedding rows "
+                                    "it starts from); null: not measured")
     host_contract: HostContract | None = Field(
         None, description="the ane layout's: what the host owns and computes for the drafter's functions (none: "
         "the package keeps its states and the caller passes ids and positions)")

@@ -48,3 +48,18 @@ def mlp_rebalanced(source: Path, out: Path, factor: float) -> Path:
         return factor if key.endswith("mlp.up_proj.weight") else 1 / factor if key.endswith("mlp.down_proj.weight") \
             else 1
     return rescaled(source, out, factors)
+
+
+def drafter_residual_scaled(source: Path, out: Path, factor: float) -> Path:
+    """A DFlash2 drafter's residual stream times ``factor``, as its target's is by ``residual_scaled``: the drafter's
+    block starts from the target's embedding rows (the anchor's and the mask's), so with the target's rows times
+    ``factor`` its draft layers' residual writers take the same factor (its ``fc`` reads the taps through a norm)."""
+    return rescaled(source, out, lambda key: factor if key.endswith(RESIDUAL_WRITERS) else 1)
+
+
+def mtp_residual_scaled(source: Path, out: Path, factor: float) -> Path:
+    """An MTP head's residual stream times ``factor``: its ``fc`` (where the stream starts, from normed rows) and its
+    layers' residual writers."""
+    def factors(key: str) -> float:
+        return factor if key.startswith("mtp.") and (key == "mtp.fc.weight" or key.endswith(RESIDUAL_WRITERS)) else 1
+    return rescaled(source, out, factors)

@@ -20,6 +20,7 @@ from torch import nn
 
 from convert.export.quantized import half_linears
 from convert.export.spec import TORCH_DTYPES, FunctionSpec, TensorSpec
+from manifests.schema import Rescale
 
 META = torch.device("meta")
 
@@ -61,6 +62,7 @@ class ExportModules:
     core: nn.Module
     functions: dict[str, tuple[FunctionModule, FunctionSpec]]
     contract: dict = dataclasses.field(default_factory=dict)
+    rescale: Rescale | None = None  # the range scales folded into the weights (convert/weights/rescale.py), if measured
 
     def call_with(self, name: str, given: dict) -> dict[str, torch.Tensor]:
         """Run function ``name`` in torch on the shared states with its inputs by name (arrays or tensors, cast to

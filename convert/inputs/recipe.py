@@ -237,6 +237,9 @@ class Target(Strict):
         False, description="also return the final-norm hidden states [1,S,hidden] (an MTP head's input)"
     )
     quantization: Quantization = Quantization()
+    rescale: bool = Field(True, description="fold the function-preserving range scales (powers of two on the residual "
+                          "stream and each MLP intermediate) that keep the device's fp16 tensors within their limits "
+                          "(docs/fp16.md); false: ship the checkpoint's own magnitudes, which the device pass judges")
     max_part_mb: float = Field(
         2000, gt=0, description="no package over this many MB (10^6 bytes): a bigger target ships as parts "
         "(embedding, layer chunks, head; convert/pipeline/partition.py). forge keeps parts under 2 GB; about 1 GB is "

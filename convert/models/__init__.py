@@ -16,9 +16,11 @@ head rows).
   plan's lines on the architecture and its states.
 - ``calibration_runner(core, length)`` and ``linear_groups(core, layer)``: how GPTQ runs one decoder layer over a
   calibration sample and which of its linears it quantizes together (``quant/calibrate.py``); ``KEEP_FP16``:
-  module-name suffixes of small weights never quantized; ``cached_blocks(core, layer)``: the layer's blocks (the
-  token mixer, the MLP) whose output is their last linear's, as (block, last linear) names (GPTQ's later passes
-  replay that linear on its kept inputs instead of running the block).
+  module-name suffixes of small weights never quantized; ``MLP_REBALANCE``: the (up, down) linears of a layer's MLP
+  whose intermediate one power of two can divide (``convert/weights/rescale.py``); ``cached_blocks(core, layer)``:
+  the layer's blocks (the token mixer, the MLP) whose output is their last linear's, as (block, last linear) names
+  (GPTQ's later passes replay that linear on its kept inputs instead of running the block; the range scale
+  multiplies those linears: they write the residual stream).
 - ``reference_layers(model)``: the decoder layers of the transformers reference (the gates hook their outputs).
 - ``PLAN_FIELDS`` (and ``PLAN_ALTERNATIVES``): the config fields a recipe contract pins so that ``build --dry-run``
   plans the functions without the checkpoint.

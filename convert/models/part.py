@@ -72,8 +72,10 @@ class Part:
 
 
 def build_embedding(core: nn.Module, args) -> None:
-    """The part's embedding rows as ``core.embed_tokens`` (none without an embedding)."""
+    """The part's embedding rows as ``core.embed_tokens`` (none without an embedding), and ``core.residual_scale``
+    (1): what the rows are multiplied by as they enter the layers (``convert/weights/rescale.py``)."""
     part = core.part
+    core.residual_scale = 1.0
     if part.embedding is not None:
         core.embed_tokens = nn.Embedding(part.embedding[1] - part.embedding[0], args.hidden_size)
 
@@ -105,6 +107,8 @@ def part_input(core: nn.Module, input_ids, hidden_states) -> torch.Tensor:
     else:
         rows = core.embed_tokens((ids - lo).clamp(0, hi - lo - 1))
         x = torch.where(((ids >= lo) & (ids < hi))[:, None], rows, torch.zeros_like(rows))
+    if core.residual_scale != 1:
+        x = x * core.residual_scale
     return x if hidden_states is None else hidden_states[0] + x
 
 
@@ -142,7 +146,8 @@ def host_tables(core: nn.Module) -> tuple[str, ...]:
 def host_rows(core: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """The rows [S, H] an ane part's layers start from: ``hidden_states`` [1, S, H] as given (the host's embedding
     lookup for the first part, the previous part's rows for the others), in the core's dtype."""
-    return hidden_states[0].to(next(core.parameters()).dtype)
+    rows = hidden_states[0].to(next(core.parameters()).dtype)
+    return rows * core.residual_scale if core.part.embedding is not None and core.residual_scale != 1 else rows
 
 
 def ane_outputs(core: nn.Module, x: torch.Tensor, tapped: list) -> dict[str, torch.Tensor]:

@@ -41,15 +41,16 @@ from convert.pipeline.record import (
 from convert.processes import in_fresh_process, in_this_process
 from convert.progress import console, stage
 from convert.runtime.host import TargetDriver
-from convert.verify import gates
+from convert.verify import checks, gates
 from convert.verify.checks import part_calls, recorded_calls, short_schedule
 from convert.verify.gates import GateReport
 from convert.verify.placement import REFERENCE
+from convert.weights import rescale
 from convert.weights.quantize import QuantizeResult, pack_modules, quantize_checkpoint
 from convert.weights.shipped import PartLoader
 from convert.weights.target import TargetModules, build_modules
 from manifests import identity
-from manifests.schema import Manifest
+from manifests.schema import Manifest, Rescale
 
 # Above this many parameters a parted target's artifact check replays a few rows on each part on its own: the Linux
 # Core AI runtime emulates fp16 (about 24 s for one 64-token call at 11.8M parameters, docs/benchmarks.md), so the
@@ -62,20 +63,39 @@ GATE_TOOLCHAIN = ("torch", "transformers", "tokenizers", "numpy")
 
 def shipped_modules(plan: Plan, cache: BuildCache | None = None,
                     file_hashes: dict[str, str] | None = None) -> tuple[TargetModules, dict | None]:
-    """The export modules with the weights exactly as they ship (fp16, quantized where the recipe says), and the
-    manifest's quantization record. Quantization streams from the checkpoint and is cached per unit
-    (``convert/weights/quantize.py``) before the modules are loaded; ``file_hashes``: sha256 by source file name, when
-    known."""
+    """The export modules with the weights exactly as they ship (fp16, quantized where the recipe says, the range
+    scales folded: ``modules.rescale``), and the manifest's quantization record. The scales are chosen first, on the
+    checkpoint's own fp16 weights (``range_stage``); quantization then streams from the checkpoint with them folded
+    in and is cached per unit (``convert/weights/quantize.py``) before the modules are loaded; ``file_hashes``: sha256
+    by source file name, when known."""
     quant = plan.recipe.target.quantization
-    result = quantize_stage(plan, cache or BuildCache(), file_hashes, in_memory=True)
-    with stage("load weights (safetensors, memory-mapped)"):
-        tensors = load_tensors(plan.snapshot.directory)
-        modules = build_modules(plan.args, plan.recipe.target, tensors, SHIP_DTYPE, plan.layout)
-        del tensors
+    scales, measured, record = rescale.Scales(), None, None
+    if plan.recipe.target.rescale:
+        measured = _load_modules(plan, rescale.Scales())
+        scales, record = range_stage(plan, measured)
+        if not scales.identity:
+            measured = None
+            if quant.format == "exact2":
+                raise rescale.RangeError(
+                    f"{plan.recipe_path}: target.quantization exact: the pack's tensors need the range scales above, "
+                    "which are not folded into a pack's own codes yet; set target.rescale: false to ship the pack's "
+                    "magnitudes as they are (the device pass judges them)")
+    result = quantize_stage(plan, cache or BuildCache(), file_hashes, in_memory=True, scales=scales)
+    modules = measured if measured is not None else _load_modules(plan, scales)
+    modules.rescale = record
     if result is None:
         return modules, None
     apply_quantized(modules.core, dict(result.items()))
     return modules, _quantization_record(quant, result, modules)
+
+
+def _load_modules(plan: Plan, scales: rescale.Scales) -> TargetModules:
+    folded = "" if scales.identity else ", the range scales folded"
+    with stage(f"load weights (safetensors, memory-mapped{folded})"):
+        tensors = load_tensors(plan.snapshot.directory)
+        modules = build_modules(plan.args, plan.recipe.target, tensors, SHIP_DTYPE, plan.layout, scales)
+        del tensors
+    return modules
 
 
 def exact_result(plan: Plan) -> QuantizeResult:
@@ -177,7 +197,7 @@ def parts_cache(plan: Plan, cache: BuildCache, stack: ExitStack) -> BuildCache:
 
 
 def quantize_stage(plan: Plan, cache: BuildCache, file_hashes: dict[str, str] | None,
-                   in_memory: bool = False) -> QuantizeResult | None:
+                   in_memory: bool = False, scales: rescale.Scales | None = None) -> QuantizeResult | None:
     """The quantize stage (None: the recipe does not quantize): a pre-quantized pack's own weights (``exact``), or
     ``quantize_checkpoint`` into ``cache``, its weights held or (``in_memory`` False: a parted target) in the cache's
     entries only."""
@@ -188,7 +208,7 @@ def quantize_stage(plan: Plan, cache: BuildCache, file_hashes: dict[str, str] | 
         return exact_result(plan)
     return quantize_checkpoint(plan.snapshot.directory, plan.args, plan.recipe.target, plan.layout, quant,
                                plan.recipe_path.resolve().parent, cache=cache, in_memory=in_memory,
-                               file_hashes=file_hashes)
+                               file_hashes=file_hashes, scales=scales)
 
 
 def build(plan: Plan, cache: BuildCache | None = None, strict: bool = False) -> Manifest:
@@ -247,14 +267,45 @@ def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
     if len(plan.parts) > 1:
         return _build_parts(plan, out, failed_report, cache, source_files, stack)
     modules, quantization = shipped_modules(plan, cache, {r.path: r.sha256 for r in source_files})
-    report = gate(plan, cache, source_files, lambda _passes, settings: gates.gate_target(plan, modules, settings),
-                  failed_report)
+
+    def gated(_passes, settings) -> GateReport:
+        report = gates.gate_target(plan, modules, settings)
+        report.rescale = modules.rescale
+        return report
+
+    report = gate(plan, cache, source_files, gated, failed_report)
     packages = []
     for done in package_formats(plan.recipe.backends, modules, out, plan.recipe.name, cache=cache):
         if done.format == "coreai":
-            report.artifact = gates.artifact_from_check(done.path.name, done.check, done.check_seconds)
+            report.artifact = _artifact_of_whole(plan, modules, done, report, failed_report)
         packages.append(package_entry(done.format, done.path, out, done.check, done.compiled))
     return _finish_target(plan, out, source_files, modules, packages, None, quantization, report), modules, None
+
+
+def _artifact_of_whole(plan: Plan, modules: TargetModules, done, report: GateReport, failed_report: Path):
+    """The artifact gate of a whole target: its Core AI package check's run, and that run's greedy ids against the
+    fp32 reference's (``gates.artifact_against_reference``); a failure writes the report and fails the build."""
+    result = gates.artifact_from_check(done.path.name, done.check, done.check_seconds)
+    with stage("artifact gate: the package's greedy ids against the fp32 reference's"):
+        prompt = checks.check_prompt(modules.widths, modules.core.args.vocab_size)
+        generated = [int(i) for i in str(done.check["greedy_ids"]).split()]
+        result = gates.artifact_against_reference(result, gates.load_reference(plan.snapshot.directory), prompt,
+                                                  generated, report.thresholds.near_tie_margin)
+    if not result.passed:
+        report.artifact = result
+        _print_gate(report, failed_report)
+    return result
+
+
+def range_stage(plan: Plan, modules: TargetModules) -> tuple[rescale.Scales, Rescale]:
+    """The fp32 peaks of ``modules`` on the gate's first ``target.gate.device_samples`` windows, and the
+    function-preserving scales that bring them within the layout's device limits (``gates.range_scales``); raises
+    ``RangeError`` (a failed gate: nothing is published) where none reaches."""
+    _, data = gates.recipe_gate(plan)
+    device = gates.DEVICE_OF_LAYOUT[plan.recipe.target.layout]
+    windows = plan.recipe.target.gate.device_samples
+    with stage(f"range: fp32 peaks on {max(1, windows)} gate windows against the {device}'s limits"):
+        return gates.range_scales(modules, data, device, windows)
 
 
 def _finish_target(plan: Plan, out: Path, source_files, modules: TargetModules, packages, parts, quantization,

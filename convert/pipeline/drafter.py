@@ -23,6 +23,7 @@ import torch
 from convert import cache as build_cache
 from convert.errors import GateError, InputError
 from convert.export.ane import logits_ranges
+from convert.export.functions import compute_copy
 from convert.export.lockstep import over_sessions
 from convert.export.quantized import (
     CodesLinear,
@@ -34,7 +35,7 @@ from convert.export.quantized import (
     table_shape,
 )
 from convert.export.spec import FunctionSpec
-from convert.fp16 import like_the_runtime
+from convert.fp16 import Peaks, device_arithmetic, like_the_runtime
 from convert.inputs import contract
 from convert.inputs.recipe import Drafter, DrafterQuantization, Recipe
 from convert.inputs.sources import Snapshot, check_safetensors, resolve, tensor_shapes
@@ -53,8 +54,11 @@ from convert.progress import console
 from convert.runtime import speculative
 from convert.runtime.economics import MeteredFunctions, cost_model
 from convert.runtime.host import ModuleFunctions, TargetDriver, module_driver
+from convert.verify.gates import DEVICE_OF_LAYOUT
+from convert.weights import rescale
 from convert.weights.quantize import read_entry, round_to_nearest, summary, write_entry
 from convert.weights.target import TargetModules
+from manifests.schema import Rescale
 from quant.gptq import HessianAccumulator, gptq_quantize
 from quant.types import QuantizedWeight
 
@@ -167,8 +171,12 @@ def plan_drafter(recipe: Recipe, recipe_path: Path, target_snapshot: Snapshot, t
                        head_ranges=ranges)
 
 
-def build_modules(plan: DrafterPlan, recipe: Recipe, target: TargetModules, dtype: torch.dtype):
-    """Drafter export modules in ``dtype`` holding the target's shipped tables (quantized as the target's)."""
+def build_modules(plan: DrafterPlan, recipe: Recipe, target: TargetModules, dtype: torch.dtype,
+                  own_scale: float = 1.0):
+    """Drafter export modules in ``dtype`` holding the target's shipped tables (quantized as the target's), the range
+    scales folded (``convert/weights/rescale.py``): a DFlash2 drafter's residual stream takes its target's (it starts
+    from the target's embedding rows and reads its taps) times ``own_scale``; an MTP head's (which starts from its fc
+    over normed rows) takes ``own_scale`` alone (``range_scale``)."""
     core = target.core
     lm_head, table = _head_weight(core.lm_head), anchor_table(target)
     config, verify = plan.config, recipe.target.graphs.verify
@@ -178,12 +186,13 @@ def build_modules(plan: DrafterPlan, recipe: Recipe, target: TargetModules, dtyp
             plan.args, tensors, lm_head, torch.from_numpy(table[plan.args.mask_token_id]), dtype,
             max_positions=recipe.target.context,
             ring_rows=config.ring, update_width=config.context_update, append_width=config.context_append,
-            mask_scale=config.mask_scale, draft_width=verify, layout=config.layout, head_ranges=plan.head_ranges)
+            mask_scale=config.mask_scale, draft_width=verify, layout=config.layout, head_ranges=plan.head_ranges,
+            residual_scale=core.residual_scale * own_scale, taps_scale=core.residual_scale)
     else:
         head = mtp.load_head(plan.snapshot.directory, plan.args)
         tables = {"model.embed_tokens.weight": torch.from_numpy(np.asarray(table)), "lm_head.weight": lm_head}
         modules = mtp.build_modules(plan.args, head, tables, recipe.target.context, verify - 1, dtype,
-                                    layout=config.layout, head_ranges=plan.head_ranges)
+                                    layout=config.layout, head_ranges=plan.head_ranges, residual_scale=own_scale)
     borrowed = {name: getattr(core, name).quantized_weight() for name in BORROWED
                 if isinstance(getattr(core, name), QuantizedLinear) and hasattr(modules.core, name)}
     if borrowed:
@@ -194,6 +203,26 @@ def build_modules(plan: DrafterPlan, recipe: Recipe, target: TargetModules, dtyp
             theirs = getattr(core, name)
             setattr(modules.core, name, RowParts.split(theirs, mine.ranges) if isinstance(mine, RowParts) else theirs)
     return modules
+
+
+def range_scale(plan, target: TargetModules, target32: TargetModules, modules, prompt: list[int],
+                tokens: int) -> tuple[float, Rescale]:
+    """The drafter's own range scale (a power of two; ``convert/weights/rescale.py``, ``drafter_classes``) and its
+    record: ``modules`` (fp16, as ``build_modules`` made them) computed in fp32 over speculative decoding of ``prompt``
+    with the fp32 ``target32``, every product and layer watched, against the limits of the device the drafter's layout
+    targets. Raises ``RangeError`` where no scale reaches a tensor past its limit (its lm_head's logits, say)."""
+    kind, device = plan.drafter.kind, DEVICE_OF_LAYOUT[plan.drafter.config.layout]
+    drafter32 = compute_copy(modules, torch.float32, share_weights=True)
+    peaks = Peaks(drafter=drafter32.core)
+    with torch.no_grad(), device_arithmetic(None, peaks):
+        speculative.speculate(kind, *drivers(kind, target32, drafter32, anchor_table(target)), prompt, tokens)
+    scales, entries = rescale.choose(peaks, device, rescale.drafter_classes(drafter32.core, "drafter"), "drafter")
+    for line in rescale.lines(scales, entries, device, f"{kind} drafter's residual stream"):
+        console.print(line)
+    own = scales.residual_scale
+    total = own * (target.core.residual_scale if kind == "dflash2" else 1.0)
+    record = rescale.record(rescale.Scales(round(-math.log2(total))), entries, device, 1)
+    return own, Rescale.model_validate(record)
 
 
 def _head_weight(head: torch.nn.Module) -> torch.Tensor:

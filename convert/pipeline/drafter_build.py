@@ -109,6 +109,16 @@ def shipped_drafter(plan, target: TargetModules, target32: TargetModules,
     dplan, quant = plan.drafter, plan.drafter.config.quantization
     with stage(f"load drafter {dplan.kind} ({dplan.snapshot.reference})"):
         modules = drafter.build_modules(dplan, plan.recipe, target, torch.float16)
+    own, ranged = 1.0, None
+    if plan.recipe.target.rescale:
+        prompt, tokens = held_out_prompts(plan)[0][0], dplan.config.accept.tokens
+        with stage(f"range: the drafter's fp32 peaks over speculative decoding of a held-out prompt ({tokens} "
+                   "tokens)"):
+            own, ranged = drafter.range_scale(plan, target, target32, modules, prompt, tokens)
+        if own != 1:
+            with stage(f"load drafter {dplan.kind} again, its range scale folded"):
+                modules = drafter.build_modules(dplan, plan.recipe, target, torch.float16, own)
+        modules.rescale = ranged
     if quant.method == "none":
         return modules, None, None
     hessians, calibration, quantized_key = None, None, None
@@ -120,7 +130,7 @@ def shipped_drafter(plan, target: TargetModules, target32: TargetModules,
         if entry is not None:
             with stage(f"quantize drafter {quant.method}: its GPTQ'd linears restored from the build cache"):
                 record = drafter.restore_quantized(modules, entry)
-            return modules, _fp16_reference(plan, target), {**record, "calibration": calibration}
+            return modules, _fp16_reference(plan, target, own), {**record, "calibration": calibration}
         with stage(f"calibrate drafter: speculative decoding of {len(prompts)} x {spec.length} tokens + "
                    f"{spec.tokens} generated ({spec.corpus})"):
             journal = None if keys is None else keys.journal("calibrate", prompts, spec.tokens)
@@ -143,14 +153,15 @@ def shipped_drafter(plan, target: TargetModules, target32: TargetModules,
     if dropped:
         with stage("load the target's decoder layers again, as packed codes (let go while GPTQ ran)"):
             target.core.layers = reload_layers()
-    return modules, _fp16_reference(plan, target), {**record, "calibration": calibration}
+    return modules, _fp16_reference(plan, target, own), {**record, "calibration": calibration}
 
 
-def _fp16_reference(plan, target: TargetModules):
+def _fp16_reference(plan, target: TargetModules, own_scale: float):
     """The A/B's fp16 reference, loaded again rather than held while the drafter was quantized (each linear's fp16
-    weight is let go as it is quantized: at 27B the drafter's 3.85 GB beside GPTQ's largest Hessians)."""
+    weight is let go as it is quantized: at 27B the drafter's 3.85 GB beside GPTQ's largest Hessians), its range
+    scale folded as the shipped one's."""
     with stage(f"load drafter {plan.drafter.kind} again in fp16 (the A/B's reference)"):
-        return drafter.build_modules(plan.drafter, plan.recipe, target, torch.float16)
+        return drafter.build_modules(plan.drafter, plan.recipe, target, torch.float16, own_scale)
 
 
 def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_modules, prompts: list[list[int]],
@@ -364,6 +375,7 @@ def _manifest(plan, source_files, modules, target_manifest, target_dir, packages
         "quantization": quantization,
         "acceptance": _jsonable(acceptance),
         "ab": _jsonable(ab) if ab else None,
+        "rescale": modules.rescale.model_dump() if modules.rescale else None,
         "host_contract": modules.contract or None,
         "functions": [{"name": s.name, "inputs": [_desc(t) for t in s.inputs],
                        "outputs": [_desc(t) for t in s.outputs], "states": [_desc(t) for t in s.states]}

@@ -153,7 +153,9 @@ def _manifest(plan: Plan, source_files, modules: TargetModules, packages, parts,
         },
         "architecture": family_of(args).architecture_record(args, plan.recipe.target),
         "host_contract": modules.contract,
-        "taps": {"layers": list(plan.recipe.target.taps)} if plan.recipe.target.taps else None,
+        "taps": {"layers": list(plan.recipe.target.taps), "scale": report.rescale.residual_scale
+                 if report.rescale else 1.0} if plan.recipe.target.taps else None,
+        "rescale": report.rescale.model_dump() if report.rescale else None,
         "tokenizer": {
             **identity.tokenizer_identity(snap.directory / "tokenizer.json"),
             **_special_ids(snap.directory, args),

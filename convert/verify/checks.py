@@ -238,7 +238,7 @@ def check_calls(call, widths: dict[str, int], contract: dict, vocab: int, prompt
     """
     if short:
         return [i for function, tokens, p0 in short_schedule(widths, vocab) for i in call(function, tokens, p0)]
-    prompt = prompt or probe_tokens(vocab, widths["prefill"] // 2 + 3)
+    prompt = prompt or check_prompt(widths, vocab)
     generated = [call("prefill", prompt, 0)[-1]]
     p = len(prompt)
     for _ in range(DECODE_STEPS):
@@ -256,6 +256,11 @@ def check_calls(call, widths: dict[str, int], contract: dict, vocab: int, prompt
         ids = call("verify", [ids[kept - 1]] + prompt[k : 2 * k - 1], p + kept)
         call("decode", [ids[0]], p + kept + 1)
     return generated
+
+
+def check_prompt(widths: dict[str, int], vocab: int) -> list[int]:
+    """The prompt a check's greedy run starts from when none is given: seeded tokens, half a prefill and three."""
+    return probe_tokens(vocab, widths["prefill"] // 2 + 3)
 
 
 def short_schedule(widths: dict[str, int], vocab: int) -> list[tuple[str, list[int], int]]:

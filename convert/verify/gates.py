@@ -65,18 +65,20 @@ from rich.table import Table
 from convert.errors import GateError, InputError, PackageError
 from convert.export.functions import compute_copy
 from convert.export.lockstep import over_sessions
-from convert.fp16 import FP16_MAX, PORT_LIMIT, Peaks, device_arithmetic
+from convert.fp16 import Peaks, device_arithmetic, limits
 from convert.inputs.thresholds import GateThresholds, default_thresholds
 from convert.models import family_of
 from convert.models.part import HIDDEN_OUT
 from convert.progress import bar as progress_bar
-from convert.progress import steps
+from convert.progress import console, steps
 from convert.runtime.chain import coreai_chain, coreai_functions, link_inputs, module_chain
 from convert.runtime.host import COMMIT, ModuleFunctions, TargetDriver, module_driver, module_lookup
 from convert.verify import checks
 from convert.verify.reference import memory_mapped, streamed_reference
+from convert.weights import rescale
 from convert.weights.quantize import calibration_text
 from convert.weights.target import TargetModules
+from manifests.schema import Rescale
 from quant.calibrate import fixture_corpus_text, sample_calibration
 
 REPORT_FILE = "gate_report.json"
@@ -215,11 +217,11 @@ class RangeReport(BaseModel):
 
     @classmethod
     def of(cls, device: str, peaks: Peaks) -> RangeReport:
-        limits = {"input": FP16_MAX, "port": PORT_LIMIT if device == "ane" else FP16_MAX, "output": FP16_MAX}
-        entries = [RangeEntry(tensor=name, kind=kind, peak=peak, limit=limits[kind],
+        bounds = limits(device)
+        entries = [RangeEntry(tensor=name, kind=kind, peak=peak, limit=bounds[kind],
                               nonfinite=peaks.nonfinite.get((name, kind), 0))
                    for (name, kind), peak in peaks.peaks.items() if kind in JUDGED_KINDS]
-        return cls(device=device, limits=limits, checked=len(entries), over=[e for e in entries if e.over],
+        return cls(device=device, limits=bounds, checked=len(entries), over=[e for e in entries if e.over],
                    tightest=sorted(entries, key=lambda e: e.headroom)[:TIGHTEST_SHOWN])
 
 
@@ -260,6 +262,8 @@ class ArtifactResult(BaseModel):
     argmax_compared: int = 0
     argmax_near_ties: int = 0
     max_output_delta: float = 0.0
+    reference_compared: int = 0
+    reference_near_ties: int = 0
     seconds: float
 
 
@@ -272,6 +276,7 @@ class GateReport(BaseModel):
     flips: list[Flip]
     artifact: ArtifactResult | None = None
     device: DevicePass | None = None
+    rescale: Rescale | None = None
     not_run: list[NotRun]
     seconds: float
 
@@ -301,6 +306,12 @@ class GateReport(BaseModel):
             table.add_column(column, justify="left" if column == "metric" else "right")
         for m in self.metrics:
             table.add_row(m.name, *m.cells())
+        if self.rescale is not None:
+            r = self.rescale
+            mlp = f", MLP / {max(r.mlp_scales.values()):g} in {len(r.mlp_scales)} layers" if r.mlp_scales else ""
+            table.add_row(f"range scales ({r.device}, {r.windows} windows, fp32 peaks)", f"{r.headroom:g}x headroom",
+                          f"residual x {r.residual_scale:g}{mlp}",
+                          "folded" if r.residual_scale != 1 or r.mlp_scales else "none needed")
         if self.device is not None:
             self._device_rows(table, self.device)
         if self.artifact is None:
@@ -308,6 +319,8 @@ class GateReport(BaseModel):
         else:
             a = self.artifact
             value = f"{a.argmax_compared} ids, {a.argmax_near_ties} near ties" if a.passed else "differs"
+            if a.passed and a.reference_compared:
+                value += f"; fp32 reference: {a.reference_compared} ids, {a.reference_near_ties} near ties"
             table.add_row(f"artifact {a.package}", "argmax equal", value, "pass" if a.passed else "[red]FAIL[/red]")
         return table
 
@@ -455,6 +468,32 @@ def device_pass(reference, modules: TargetModules, windows: list[list[int]], kep
             metrics.append(Metric(name=m.name, value=m.value, threshold=None, bound=None, passed=True))
     return DevicePass(device=device, windows=len(windows), metrics=metrics, range=RangeReport.of(device, peaks),
                       seconds=time.perf_counter() - start)
+
+
+def measure_range(modules: TargetModules, windows: list[list[int]], seed: int, greedy_tokens: int = 1) -> Peaks:
+    """The peaks (``convert.fp16.Peaks``, named under ``target``) of every product's input and port and every module's
+    output as the fp32 modules compute ``windows`` through the gate's schedule: what ``convert.weights.rescale``
+    chooses its scales from."""
+    candidate = compute_copy(modules, torch.float32)
+    peaks = Peaks(target=candidate.core)
+    generator = torch.Generator().manual_seed(seed)
+    taps, probe = list(modules.core.taps), default_probe(modules)
+    for window in windows:
+        with device_arithmetic(None, peaks):
+            _candidate_window(candidate, window, taps, greedy_tokens, probe, generator)
+    return peaks
+
+
+def range_scales(modules: TargetModules, data: EvalData, device: str, windows: int) -> tuple[rescale.Scales, Rescale]:
+    """The scales (``convert.weights.rescale``) that bring the fp32 peaks of ``modules`` (the checkpoint's weights as
+    they are) on the first ``windows`` windows of ``data`` within ``device``'s limits, and their record, printed.
+    Raises ``rescale.RangeError`` where no scale reaches a tensor past its limit."""
+    tokens = data.tokens.tolist()[:max(1, windows)]
+    peaks = measure_range(modules, tokens, data.identity.seed)
+    scales, entries = rescale.choose(peaks, device, rescale.classes(modules.core, "target"), "target")
+    for line in rescale.lines(scales, entries, device):
+        console.print(line)
+    return scales, Rescale.model_validate(rescale.record(scales, entries, device, len(tokens)))
 
 
 def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThresholds,
@@ -669,6 +708,31 @@ def artifact_from_check(package: str, check: dict, seconds: float) -> ArtifactRe
     """The build's Core AI package check (``checks.check_package``) is this gate's run: record it as such."""
     keys = ("runtime_calls", "argmax_compared", "argmax_near_ties", "max_output_delta")
     return ArtifactResult(package=package, passed=True, seconds=seconds, **{k: check[k] for k in keys})
+
+
+def artifact_against_reference(result: ArtifactResult, reference, prompt: list[int], generated: list[int],
+                               margin: float) -> ArtifactResult:
+    """The package's greedy ids (``generated`` after ``prompt``, from its check's run) against the fp32 ``reference``
+    fed the same ids: each must be the reference's argmax, or a near tie (its logit within ``margin`` of the top), so a
+    package and torch modules that are wrong the same way fail. Fills ``result``'s reference counts; a mismatch fails
+    it naming the step."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt + generated[:-1]])
+        logits = reference(input_ids=ids).logits[0, len(prompt) - 1:].float()
+    result.reference_compared, result.reference_near_ties = len(generated), 0
+    for step, (row, got) in enumerate(zip(logits, generated, strict=True)):
+        best = int(row.argmax())
+        if best == got:
+            continue
+        gap = float(row[best] - row[got])
+        if gap <= margin:
+            result.reference_near_ties += 1
+            continue
+        result.passed = False
+        result.error = (f"greedy step {step}: the package gives id {got}, the fp32 reference {best} (its logit "
+                        f"{gap:.4g} higher, past the near-tie margin {margin:g})")
+        break
+    return result
 
 
 def gate_target(plan, modules: TargetModules,

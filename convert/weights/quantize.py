@@ -43,6 +43,7 @@ from convert.inputs.sources import CheckpointReader
 from convert.models import family_of
 from convert.models.layout import Layout
 from convert.progress import console, steps
+from convert.weights import rescale
 from convert.weights.stream import Streamer, checkpoint_key, skeleton
 from manifests import identity
 from quant.affine import quantize_affine
@@ -211,24 +212,30 @@ def default_device() -> torch.device:
 def quantize_checkpoint(directory: Path, args, target, layout: Layout, quant: Quantization, recipe_dir: Path, *,
                         cache: build_cache.BuildCache | None = None, file_hashes: dict[str, str] | None = None,
                         device: torch.device | str | None = None, in_memory: bool = True,
-                        observe: Callable[[str, float], None] | None = None) -> QuantizeResult:
+                        observe: Callable[[str, float], None] | None = None,
+                        scales: rescale.Scales | None = None) -> QuantizeResult:
     """Quantize the checkpoint at ``directory`` (stored under ``layout``) as ``target.quantization`` (``quant``) says,
     unit by unit; returns the shipped weights by export-core module name. ``file_hashes``: sha256 by weight-file name
     when the caller has them (the build hashes every source file anyway); ``observe(unit, seconds)`` is called after
     each unit (``bench/scale.py`` reads the peak memory there). The architecture's small weights
     (``KEEP_FP16``: a Gated DeltaNet's in_proj_a / in_proj_b) stay fp16 always. ``in_memory=False``: the result holds
-    the units' cache entries instead of their weights (a target larger than memory; needs an enabled cache)."""
+    the units' cache entries instead of their weights (a target larger than memory; needs an enabled cache).
+    ``scales``: the range scales (``convert/weights/rescale.py``), folded into the weights as they are read, so GPTQ
+    calibrates and the tables hold the weights as they ship."""
     device = torch.device(device) if device is not None else default_device()
     cache = cache or build_cache.BuildCache(enabled=False)
     if not in_memory and not cache.enabled:
         raise ValueError("quantize_checkpoint(in_memory=False) reads the units back from the cache: give it one")
     core = skeleton(args, target, SHIP_DTYPE, WORK_DTYPE, device)
+    scales = scales or rescale.Scales()
+    factors = rescale.weight_factors(core, scales)
+    rescale.fold_constants(core, scales)
     reader = CheckpointReader(directory)
-    streamer = Streamer(core, reader, layout, SHIP_DTYPE, WORK_DTYPE, device)
+    streamer = Streamer(core, reader, layout, SHIP_DTYPE, WORK_DTYPE, device, factors)
     keep = kept_modules(core, quant)
     calibration = _calibration_set(quant, directory, recipe_dir) if quant.uses_gptq else None
     units = plan_units(core, keep, quant.uses_gptq)
-    keys = _unit_keys(units, core, reader, layout, quant, calibration, device, directory, file_hashes)
+    keys = _unit_keys(units, core, reader, layout, quant, calibration, device, directory, file_hashes, factors)
     entries = {u.prefix: cache.get(CACHE_STAGE, keys[u.prefix]) for u in units}
     # GPTQ needs the calibration activations at every unit it computes: forward through the stored units before it
     last_missing = max((i for i, u in enumerate(units) if u.gptq and entries[u.prefix] is None), default=-1)
@@ -341,8 +348,9 @@ def summary(weights: dict[str, QuantizedWeight] | Iterable[tuple[str, QuantizedW
 
 def _unit_keys(units: list[Unit], core: nn.Module, reader: CheckpointReader, layout: Layout, quant: Quantization,
                calibration: CalibrationSet | None, device: torch.device, directory: Path,
-               file_hashes: dict[str, str] | None) -> dict[str, str]:
-    """Each unit's cache key: its tensors' source files, everything the quantization reads; GPTQ units chained."""
+               file_hashes: dict[str, str] | None, factors: dict[str, float]) -> dict[str, str]:
+    """Each unit's cache key: its tensors' source files and the factors they are read with, everything the
+    quantization reads; GPTQ units chained."""
     hashes = dict(file_hashes or {})
     for path in set(reader.files.values()):
         if path.name not in hashes:
@@ -361,8 +369,10 @@ def _unit_keys(units: list[Unit], core: nn.Module, reader: CheckpointReader, lay
         names = [n for n, _ in core.get_submodule(unit.prefix).named_parameters()]
         stored = sorted({layout.stored(checkpoint_key(core, f"{unit.prefix}.{n}")) for n in names})
         tensors = [(k, reader.files[k].name, hashes[reader.files[k].name]) for k in stored if k in reader.files]
+        scaled = {n: factors[f"{unit.prefix}.{n}"] for n in names if f"{unit.prefix}.{n}" in factors}
         keys[unit.prefix] = build_cache.key({**base, "unit": unit.prefix, "modules": unit.modules,
-                                             "tensors": tensors, "previous": previous if unit.gptq else None})
+                                             "tensors": tensors, "previous": previous if unit.gptq else None,
+                                             **({"factors": scaled} if scaled else {})})
         if unit.gptq:
             previous = keys[unit.prefix]
     return keys
@@ -374,7 +384,7 @@ def _calibration_inputs(core: nn.Module, streamer: Streamer, tokens: torch.Tenso
     streamer.fill("embed_tokens")
     try:
         with torch.no_grad():
-            x = core.embed_tokens(tokens.long())
+            x = core.embed_tokens(tokens.long()) * core.residual_scale  # as the layers receive them
         runner = family_of(core.args).calibration_runner(core, tokens.shape[1])
     finally:
         streamer.free("embed_tokens")
@@ -589,7 +599,7 @@ def quantize_sequential(core: torch.nn.Module, tokens: torch.Tensor,
     (The whole core in memory: the build streams the same loop from the checkpoint, ``convert/weights/quantize.py``.)"""
     family = family_of(core.args)
     runner = family.calibration_runner(core, tokens.shape[1])
-    x = core.embed_tokens(tokens.to(core.embed_tokens.weight.device).long())
+    x = core.embed_tokens(tokens.to(core.embed_tokens.weight.device).long()) * core.residual_scale
     quantized = {}
     for i, layer in enumerate(core.layers):
         done, x = quantize_layer(layer, i, family.linear_groups(core, layer), x, runner, quantize_linears,

@@ -113,6 +113,7 @@ def _share_part(piece: nn.Module, core: nn.Module, part: Part) -> None:
         _share(piece.layers[j], core.layers[i])
     if part.embedding is not None:
         piece.embed_tokens = linear_rows(core.embed_tokens, *part.embedding)
+        piece.residual_scale = core.residual_scale  # the range scale's multiplier of the rows (rescale.py)
     if part.head is not None:
         piece.norm = core.norm
         piece.lm_head = linear_rows(core.lm_head, *part.head)

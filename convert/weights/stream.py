@@ -41,21 +41,28 @@ class Streamer:
     """Fills and frees the modules of a ``skeleton`` core from a checkpoint stored under ``layout``."""
 
     def __init__(self, core: nn.Module, reader: Reader, layout: Layout, ship_dtype: torch.dtype,
-                 work_dtype: torch.dtype, device: torch.device | str):
+                 work_dtype: torch.dtype, device: torch.device | str, factors: dict[str, float] | None = None):
+        """``factors``: core parameter name -> what it is multiplied by as read (``rescale.weight_factors``)."""
         self.core, self.reader, self.layout = core, reader, layout
         self.ship_dtype, self.work_dtype, self.device = ship_dtype, work_dtype, torch.device(device)
+        self.factors = factors or {}
 
     def tensor(self, name: str) -> torch.Tensor:
         """Core parameter ``name`` as the shipped core's computing copy holds it, on the device."""
-        return self._cast(self.reader.get(self.layout.stored(checkpoint_key(self.core, name))))
+        return self._cast(self.reader.get(self.layout.stored(checkpoint_key(self.core, name))), name)
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of core parameter ``name`` (a large table read in chunks), as ``tensor`` gives them."""
-        return self._cast(self.reader.rows(self.layout.stored(checkpoint_key(self.core, name)), start, stop))
+        return self._cast(self.reader.rows(self.layout.stored(checkpoint_key(self.core, name)), start, stop), name)
 
-    def _cast(self, stored: torch.Tensor) -> torch.Tensor:
-        """To the device first, then cast (the same values either way): the host holds only the stored bytes."""
-        return stored.to(self.device).to(self.ship_dtype).to(self.work_dtype)
+    def _cast(self, stored: torch.Tensor, name: str) -> torch.Tensor:
+        """To the device first, then cast (the same values either way): the host holds only the stored bytes. A
+        factor is applied in fp32 before the cast."""
+        factor = self.factors.get(name, 1.0)
+        stored = stored.to(self.device)
+        if factor != 1:
+            stored = stored.float() * factor
+        return stored.to(self.ship_dtype).to(self.work_dtype)
 
     def fill(self, prefix: str, skip: frozenset[str] = frozenset()) -> nn.Module:
         """Give every parameter under module ``prefix`` (e.g. ``layers.3``, ``lm_head``) its checkpoint values, but

@@ -13,6 +13,8 @@ from convert.export.spec import TORCH_DTYPES, FunctionSpec
 from convert.inputs.recipe import Target
 from convert.models import family_of
 from convert.models.layout import Layout
+from convert.weights import rescale
+from convert.weights.stream import checkpoint_key
 
 
 def function_specs(args, target: Target, dtype: torch.dtype = torch.float16) -> list[FunctionSpec]:
@@ -33,13 +35,19 @@ class TargetModules(ExportModules):
 
 
 def build_modules(args, target: Target, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                  layout: Layout | None = None) -> TargetModules:
+                  layout: Layout | None = None, scales: rescale.Scales | None = None) -> TargetModules:
     """Export modules filled with ``tensors`` in ``dtype``, sharing one core and one set of states. ``layout``: how
-    the checkpoint stores the model (``sanitize``'s result; checked here when not given)."""
+    the checkpoint stores the model (``sanitize``'s result; checked here when not given). ``scales``: the range
+    scales folded in (``convert/weights/rescale.py``: each weight multiplied in fp32 before the cast)."""
     family = family_of(args)
     if layout is None:
         layout = family.sanitize({k: tuple(v.shape) for k, v in tensors.items()}, args)
     core = family.build_core(args, target).to(dtype).eval()
+    if scales is not None and not scales.identity:
+        factors = rescale.weight_factors(core, scales)
+        keys = {layout.stored(checkpoint_key(core, name)): factor for name, factor in factors.items()}
+        tensors = {k: v.float() * keys[k] if k in keys else v for k, v in tensors.items()}
+        rescale.fold_constants(core, scales)
     core.load_weights(tensors, layout)
     for p in core.parameters():
         p.requires_grad_(False)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from convert.export.ane import channels_first, head_outputs, host_work, logits_parts, pointwise, rms_norm, rows_of
+from convert.fp16 import noted_output, within
 from convert.models.dflash2.config import DFlash2Args
 from convert.models.dflash2.core import DFlash2Core, GroupedConv
 from convert.models.qwen3.ane import attention, keys_values, mlp
@@ -50,7 +51,10 @@ class DFlash2AneCore(DFlash2Core):
     def draft(self, anchor_embedding, rope_cos, rope_sin, ring_keys, ring_values, **ring_masks):
         args, dtype, width = self.args, self.compute_dtype, self.draft_width
         masks = self.mask_embedding.to(dtype).reshape(1, -1, 1, 1) + torch.zeros(width - 1, dtype=dtype)  # no tile
-        h = torch.cat([channels_first(anchor_embedding[0].to(dtype)), masks], dim=3)  # [1, H, 1, S]
+        anchor = anchor_embedding[0].to(dtype)
+        if self.residual_scale != 1:
+            anchor = anchor * self.residual_scale
+        h = torch.cat([channels_first(anchor), masks], dim=3)  # [1, H, 1, S]
         cos, sin = rope_cos.transpose(0, 1), rope_sin.transpose(0, 1)
         block = torch.zeros((width, width), dtype=dtype)  # the block's rows all see each other
         biases = {window: torch.cat([ring_masks[ring_mask_name(window)], block], dim=0)
@@ -60,9 +64,12 @@ class DFlash2AneCore(DFlash2Core):
                 bias = biases[args.layer_windows[i]]
                 return attention(layer.self_attn, x, cos, sin, bias, ring_keys[i], ring_values[i], width)[0]
 
-            h = h + around(rms_norm(layer.input_layernorm, h), getattr(layer, "attention_conv", None), attend, width)
-            h = h + around(rms_norm(layer.post_attention_layernorm, h), getattr(layer, "mlp_conv", None),
-                           lambda x, layer=layer: mlp(layer.mlp, x), width)
+            with within(layer):
+                h = h + around(rms_norm(layer.input_layernorm, h), getattr(layer, "attention_conv", None), attend,
+                               width)
+                h = h + around(rms_norm(layer.post_attention_layernorm, h), getattr(layer, "mlp_conv", None),
+                               lambda x, layer=layer: mlp(layer.mlp, x), width)
+            noted_output(layer, h)
         hidden = rms_norm(self.norm, h[:, :, :, 1:])
         out = head_outputs(self.lm_head, hidden)
         if args.has_selector:

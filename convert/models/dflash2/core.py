@@ -71,6 +71,9 @@ def _split_heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
     return x.view(-1, heads, head_dim) if x.dim() == 2 else x.unflatten(-1, (heads, head_dim))
 
 
+RESIDUAL_WRITERS = ("self_attn.o_proj", "mlp.down_proj")  # a draft layer's linears whose outputs join the stream
+
+
 class DraftLayer(nn.Module):
     """One draft layer over a block [..., T, H]; ``attend(self_attn, x)`` supplies the attention (context + block),
     which differs between the reference, training and the export core. Everything else is shared."""
@@ -199,6 +202,7 @@ class DFlash2Core(DFlash2Weights):
     def __init__(self, args: DFlash2Args, ring_rows: int, max_positions: int, draft_width: int | None = None):
         super().__init__(args)
         self.ring_rows, self.max_positions = ring_rows, max_positions
+        self.residual_scale = 1.0  # what the anchor row is multiplied by as it enters (export.build_modules)
         self.draft_width = draft_width or args.block_size
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("mask_embedding", torch.zeros(args.hidden_size))
@@ -252,7 +256,10 @@ class DFlash2Core(DFlash2Weights):
         index = positions.long()
         cos, sin = self.rope_cos[index].to(dtype), self.rope_sin[index].to(dtype)
         masks = self._ring_masks(positions, ring_laps, dtype)
-        block = torch.cat([anchor_embedding[0].to(dtype), self.mask_embedding[None].expand(self.draft_width - 1, -1)])
+        anchor = anchor_embedding[0].to(dtype)
+        if self.residual_scale != 1:
+            anchor = anchor * self.residual_scale
+        block = torch.cat([anchor, self.mask_embedding[None].expand(self.draft_width - 1, -1)])
         h = block
         for i, layer in enumerate(self.layers):
             def attend(attn, x, i=i):

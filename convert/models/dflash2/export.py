@@ -13,7 +13,7 @@ from convert.export.functions import ExportModules, FunctionModule, parameters_o
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.dflash2.ane import PROJECTED, RING, DFlash2AneCore, host_contract, ring_mask_name
 from convert.models.dflash2.config import DFlash2Args
-from convert.models.dflash2.core import DFlash2Core
+from convert.models.dflash2.core import RESIDUAL_WRITERS, DFlash2Core
 from convert.models.part import drafter_head_ranges
 
 
@@ -106,7 +106,8 @@ def build_modules(args: DFlash2Args, tensors: dict[str, torch.Tensor], lm_head_w
                   mask_embedding: torch.Tensor, dtype: torch.dtype, max_positions: int, ring_rows: int = 2048,
                   update_width: int = 64, append_width: int = 8, mask_scale: float = 1.0,
                   draft_width: int | None = None, logits: bool = False, layout: str = "stateful",
-                  head_ranges: list[tuple[int, int]] | None = None) -> DrafterModules:
+                  head_ranges: list[tuple[int, int]] | None = None, residual_scale: float = 1.0,
+                  taps_scale: float = 1.0) -> DrafterModules:
     """Export modules in ``dtype`` over one core (drafter ``tensors`` by canonical key, each taken out of the dict as
     it is set; the target's ``lm_head`` weight [vocab, H], shared when it is in ``dtype``, and raw mask row [H], scaled
     here by ``mask_scale``) and one set of ring states (none in the ane ``layout``: the host's ring).
@@ -115,6 +116,12 @@ def build_modules(args: DFlash2Args, tensors: dict[str, torch.Tensor], lm_head_w
     starting at ``max_positions - 1`` still fits). ``logits`` adds the [1, S-1, vocab] logits output to ``draft``.
     In the ane layout the lm_head is computed in ``head_ranges`` (``drafter_head_ranges``: ``RowParts`` past the
     ANE's largest dim).
+
+    ``residual_scale``: the range scale of the drafter's residual stream (``convert/weights/rescale.py``; its
+    target's, whose embedding rows it starts from, times its own): the anchor row times it in the graph, the mask row
+    and every draft layer's ``o_proj`` and ``down_proj`` times it (in fp32, before the cast), ``fc`` times it over
+    ``taps_scale`` (the target's taps arrive times that), and the eps of every norm that reads the stream or the fc
+    (``hidden_norm``) times its square.
     """
     for name, tensor, shape in (("lm_head weight", lm_head_weight, (args.vocab_size, args.hidden_size)),
                                 ("mask embedding row", mask_embedding, (args.hidden_size,))):
@@ -128,6 +135,17 @@ def build_modules(args: DFlash2Args, tensors: dict[str, torch.Tensor], lm_head_w
     with parameters_on_meta():
         core = (DFlash2AneCore if layout == "ane" else DFlash2Core)(args, ring_rows, max_positions, draft_width)
     core = core.to(dtype).eval()
+    if residual_scale != 1:
+        writers = [f"layers.{i}.{w}.weight" for i in range(args.num_hidden_layers) for w in RESIDUAL_WRITERS]
+        for key in writers:
+            tensors[key] = tensors[key].float() * residual_scale
+        if residual_scale != taps_scale:
+            tensors["fc.weight"] = tensors["fc.weight"].float() * (residual_scale / taps_scale)
+        mask_embedding = mask_embedding.float() * residual_scale
+        core.residual_scale = residual_scale
+        for norm in [core.hidden_norm, core.norm, *(n for layer in core.layers
+                                                   for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
+            norm.eps *= residual_scale**2
     core.load_weights(tensors)
     core.set_target(lm_head_weight, mask_embedding, mask_scale)
     if layout == "ane":

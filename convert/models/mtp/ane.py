@@ -23,6 +23,7 @@ from convert.export.ane import (
     rms_norm,
     rows_of,
 )
+from convert.fp16 import noted_output, within
 from convert.models.mtp.config import MTPArgs
 from convert.models.mtp.core import MTPCore
 from convert.models.qwen3.ane import mlp
@@ -48,10 +49,12 @@ class MTPAneCore(MTPCore):
         bias = history_bias(history_mask, width)
         keys, values = [], []
         for j, layer in enumerate(self.layers):
-            mixed, k, v = gated_attention(layer.self_attn, rms_norm(layer.input_layernorm, x), cos, sin, bias,
-                                          key_history[j], value_history[j], width)
-            x = x + mixed
-            x = x + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
+            with within(layer):
+                mixed, k, v = gated_attention(layer.self_attn, rms_norm(layer.input_layernorm, x), cos, sin, bias,
+                                              key_history[j], value_history[j], width)
+                x = x + mixed
+                x = x + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
+            noted_output(layer, x)
             keys.append(k[None])
             values.append(v[None])
         hidden_out = rms_norm(self.norm, x)

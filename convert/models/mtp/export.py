@@ -3,6 +3,7 @@ with the same weights."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -90,15 +91,27 @@ def build_modules(
     logits: bool = False,
     layout: str = "stateful",
     head_ranges: list[tuple[int, int]] | None = None,
+    residual_scale: float = 1.0,
 ) -> MTPModules:
     """Export modules in ``dtype`` over one core (the head's weights and the borrowed target tables, once) and one
     pair of KV states (none in the ane ``layout``: the host's history, ``convert/models/mtp/ane.py``, and the lm_head
     computed in ``head_ranges``: ``drafter_head_ranges``); ``target_tensors`` needs the target's
-    ``model.embed_tokens.weight`` and ``lm_head.weight``."""
+    ``model.embed_tokens.weight`` and ``lm_head.weight``. ``residual_scale``: the head's range scale
+    (``convert/weights/rescale.py``): its stream starts from ``fc`` over normed rows, so ``fc`` and every layer's
+    ``o_proj`` and ``down_proj`` are multiplied by it (in fp32, before the cast) and the eps of the norms that read the
+    stream (each layer's two, the final one) by its square."""
     embed_tokens, lm_head = borrowed_tables(args, head, target_tensors)
     with parameters_on_meta():  # filled by load_weights in dtype: no core made in fp32 first
         core = (MTPAneCore if layout == "ane" else MTPCore)(args, context)
     core = core.to(dtype).eval()  # the buffers (fp32 RoPE tables cast with the core)
+    if residual_scale != 1:
+        writers = ["fc.weight", *(f"layers.{i}.{w}.weight" for i in range(len(core.layers))
+                                  for w in ("self_attn.o_proj", "mlp.down_proj"))]
+        head = dataclasses.replace(head, tensors={k: v.float() * residual_scale if k in writers else v
+                                                  for k, v in head.tensors.items()})
+        for norm in [core.norm, *(n for layer in core.layers
+                                  for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
+            norm.eps *= residual_scale**2
     core.load_weights(head, embed_tokens, lm_head)
     for p in core.parameters():
         p.requires_grad_(False)

@@ -19,7 +19,7 @@ from convert.models.qwen3.config import (
     Qwen3Args,
     accepts,
 )
-from convert.models.qwen3.core import KEEP_FP16, cached_blocks, calibration_runner, linear_groups
+from convert.models.qwen3.core import KEEP_FP16, MLP_REBALANCE, cached_blocks, calibration_runner, linear_groups
 from convert.models.qwen3.export import (
     FunctionModule,
     architecture_record,
@@ -31,7 +31,8 @@ from convert.models.qwen3.export import (
 )
 
 __all__ = [
-    "FAMILY", "KEEP_FP16", "PLAN_ALTERNATIVES", "PLAN_FIELDS", "Args", "FunctionModule", "Qwen3Args", "accepts",
+    "FAMILY", "KEEP_FP16", "MLP_REBALANCE", "PLAN_ALTERNATIVES", "PLAN_FIELDS", "Args", "FunctionModule",
+    "Qwen3Args", "accepts",
     "architecture_record", "build_core", "cached_blocks", "calibration_runner", "function_specs", "host_contract",
     "linear_groups", "plan_lines", "reference_layers", "sanitize",
 ]

@@ -12,6 +12,9 @@ from convert.models.qwen3.checkpoint import load_checkpoint_tensors
 from convert.models.qwen3.config import Qwen3Args
 
 KEEP_FP16 = ()  # every 2-D weight of a dense layer is a large linear
+# (the linear the MLP's intermediate is linear in, the linear that reads it): ``convert/weights/rescale.py`` divides
+# the first and multiplies the second by one power of two
+MLP_REBALANCE = ("mlp.up_proj", "mlp.down_proj")
 
 
 class RMSNorm(nn.Module):

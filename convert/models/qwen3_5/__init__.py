@@ -34,6 +34,7 @@ does. The state after any accept is therefore exactly the state of running only 
 """
 
 from convert.export.ane import silu
+from convert.models.qwen3.core import MLP_REBALANCE
 from convert.models.qwen3_5.checkpoint import sanitize
 from convert.models.qwen3_5.config import (
     ANE_HOST_CONTRACT_NAME,
@@ -70,7 +71,7 @@ from convert.models.qwen3_5.gated_delta import (
 
 __all__ = [
     "ANE_HOST_CONTRACT_NAME", "FAMILY", "HOST_CONTRACT_NAME", "HOST_CONTRACT_VERSION", "KEEP_FP16",
-    "PLAN_ALTERNATIVES", "PLAN_FIELDS",
+    "MLP_REBALANCE",    "PLAN_ALTERNATIVES", "PLAN_FIELDS",
     "QUERY_SCALE", "STATE_NAMES", "VALUE_SCALE", "Args", "ChunkMasks", "FunctionModule", "Qwen35Args", "accepts",
     "architecture_record", "build_core", "cached_blocks", "calibration_runner", "causal_conv", "delta_rule",
     "expected_shapes", "function_specs", "host_contract", "linear_groups", "plan_lines", "reference_layers", "sanitize",
