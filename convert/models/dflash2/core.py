@@ -71,9 +71,6 @@ def _split_heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
     return x.view(-1, heads, head_dim) if x.dim() == 2 else x.unflatten(-1, (heads, head_dim))
 
 
-RESIDUAL_WRITERS = ("self_attn.o_proj", "mlp.down_proj")  # a draft layer's linears whose outputs join the stream
-
-
 class DraftLayer(nn.Module):
     """One draft layer over a block [..., T, H]; ``attend(self_attn, x)`` supplies the attention (context + block),
     which differs between the reference, training and the export core. Everything else is shared."""

@@ -13,8 +13,9 @@ from convert.export.functions import ExportModules, FunctionModule, parameters_o
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.dflash2.ane import PROJECTED, RING, DFlash2AneCore, host_contract, ring_mask_name
 from convert.models.dflash2.config import DFlash2Args
-from convert.models.dflash2.core import RESIDUAL_WRITERS, DFlash2Core
+from convert.models.dflash2.core import DFlash2Core
 from convert.models.part import drafter_head_ranges
+from convert.models.qwen3.core import RESIDUAL_WRITERS
 
 
 class DrafterFunction(FunctionModule):

@@ -19,6 +19,7 @@ from convert.models.mtp.core import MTPCore
 from convert.models.mtp.reference import MTPReference
 from convert.models.part import drafter_head_ranges
 from convert.models.qwen3.config import HISTORY
+from convert.models.qwen3.core import RESIDUAL_WRITERS
 
 
 def function_specs(
@@ -106,7 +107,7 @@ def build_modules(
     core = core.to(dtype).eval()  # the buffers (fp32 RoPE tables cast with the core)
     if residual_scale != 1:
         writers = ["fc.weight", *(f"layers.{i}.{w}.weight" for i in range(len(core.layers))
-                                  for w in ("self_attn.o_proj", "mlp.down_proj"))]
+                                  for w in RESIDUAL_WRITERS)]
         head = dataclasses.replace(head, tensors={k: v.float() * residual_scale if k in writers else v
                                                   for k, v in head.tensors.items()})
         for norm in [core.norm, *(n for layer in core.layers

@@ -15,6 +15,8 @@ KEEP_FP16 = ()  # every 2-D weight of a dense layer is a large linear
 # (the linear the MLP's intermediate is linear in, the linear that reads it): ``convert/weights/rescale.py`` divides
 # the first and multiplies the second by one power of two
 MLP_REBALANCE = ("mlp.up_proj", "mlp.down_proj")
+# a decoder layer's linears whose outputs join the residual stream (a drafter's range scale multiplies them)
+RESIDUAL_WRITERS = ("self_attn.o_proj", "mlp.down_proj")
 
 
 class RMSNorm(nn.Module):
