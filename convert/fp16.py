@@ -298,7 +298,7 @@ class DeviceArithmetic(TorchDispatchMode):
     """Dispatch mode: fp16 matrix products and convolutions computed as ``device`` computes them (``ane``:
     ``ane_accumulate`` then ``ane_port``; ``gpu``: ``gpu_accumulate`` then ``gpu_port``), a bias added in fp16 after;
     every other op as torch computes it (an fp16 elementwise op rounds its result, as on the device). With ``peaks``,
-    every product's accumulated output is noted (``port``; in a device's arithmetic its input too, ``input``) and,
+    every product's accumulated output is noted (``port``) with its activations (``input``) and,
     where ``peaks.stores``, every other op's floating result (``store``): without a device, the mode only watches (the
     range of an fp32 run)."""
 

@@ -92,6 +92,15 @@ def build_head(core: nn.Module, args, norm: type[nn.Module]) -> None:
         core.lm_head.weight = core.embed_tokens.weight
 
 
+def stream_norms(core: nn.Module) -> list[nn.Module]:
+    """The norms that read ``core``'s residual stream: each decoder layer's own (its children with an ``eps`` and a
+    ``gain``: the input and post-attention norms) and the final norm where the core has one. A range scale of the
+    stream multiplies their eps by its square (``convert/weights/rescale.py``)."""
+    norms = [m for layer in core.layers for m in layer.children() if hasattr(m, "eps") and hasattr(m, "gain")]
+    final = getattr(core, "norm", None)
+    return norms if final is None else [*norms, final]
+
+
 def part_input(core: nn.Module, input_ids, hidden_states) -> torch.Tensor:
     """The rows [S, H] a part's layers start from: its embedding rows of ``input_ids`` (zero for ids outside them)
     added to the previous part's ``hidden_states``, or those rows alone."""

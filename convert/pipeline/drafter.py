@@ -220,9 +220,8 @@ def range_scale(plan, target: TargetModules, target32: TargetModules, modules, p
     for line in rescale.lines(scales, entries, device, f"{kind} drafter's residual stream"):
         console.print(line)
     own = scales.residual_scale
-    total = own * (target.core.residual_scale if kind == "dflash2" else 1.0)
-    record = rescale.record(rescale.Scales(round(-math.log2(total))), entries, device, 1)
-    return own, Rescale.model_validate(record)
+    stream = own * (target.core.residual_scale if kind == "dflash2" else 1.0)  # a DFlash2 stream starts scaled
+    return own, Rescale.model_validate({**rescale.record(scales, entries, device, 1), "residual_scale": stream})
 
 
 def _head_weight(head: torch.nn.Module) -> torch.Tensor:

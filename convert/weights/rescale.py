@@ -34,6 +34,7 @@ from torch import nn
 from convert.errors import GateError
 from convert.fp16 import Peaks, limits
 from convert.models import family_of
+from convert.models.part import stream_norms
 
 HEADROOM = 4.0  # every rescaled tensor's peak at most its limit / HEADROOM on the data measured
 RESIDUAL, MLP = "residual", "mlp"
@@ -189,10 +190,7 @@ def fold_constants(core: nn.Module, scales: Scales) -> None:
     s = scales.residual_scale
     if core.part.embedding is not None:
         core.residual_scale = s
-    norms = [m for layer in core.layers for m in layer.children() if hasattr(m, "eps") and hasattr(m, "gain")]
-    if core.part.head is not None:
-        norms.append(core.norm)
-    for norm in norms:
+    for norm in stream_norms(core):
         norm.eps *= s * s
 
 

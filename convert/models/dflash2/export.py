@@ -14,7 +14,7 @@ from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.dflash2.ane import PROJECTED, RING, DFlash2AneCore, host_contract, ring_mask_name
 from convert.models.dflash2.config import DFlash2Args
 from convert.models.dflash2.core import DFlash2Core
-from convert.models.part import drafter_head_ranges
+from convert.models.part import drafter_head_ranges, stream_norms
 from convert.models.qwen3.core import RESIDUAL_WRITERS
 
 
@@ -144,8 +144,7 @@ def build_modules(args: DFlash2Args, tensors: dict[str, torch.Tensor], lm_head_w
             tensors["fc.weight"] = tensors["fc.weight"].float() * (residual_scale / taps_scale)
         mask_embedding = mask_embedding.float() * residual_scale
         core.residual_scale = residual_scale
-        for norm in [core.hidden_norm, core.norm, *(n for layer in core.layers
-                                                   for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
+        for norm in [core.hidden_norm, *stream_norms(core)]:
             norm.eps *= residual_scale**2
     core.load_weights(tensors)
     core.set_target(lm_head_weight, mask_embedding, mask_scale)

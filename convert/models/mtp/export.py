@@ -17,7 +17,7 @@ from convert.models.mtp.checkpoint import HeadWeights, borrowed_tables
 from convert.models.mtp.config import DRAFT_STEPS, STATE_NAMES, MTPArgs
 from convert.models.mtp.core import MTPCore
 from convert.models.mtp.reference import MTPReference
-from convert.models.part import drafter_head_ranges
+from convert.models.part import drafter_head_ranges, stream_norms
 from convert.models.qwen3.config import HISTORY
 from convert.models.qwen3.core import RESIDUAL_WRITERS
 
@@ -110,8 +110,7 @@ def build_modules(
                                   for w in RESIDUAL_WRITERS)]
         head = dataclasses.replace(head, tensors={k: v.float() * residual_scale if k in writers else v
                                                   for k, v in head.tensors.items()})
-        for norm in [core.norm, *(n for layer in core.layers
-                                  for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
+        for norm in stream_norms(core):
             norm.eps *= residual_scale**2
     core.load_weights(head, embed_tokens, lm_head)
     for p in core.parameters():
