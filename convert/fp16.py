@@ -182,13 +182,27 @@ class Peaks:
         ``only``: note stores and outputs of this dtype alone (a device pass: what the device holds in fp16);
         ``stores``: note every op's result too (kind ``store``; a pass with them is about a third slower)."""
         self.only, self.stores = only, stores
-        self.names = {}
-        for prefix, root in roots.items():
-            for name, module in root.named_modules():
-                self.names.setdefault(id(module), f"{prefix}.{name}" if name else prefix)
+        self.names: dict[int, str] = {}
+        self.name(**roots)
         self.peaks: dict[tuple[str, str], float] = {}
         self.nonfinite: dict[tuple[str, str], int] = {}
         self._running: list[str] = []
+
+    def name(self, renamed: dict[str, str] | None = None, own: bool = True, **roots: nn.Module) -> None:
+        """Note the modules under ``roots`` (these alone from now on: a streamed stage names each piece it loads),
+        each name prefixed with its keyword; ``renamed``: a name's leading components replaced (a piece's
+        ``layers.0`` is the whole model's ``layers.7``); ``own``: the roots themselves too (a streamed piece's root
+        returns what its last layer did)."""
+        self.names = {}
+        for prefix, root in roots.items():
+            for name, module in root.named_modules():
+                if not name and not own:
+                    continue
+                for old, new in (renamed or {}).items():
+                    if name == old or name.startswith(f"{old}."):
+                        name = new + name[len(old):]
+                        break
+                self.names.setdefault(id(module), f"{prefix}.{name}" if name else prefix)
 
     def where(self) -> str:
         return self._running[-1] if self._running else "(outside the modules)"

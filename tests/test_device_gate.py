@@ -29,7 +29,7 @@ target:
   graphs: {{prefill: 32, decode: 1, verify: 8}}
   context: 128
   layout: {layout}
-  rescale: {rescale}
+  rescale: {rescale}{parts}
   gate:
     data: {{samples: 2, length: 64}}
     greedy_tokens: 8
@@ -37,11 +37,13 @@ backends: [{backends}]
 """
 
 
-def build(tmp: Path, source: Path, layout: str, rescale: bool = True,
-          backends: str = "coreai") -> tuple[int, str, Path]:
-    name = f"{source.name}-{layout}-{'scaled' if rescale else 'raw'}"
+def build(tmp: Path, source: Path, layout: str, rescale: bool = True, backends: str = "coreai",
+          parted: bool = False) -> tuple[int, str, Path]:
+    """``parted``: the target ships as 5 parts (embedding, 3 + 3 + 2 layers, head), gated one piece at a time."""
+    name = f"{source.name}-{layout}-{'scaled' if rescale else 'raw'}{'-parted' if parted else ''}"
     recipe = tmp / f"{name}.yaml"
-    recipe.write_text(RECIPE.format(source=source, layout=layout, rescale=str(rescale).lower(), backends=backends))
+    recipe.write_text(RECIPE.format(source=source, layout=layout, rescale=str(rescale).lower(), backends=backends,
+                                    parts="\n  max_part_mb: 8" if parted else ""))
     out = tmp / f"{name}-bundle"
     result = CliRunner().invoke(main, ["build", str(recipe), "--output", str(out)])
     return result.exit_code, result.output, out
@@ -166,3 +168,36 @@ def test_the_artifact_check_holds_the_package_to_the_fp32_reference():
                                      0.05)
     assert not bad.passed and bad.error.startswith(f"greedy step 3: the package gives id {wrong[3]}, the fp32 "
                                                    f"reference {generated[3]}")
+
+
+@pytest.mark.parametrize("layout", ["stateful", pytest.param("ane", marks=HEAVY)])
+def test_a_parted_build_measures_and_folds_its_scales_one_piece_at_a_time(tmp_path, scaled, layout):
+    """A target that ships as parts (the 27B recipes do) is measured one piece at a time (the streamed range stage),
+    its weights read with the scales folded part by part, its streamed gate's device pass run, its chained parts'
+    greedy ids held against the fp32 reference: the bundle generates the reference's ids."""
+    code, output, out = build(tmp_path, scaled["residual"], layout, parted=True)
+    assert code == 0, output
+    assert re.search(r"range \((gpu|ane), headroom 4x\): residual stream x 1/8,", output), output
+    m = json.loads((out / "manifest.json").read_text())
+    assert len(m["parts"]) == 5 and m["rescale"]["residual_scale"] == 0.125 and m["rescale"]["mlp_scales"] == {}
+    device = m["gate"]["device"]
+    assert device["passed"] and device["windows"] == 1 and device["metrics"]["greedy_match"] == 1.0
+    assert device["range"]["over"] == [] and device["range"]["checked"] > 100
+    artifact = m["gate"]["artifact"]
+    assert artifact["passed"] and artifact["reference_compared"] >= 5 and artifact["argmax_compared"] >= 20
+    ids, want = reference_ids(scaled["residual"], 8)
+    result = CliRunner().invoke(main, ["generate", str(out), "--prompt", PROMPT, "-n", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.output.strip().splitlines()[-1])
+    assert got["prompt_ids"] == ids and got["generated_ids"] == want
+
+
+def test_without_the_rescale_a_parted_gate_fails_naming_the_tensor(tmp_path, scaled):
+    """The streamed gate's device pass judges the range one piece at a time, under the whole target's layer names."""
+    code, output, out = build(tmp_path, scaled["residual"], "stateful", rescale=False, parted=True)
+    assert code == 1, output
+    line = next(line for line in output.splitlines() if line.startswith("error: numeric gate failed"))
+    assert re.search(r"range \(gpu\): target\.layers\.\d+ \(output\)", line), line
+    assert not out.exists()
+    report = json.loads((tmp_path / f"{out.name}.gate_report.json").read_text())
+    assert report["device"]["range"]["passed"] is False and all(m["passed"] for m in report["metrics"])

@@ -75,11 +75,7 @@ def shipped_modules(plan: Plan, cache: BuildCache | None = None,
         scales, record = range_stage(plan, measured)
         if not scales.identity:
             measured = None
-            if quant.format == "exact2":
-                raise rescale.RangeError(
-                    f"{plan.recipe_path}: target.quantization exact: the pack's tensors need the range scales above, "
-                    "which are not folded into a pack's own codes yet; set target.rescale: false to ship the pack's "
-                    "magnitudes as they are (the device pass judges them)")
+            _refuse_exact_scales(plan, scales)
     result = quantize_stage(plan, cache or BuildCache(), file_hashes, in_memory=True, scales=scales)
     modules = measured if measured is not None else _load_modules(plan, scales)
     modules.rescale = record
@@ -87,6 +83,16 @@ def shipped_modules(plan: Plan, cache: BuildCache | None = None,
         return modules, None
     apply_quantized(modules.core, dict(result.items()))
     return modules, _quantization_record(quant, result, modules)
+
+
+def _refuse_exact_scales(plan: Plan, scales: rescale.Scales) -> None:
+    """An ``exact`` pack whose tensors need range scales is refused (``RangeError``): they are not folded into a
+    pack's own codes yet."""
+    if not scales.identity and plan.recipe.target.quantization.format == "exact2":
+        raise rescale.RangeError(
+            f"{plan.recipe_path}: target.quantization exact: the pack's tensors need the range scales above, "
+            "which are not folded into a pack's own codes yet; set target.rescale: false to ship the pack's "
+            "magnitudes as they are (the device pass judges them)")
 
 
 def _load_modules(plan: Plan, scales: rescale.Scales) -> TargetModules:
@@ -139,7 +145,7 @@ def gate(plan: Plan, cache: BuildCache, source_files, compute: Callable[[GatePas
 
 @dataclass(frozen=True)
 class GatePasses:
-    """``gates.run_streamed_gates``'s ``keep``: the streamed gate's candidate windows and reference windows, each a
+    """``gates.run_streamed_gates``'s ``keep``: the streamed gate's candidate, device-pass and reference windows, each a
     build cache entry (stage ``GATE_PASSES_STAGE``, under the gate's key) as soon as it is computed, restored from
     there when the gate runs again, their logits mapped from the entry's file. Picklable: the gate of a large target
     runs in a process of its own."""
@@ -159,7 +165,7 @@ class GatePasses:
 
     def discard(self) -> None:
         cache = BuildCache(self.root)
-        for name in ("candidate", "reference"):
+        for name in ("candidate", "device", "reference"):
             cache.remove(GATE_PASSES_STAGE, self._key(name))
 
     def _key(self, name: str) -> str:
@@ -180,10 +186,12 @@ def _print_gate(report: GateReport, report_path: Path | None) -> None:
 
 
 def parts_loader(plan: Plan, cache: BuildCache, stack: ExitStack, file_hashes: dict[str, str] | None = None):
-    """A ``convert.weights.shipped.PartLoader`` of the plan's target: quantized (when the recipe says so) into
-    ``cache``, or into a scratch cache beside the output (removed when ``stack`` closes) when it is disabled
-    (``--no-cache``)."""
-    return PartLoader(plan, quantize_stage(plan, parts_cache(plan, cache, stack), file_hashes))
+    """A ``convert.weights.shipped.PartLoader`` of the plan's target as the build ships it: the range scales chosen
+    (``streamed_range_stage``) and folded, quantized (when the recipe says so) into ``cache``, or into a scratch cache
+    beside the output (removed when ``stack`` closes) when it is disabled (``--no-cache``)."""
+    scales = streamed_range_stage(plan)[0] if plan.recipe.target.rescale else rescale.Scales()
+    _refuse_exact_scales(plan, scales)
+    return PartLoader(plan, quantize_stage(plan, parts_cache(plan, cache, stack), file_hashes, scales=scales), scales)
 
 
 def parts_cache(plan: Plan, cache: BuildCache, stack: ExitStack) -> BuildCache:
@@ -283,14 +291,20 @@ def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
 
 
 def _artifact_of_whole(plan: Plan, modules: TargetModules, done, report: GateReport, failed_report: Path):
-    """The artifact gate of a whole target: its Core AI package check's run, and that run's greedy ids against the
-    fp32 reference's (``gates.artifact_against_reference``); a failure writes the report and fails the build."""
-    result = gates.artifact_from_check(done.path.name, done.check, done.check_seconds)
-    with stage("artifact gate: the package's greedy ids against the fp32 reference's"):
-        prompt = checks.check_prompt(modules.widths, modules.core.args.vocab_size)
-        generated = [int(i) for i in str(done.check["greedy_ids"]).split()]
-        result = gates.artifact_against_reference(result, gates.load_reference(plan.snapshot.directory), prompt,
-                                                  generated, report.thresholds.near_tie_margin)
+    """The artifact gate of a whole target: its Core AI package check's run (``_held_to_reference``)."""
+    return _held_to_reference(plan, gates.artifact_from_check(done.path.name, done.check, done.check_seconds),
+                              modules, report, failed_report)
+
+
+def _held_to_reference(plan: Plan, result: gates.ArtifactResult, modules: TargetModules, report: GateReport,
+                       failed_report: Path) -> gates.ArtifactResult:
+    """An artifact gate's run, and its greedy ids (when it made a greedy run from the check's prompt) against the fp32
+    reference's (``gates.artifact_against_reference``); a failure of either writes the report and fails the build."""
+    if result.passed and result.greedy_ids:
+        with stage("artifact gate: the package's greedy ids against the fp32 reference's"):
+            prompt = checks.check_prompt(modules.widths, modules.core.args.vocab_size)
+            result = gates.artifact_against_reference(result, gates.load_reference(plan.snapshot.directory), prompt,
+                                                      result.greedy_ids, report.thresholds.near_tie_margin)
     if not result.passed:
         report.artifact = result
         _print_gate(report, failed_report)
@@ -333,11 +347,19 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, 
     the whole modules, their quantized weights as packed codes, with a loader of their decoder layers again (the
     drafter stage lets them go while it quantizes the drafter; ``stack`` keeps a scratch cache until then)."""
     run = in_fresh_process if plan.parameter_count > CHAINED_RUN_PARAMETERS else in_this_process
-    result = run(quantize_stage, plan, parts_cache(plan, cache, stack), {r.path: r.sha256 for r in source_files})
-    report = gate(plan, cache, source_files, lambda passes, settings: run(_gate_parts, plan, result, passes, settings),
-                  failed_report)
-    loader = PartLoader(plan, result)
-    packages, parts = _package_parts(plan, loader, out, cache, report)
+    scales, ranged = run(streamed_range_stage, plan) if plan.recipe.target.rescale else (rescale.Scales(), None)
+    _refuse_exact_scales(plan, scales)
+    result = run(quantize_stage, plan, parts_cache(plan, cache, stack), {r.path: r.sha256 for r in source_files},
+                 False, scales)
+
+    def gated(passes, settings) -> GateReport:
+        report = run(_gate_parts, plan, result, scales, passes, settings)
+        report.rescale = ranged
+        return report
+
+    report = gate(plan, cache, source_files, gated, failed_report)
+    loader = PartLoader(plan, result, scales)
+    packages, parts = _package_parts(plan, loader, out, cache, report, failed_report)
     # the record reads every unit back (the tables' codes too) and needs only the core's names and shapes: from the
     # outline, before the tables load (measured at the 27B width: the finish peaked at 13.9 GiB the other way round,
     # 9.2 GiB this way)
@@ -358,8 +380,20 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, 
     return manifest, whole, lambda: lean_whole().core.layers
 
 
-def _gate_parts(plan: Plan, result: QuantizeResult | None, passes: GatePasses | None, settings) -> GateReport:
-    return gates.gate_streamed(plan, PartLoader(plan, result), passes, settings)
+def _gate_parts(plan: Plan, result: QuantizeResult | None, scales: rescale.Scales, passes: GatePasses | None,
+                settings) -> GateReport:
+    return gates.gate_streamed(plan, PartLoader(plan, result, scales), passes, settings)
+
+
+def streamed_range_stage(plan: Plan) -> tuple[rescale.Scales, Rescale]:
+    """``range_stage`` of a parted target, one piece at a time (``gates.streamed_range_scales``) over the
+    checkpoint's weights as they are."""
+    _, data = gates.recipe_gate(plan)
+    device = gates.DEVICE_OF_LAYOUT[plan.recipe.target.layout]
+    windows = plan.recipe.target.gate.device_samples
+    with stage(f"range: fp32 peaks on {max(1, windows)} gate windows against the {device}'s limits, one piece at a "
+               "time"):
+        return gates.streamed_range_scales(PartLoader(plan, None), data, device, windows)
 
 
 def tables_part(args) -> Part:
@@ -367,8 +401,8 @@ def tables_part(args) -> Part:
     return Part("tables", args.vocab_size, embedding=(0, args.vocab_size), head=(0, args.vocab_size))
 
 
-def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache,
-                   report: GateReport) -> tuple[list[dict], list[dict]]:
+def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache, report: GateReport,
+                   failed_report: Path) -> tuple[list[dict], list[dict]]:
     """Package, check and compile each part (``convert/pipeline/partition.py``), no package over
     ``target.max_part_mb``, each part's check replaying the calls it made in the chained torch parts. The Core AI
     checks are the artifact gate: the parts chained on the runtime in lockstep with the torch parts, or, above
@@ -383,7 +417,7 @@ def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache,
         rows = [None] * len(schedule)
         for i in range(len(parts)):
             entries, record, coreai, rows = in_fresh_process(_package_part, plan, loader.result, i, out, cache,
-                                                             schedule, rows)
+                                                             schedule, rows, loader.scales)
             packages += entries
             records.append(record)
             checked += coreai
@@ -401,7 +435,8 @@ def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache,
             f"{len(checked)} parts, each replayed on its own (the chained run is above {CHAINED_RUN_PARAMETERS:,} " \
             "parameters)"
         with stage(f"artifact gate: {what}"):
-            report.artifact = gates.artifact_of_parts(checked, parts, pieces, target.taps, loader.outline, not short)
+            result = gates.artifact_of_parts(checked, parts, pieces, target.taps, loader.outline, not short)
+        report.artifact = _held_to_reference(plan, result, loader.outline, report, failed_report)
     return packages, records
 
 
@@ -414,14 +449,15 @@ def short_schedule_inputs(loader: PartLoader, vocab: int) -> list[tuple[str, dic
 
 
 def _package_part(plan: Plan, result: QuantizeResult | None, index: int, out: Path, cache: BuildCache,
-                  schedule: list, rows: list) -> tuple[list[dict], dict, list, list]:
+                  schedule: list, rows: list,
+                  scales: rescale.Scales | None = None) -> tuple[list[dict], dict, list, list]:
     """Part ``index`` of a target above ``CHAINED_RUN_PARAMETERS`` alone: loaded, its calls of the short
     ``schedule`` recorded from the previous part's ``rows``, its quantized linears' dense weights released, packaged
     one format after the other (their packaging memory in turn). What ``_package_piece`` returns, and the rows for
     the next part."""
     part = plan.parts[index]
     with stage(f"load part {part.name} ({index + 1} of {len(plan.parts)})"):
-        piece = PartLoader(plan, result).load([part])[0]
+        piece = PartLoader(plan, result, scales).load([part])[0]
         calls, rows = part_calls(piece, schedule, rows)
     release_dense_weights(piece.core)  # packaged from codes and tables: 2 bytes a quantized weight less
     return *_package_piece(plan, part, piece, calls, out, cache, side_by_side=False), rows

@@ -68,7 +68,7 @@ from convert.export.lockstep import over_sessions
 from convert.fp16 import Peaks, device_arithmetic, limits
 from convert.inputs.thresholds import GateThresholds, default_thresholds
 from convert.models import family_of
-from convert.models.part import HIDDEN_OUT
+from convert.models.part import HIDDEN_OUT, Part
 from convert.progress import bar as progress_bar
 from convert.progress import console, steps
 from convert.runtime.chain import coreai_chain, coreai_functions, link_inputs, module_chain
@@ -264,6 +264,7 @@ class ArtifactResult(BaseModel):
     max_output_delta: float = 0.0
     reference_compared: int = 0
     reference_near_ties: int = 0
+    greedy_ids: list[int] = []  # the package's greedy run (``checks.check_calls``), when it made one
     seconds: float
 
 
@@ -351,7 +352,7 @@ class GateReport(BaseModel):
             "data": self.data.model_dump(),
             "thresholds": self.thresholds.model_dump(),
             "metrics": {m.name: m.value for m in self.metrics},
-            "artifact": None if self.artifact is None else self.artifact.model_dump(exclude={"seconds"}),
+            "artifact": None if self.artifact is None else self.artifact.model_dump(exclude={"seconds", "greedy_ids"}),
             "device": None if self.device is None else {
                 "device": self.device.device, "windows": self.device.windows, "passed": self.device.passed,
                 "metrics": {m.name: m.value for m in self.device.metrics},
@@ -457,6 +458,13 @@ def device_pass(reference, modules: TargetModules, windows: list[list[int]], kep
         stats.add(index, ref, cand, thresholds.near_tie_margin)
         stats.add_greedy(ref.greedy, cand.greedy)
         advance()
+    return _device_result(stats, thresholds, device, len(windows), RangeReport.of(device, peaks),
+                          time.perf_counter() - start)
+
+
+def _device_result(stats: _Stats, thresholds: GateThresholds, device: str, windows: int, range_report: RangeReport,
+                   seconds: float) -> DevicePass:
+    """A device pass's metrics on its own bars (the rest reported, not gated) and its range verdict."""
     th = thresholds
     gated = {"kl_mean": (th.device_mean_kl_max, "max"), "top1": (th.device_top1_min, "min"),
              "greedy_match": (th.device_greedy_match_min, "min")}
@@ -466,8 +474,7 @@ def device_pass(reference, modules: TargetModules, windows: list[list[int]], kep
             metrics.append(Metric.gated(m.name, m.value, *gated[m.name]))
         elif m.name not in ("kl_p99", "block_chain_real_flips"):
             metrics.append(Metric(name=m.name, value=m.value, threshold=None, bound=None, passed=True))
-    return DevicePass(device=device, windows=len(windows), metrics=metrics, range=RangeReport.of(device, peaks),
-                      seconds=time.perf_counter() - start)
+    return DevicePass(device=device, windows=windows, metrics=metrics, range=range_report, seconds=seconds)
 
 
 def measure_range(modules: TargetModules, windows: list[list[int]], seed: int, greedy_tokens: int = 1) -> Peaks:
@@ -489,16 +496,41 @@ def range_scales(modules: TargetModules, data: EvalData, device: str, windows: i
     they are) on the first ``windows`` windows of ``data`` within ``device``'s limits, and their record, printed.
     Raises ``rescale.RangeError`` where no scale reaches a tensor past its limit."""
     tokens = data.tokens.tolist()[:max(1, windows)]
-    peaks = measure_range(modules, tokens, data.identity.seed)
-    scales, entries = rescale.choose(peaks, device, rescale.classes(modules.core, "target"), "target")
+    return _chosen(measure_range(modules, tokens, data.identity.seed), modules.core, device, len(tokens))
+
+
+def streamed_range_scales(loader, data: EvalData, device: str, windows: int) -> tuple[rescale.Scales, Rescale]:
+    """``range_scales`` one piece of the target at a time (``streamed_candidate``; ``loader``: a
+    ``convert.weights.shipped.PartLoader`` of the checkpoint's weights as they are: neither quantized nor scaled)."""
+    tokens = data.tokens.tolist()[:max(1, windows)]
+    outline, peaks = loader.outline, Peaks()
+    streamed_candidate(loader, tokens, list(outline.core.taps), 1, default_probe(outline),
+                       torch.Generator().manual_seed(data.identity.seed), peaks=peaks, what="range: the fp32 run")
+    return _chosen(peaks, outline.core, device, len(tokens))
+
+
+def _chosen(peaks: Peaks, core, device: str, windows: int) -> tuple[rescale.Scales, Rescale]:
+    """The scales ``rescale.choose`` takes from ``peaks`` (named under ``target``, as ``core``'s layers are numbered),
+    printed, and their record."""
+    scales, entries = rescale.choose(peaks, device, rescale.classes(core, "target"), "target")
     for line in rescale.lines(scales, entries, device):
         console.print(line)
-    return scales, Rescale.model_validate(rescale.record(scales, entries, device, len(tokens)))
+    return scales, Rescale.model_validate(rescale.record(scales, entries, device, windows))
+
+
+@dataclass
+class _DeviceRun:
+    """A streamed device pass's candidate windows, its range verdict and its seconds (kept as one)."""
+
+    windows: list[_Window]
+    range: RangeReport
+    seconds: float
 
 
 def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThresholds,
                        taps: list[int] | None = None, greedy_tokens: int = 16,
-                       probe_accepts: tuple[int, ...] | None = None, keep=None) -> GateReport:
+                       probe_accepts: tuple[int, ...] | None = None, keep=None, device: str | None = None,
+                       device_windows: int = 0) -> GateReport:
     """``run_gates`` for a target larger than memory: the transformers reference (``convert.verify.reference``) and the
     candidate (``loader``: a ``convert.weights.shipped.PartLoader``) each hold one decoder layer at a time, running
     every window's calls through it before the next is loaded. The candidate runs first (each greedy token one more
@@ -506,7 +538,9 @@ def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThr
     follows the candidate's in one pass (``_reference_window``). The same schedule, arithmetic and metrics as
     ``run_gates``. ``keep(name, compute)``: where the candidate's windows (``"candidate"``) and the reference's
     (``"reference"``) are kept once computed and restored from when the gate runs again (``build.GatePasses``: at
-    27B each takes about an hour); without it they are computed."""
+    27B each takes about an hour); without it they are computed. ``device``, ``device_windows``: ``run_gates``'
+    device pass, its candidate streamed too (``"device"``), before the reference, whose one pass then also computes
+    the windows where the device's greedy ids part from the fp32 candidate's."""
     start = time.perf_counter()
     outline = loader.outline
     taps = list(outline.core.taps) if taps is None else list(taps)
@@ -522,18 +556,44 @@ def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThr
     candidates = keep("candidate", lambda: streamed_candidate(
         loader, windows, taps, greedy_tokens, probe_accepts, torch.Generator().manual_seed(data.identity.seed),
         consume=spill))
-    references = keep("reference", lambda: streamed_reference(source, windows, taps,
-                                                              [cand.greedy for cand in candidates]))
+    seed = data.identity.seed
+    count = min(device_windows, len(windows)) if device else 0
+    devices = keep("device", lambda: _streamed_device_run(loader, windows[:count], taps, greedy_tokens, probe_accepts,
+                                                          seed, device, spill)) if count else None
+    parted = [w for w in range(count) if devices.windows[w].greedy != candidates[w].greedy]
+    references = keep("reference", lambda: streamed_reference(
+        source, windows + [windows[w] for w in parted], taps,
+        [cand.greedy for cand in candidates] + [devices.windows[w].greedy for w in parted]))
+    device_result = None
+    if count:
+        device_stats = _Stats(taps)
+        for w, cand in enumerate(devices.windows):
+            ref = references[len(windows) + parted.index(w)] if w in parted else references[w]
+            device_stats.add(w, ref, cand, thresholds.near_tie_margin)
+            device_stats.add_greedy(ref.greedy, cand.greedy)
+        device_result = _device_result(device_stats, thresholds, device, count, devices.range, devices.seconds)
+        devices = None
     stats = _Stats(taps)
-    for index, (ref, cand) in enumerate(zip(references, candidates, strict=True)):
+    for index, (ref, cand) in enumerate(zip(references[:len(windows)], candidates, strict=True)):
         stats.add(index, ref, cand, thresholds.near_tie_margin)
         stats.add_greedy(ref.greedy, cand.greedy)
         references[index] = candidates[index] = None  # each window's logits freed once read
     report = _report(stats, thresholds, data, "export modules, weights as shipped (float16), computed in float32, "
                      "one layer at a time", greedy_tokens, start)
-    report.not_run.append(NotRun(what="device pass (the shipped modules in the device's arithmetic)", reason=(
-        "not wired into the streamed gate yet (issue #40): at this size the range is not checked")))
+    report.device = device_result
     return report
+
+
+def _streamed_device_run(loader, windows: list[list[int]], taps: list[int], greedy_tokens: int,
+                         probe_accepts: tuple[int, ...], seed: int, device: str, consume) -> _DeviceRun:
+    """``device_pass``'s candidate one piece at a time: the fp16 pieces in ``device``'s arithmetic, every product's
+    input and port and every module's output watched, the same schedule and seeded drafts as the fp32 candidate's."""
+    start = time.perf_counter()
+    peaks = Peaks(only=torch.float16)
+    windows = streamed_candidate(loader, windows, taps, greedy_tokens, probe_accepts,
+                                 torch.Generator().manual_seed(seed), torch.float16, consume, peaks, device,
+                                 what=f"numeric gate: the device pass ({device})")
+    return _DeviceRun(windows, RangeReport.of(device, peaks), time.perf_counter() - start)
 
 
 def _report(stats: _Stats, thresholds: GateThresholds, data: EvalData, candidate: str, greedy_tokens: int,
@@ -545,7 +605,8 @@ def _report(stats: _Stats, thresholds: GateThresholds, data: EvalData, candidate
 
 def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy_tokens: int,
                        probe_accepts: tuple[int, ...], generator: torch.Generator,
-                       compute_dtype: torch.dtype = torch.float32, consume=None) -> list[_Window]:
+                       compute_dtype: torch.dtype = torch.float32, consume=None, peaks: Peaks | None = None,
+                       device: str | None = None, what: str = "numeric gate: the candidate") -> list[_Window]:
     """``_candidate_window`` of every window, one piece of the target in memory at a time (``loader.units()``: the
     embedding, each decoder layer, the head, each a part with the part functions of ``convert/pipeline/partition.py``).
     Steps 1-3 depend on no output: each piece runs every window's calls, from a fresh state, on the rows the previous
@@ -553,7 +614,9 @@ def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy
     returned, and keeps its state per window (on disk: a 27B's states are about 1 GB a window in fp32); each greedy
     token is one more pass, restoring and keeping those states. ``consume(index, window)``: called with each window
     once its logits, taps, probe and first greedy id are computed; the windows returned keep them as ``consume``
-    left them."""
+    left them. ``device`` (``convert.fp16.device_arithmetic``): each piece computes in that device's arithmetic;
+    ``peaks``: noted as each piece computes, under the whole target's names (``target.layers.i``); with either, the
+    windows run one after the other in this thread (the arithmetic and the watch are this thread's), not in step."""
     outline = loader.outline
     widths, args = outline.widths, outline.core.args
     returned, hidden = list(outline.core.taps), args.hidden_size
@@ -580,16 +643,29 @@ def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy
                 else:
                     piece.modules.states()[name].copy_(value)
 
-        def hosts(unit) -> list[ModuleFunctions]:
-            """A host per window session over the piece (the ane layout's buffers carry between calls), its fp16
-            weights computing in ``compute_dtype`` a block at a time, so that the sessions run in step read each
-            block once (``export.lockstep``)."""
+        watched = peaks is not None or device is not None
+
+        def each(unit: Part, work) -> None:
+            """``work(host, window)`` of every window over a host per window session of the unit's piece (the ane
+            layout's buffers carry between calls), its fp16 weights computing in ``compute_dtype`` a block at a
+            time, so that the sessions run in step read each block once (``export.lockstep``); one host, in this
+            thread, when ``watched``."""
             piece = compute_copy(loader.load([unit])[0], compute_dtype, share_weights=True)
-            return [ModuleFunctions(piece)] + [ModuleFunctions(piece.session()) for _ in windows[1:]]
+            hosts = [ModuleFunctions(piece)] + [ModuleFunctions(piece.session()) for _ in windows[1:]]
+            if not watched:
+                over_sessions(len(windows), hosts, work)
+                return
+            if peaks is not None:
+                peaks.name({"layers.0": f"layers.{unit.layer_indices[0]}"} if unit.layer_indices else None,
+                           own=False, target=piece.core)
+            with device_arithmetic(device, peaks):
+                for w in range(len(windows)):
+                    work(hosts[0], w)
 
         passes = greedy_tokens
-        with steps(f"numeric gate: the candidate, one piece at a time, the windows in step ({len(units)} pieces x "
-                   f"{passes} passes)", len(units) * passes, "loads") as advance:
+        in_step = "one window after the other" if watched else "the windows in step"
+        with steps(f"{what}, one piece at a time, {in_step} ({len(units)} pieces x {passes} passes)",
+                   len(units) * passes, "loads") as advance:
             rows = [[None] * len(calls) for calls in schedules]
             tapped = [[{} for _ in calls] for calls in schedules]
             for u, unit in enumerate(units):
@@ -614,7 +690,7 @@ def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy
                         if consume is not None:
                             consume(w, results[w])
 
-                over_sessions(len(windows), hosts(unit), first)
+                each(unit, first)
                 advance()
             for step in range(1, greedy_tokens):
                 given = [drivers[w].inputs("decode", [results[w].greedy[-1]], len(windows[w]) + step - 1)
@@ -631,7 +707,7 @@ def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy
                         if unit.head is not None:
                             results[w].greedy.append(int(got["argmax_ids"][0, 0]))
 
-                    over_sessions(len(windows), hosts(unit), later)
+                    each(unit, later)
                     advance()
     return results
 
@@ -679,7 +755,7 @@ def lockstep_result(runtime, reference, modules: TargetModules, package: str, sc
                               seconds=time.perf_counter() - start)
     keys = ("runtime_calls", "argmax_compared", "argmax_near_ties", "max_output_delta")
     return ArtifactResult(package=package, passed=True, scope=scope, seconds=time.perf_counter() - start,
-                          **{k: stats[k] for k in keys})
+                          greedy_ids=[int(i) for i in stats["greedy_ids"].split()], **{k: stats[k] for k in keys})
 
 
 def artifact_of_parts(checked: list, parts: list, pieces: list, taps, modules: TargetModules,
@@ -707,7 +783,9 @@ def artifact_of_parts(checked: list, parts: list, pieces: list, taps, modules: T
 def artifact_from_check(package: str, check: dict, seconds: float) -> ArtifactResult:
     """The build's Core AI package check (``checks.check_package``) is this gate's run: record it as such."""
     keys = ("runtime_calls", "argmax_compared", "argmax_near_ties", "max_output_delta")
-    return ArtifactResult(package=package, passed=True, seconds=seconds, **{k: check[k] for k in keys})
+    return ArtifactResult(package=package, passed=True, seconds=seconds,
+                          greedy_ids=[int(i) for i in str(check.get("greedy_ids", "")).split()],
+                          **{k: check[k] for k in keys})
 
 
 def artifact_against_reference(result: ArtifactResult, reference, prompt: list[int], generated: list[int],
@@ -752,8 +830,10 @@ def gate_streamed(plan, loader, keep=None,
     """``gate_target`` one layer at a time (``run_streamed_gates``, with its ``keep``; ``loader``: a
     ``convert.weights.shipped.PartLoader``)."""
     thresholds, data = settings or recipe_gate(plan)
-    return run_streamed_gates(plan.snapshot.directory, loader, data, thresholds,
-                              greedy_tokens=plan.recipe.target.gate.greedy_tokens, keep=keep)
+    gate = plan.recipe.target.gate
+    return run_streamed_gates(plan.snapshot.directory, loader, data, thresholds, greedy_tokens=gate.greedy_tokens,
+                              keep=keep, device=DEVICE_OF_LAYOUT[plan.recipe.target.layout],
+                              device_windows=gate.device_samples)
 
 
 def recipe_gate(plan) -> tuple[GateThresholds, EvalData]:

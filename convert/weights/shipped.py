@@ -20,16 +20,18 @@ from convert.export.spec import SHIP_DTYPE
 from convert.inputs.checkpoint import open_checkpoint
 from convert.models import family_of
 from convert.models.part import Part
+from convert.weights import rescale
 from convert.weights.quantize import QuantizeResult
 from convert.weights.stream import Streamer, release_free_memory, skeleton
 from convert.weights.target import TargetModules, modules_over
 
 
 class PartLoader:
-    """Loads parts of ``plan``'s target with the weights as they ship (``result``: the quantize stage's, or None)."""
+    """Loads parts of ``plan``'s target with the weights as they ship (``result``: the quantize stage's, or None;
+    ``scales``: the range scales folded as the weights are read, ``convert/weights/rescale.py``)."""
 
-    def __init__(self, plan, result: QuantizeResult | None):
-        self.plan, self.result = plan, result
+    def __init__(self, plan, result: QuantizeResult | None, scales: rescale.Scales | None = None):
+        self.plan, self.result, self.scales = plan, result, scales or rescale.Scales()
         self.reader = open_checkpoint(plan.snapshot.directory)
         self.outline = modules_over(skeleton(plan.args, plan.recipe.target, SHIP_DTYPE, SHIP_DTYPE, "cpu"), plan.args,
                                     plan.recipe.target, SHIP_DTYPE)
@@ -43,7 +45,9 @@ class PartLoader:
         plan = self.plan
         release_free_memory()
         core = skeleton(plan.args, plan.recipe.target, SHIP_DTYPE, SHIP_DTYPE, "cpu")
-        streamer = Streamer(core, self.reader, plan.layout, SHIP_DTYPE, SHIP_DTYPE, "cpu")
+        streamer = Streamer(core, self.reader, plan.layout, SHIP_DTYPE, SHIP_DTYPE, "cpu",
+                            rescale.weight_factors(core, self.scales))
+        rescale.fold_constants(core, self.scales)
         prefixes = list(dict.fromkeys(p for part in parts for p in held_modules(part)))
         quantized = {}
         for prefix in prefixes:
