@@ -127,8 +127,9 @@ def gate(recipe: Path, bundle: Path | None, report: Path) -> None:
 
 @main.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
-@click.option("--runtime", type=click.Choice(["torch", "coreai"]), default="torch", show_default=True,
-              help="torch: the export modules with the shipped weights; coreai: the bundle's .aimodel packages")
+@click.option("--runtime", type=click.Choice(["torch", "device", "coreai"]), default="torch", show_default=True,
+              help="torch: the export modules with the shipped weights; device: the same in fp16 in the arithmetic "
+              "of each side's device (docs/fp16.md); coreai: the bundle's .aimodel packages")
 @click.option("--bundle", "-b", type=click.Path(path_type=Path), help="the built bundle (target/ and drafter/)")
 @click.option("--tokens", type=click.IntRange(min=1),
               help="tokens generated per prompt (default: the recipe's drafter.accept.tokens)")

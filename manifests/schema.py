@@ -486,7 +486,9 @@ class DrafterManifest(BundleManifest):
         description="greedy speculative decoding with the shipped pair on held-out prompts: tokens_per_round, "
         "acceptance_by_position, the lossless counts; economics (bytes_per_call by side.function with weights and "
         "states, verify_cost and draft_cost in target decode calls, predicted_speedup); ngram (the prompt-lookup "
-        "baseline on the same prompts and target: verify_calls, decode_calls, hit_rate, predicted_speedup)")
+        "baseline on the same prompts and target: verify_calls, decode_calls, hit_rate, predicted_speedup); device "
+        "(the pair in the devices' arithmetic on one held-out prompt: target_device, device, tokens_per_round beside "
+        "fp32_tokens_per_round on that prompt, acceptance_by_position, lossless, the drafter's range verdict)")
     ab: dict | None = Field(None, description="quantized vs fp16 drafter, paired by text offset (quantized only)")
     rescale: Rescale | None = Field(None, description="the drafter's range scale: its residual stream times "
                                     "residual_scale (a DFlash2 drafter's includes its target's, whose embedding rows "

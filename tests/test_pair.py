@@ -123,6 +123,9 @@ def test_pair_bundle(pair):
     assert checks["coreml"]["weights_bit_exact"] is True
     assert drafter["acceptance"]["lossless"] is True and drafter["acceptance"]["real_flips"] == 0
     assert drafter["ab"]["matched_rounds"] == drafter["acceptance"]["rounds"]
+    device = drafter["acceptance"]["device"]  # the pair in the arithmetic of its devices (stateful: the GPU's)
+    assert device["target_device"] == device["device"] == "gpu" and device["lossless"] is True
+    assert device["range"]["passed"] is True and device["range"]["checked"] > 20 and device["tokens_per_round"] >= 1
     result = run("check-pair", str(bundle / "drafter"), str(bundle / "target"))
     assert result.exit_code == 0, result.output
     result = run("inspect", str(bundle))  # a pair: both manifests

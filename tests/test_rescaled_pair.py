@@ -60,10 +60,11 @@ backends: [coreai]
 """
 
 
-def accept(tmp: Path, target: Path, drafter: Path, recipe_text: str = RECIPE) -> tuple[str, dict]:
+def accept(tmp: Path, target: Path, drafter: Path, recipe_text: str = RECIPE,
+           runtime: str = "torch") -> tuple[str, dict]:
     recipe = tmp / f"{target.name}-{drafter.name}.yaml"
     recipe.write_text(recipe_text.format(target=target, drafter=drafter))
-    result = CliRunner().invoke(main, ["accept", str(recipe), "--json"])
+    result = CliRunner().invoke(main, ["accept", str(recipe), "--runtime", runtime, "--json"])
     assert result.exit_code == 0, result.output
     return result.output, json.loads(result.stdout)["acceptance"]
 
@@ -91,6 +92,43 @@ def test_a_pair_through_scaled_taps_accepts_as_the_unscaled_pair(tmp_path):
     assert rescaled["tokens_per_round"] == plain["tokens_per_round"] > 1.5
     assert rescaled["rounds"] == plain["rounds"]
     assert rescaled["acceptance_by_position"] == plain["acceptance_by_position"]
+
+
+def in_layout(text: str, layout: str) -> str:
+    """A pair recipe with both sides in ``layout``."""
+    if layout == "stateful":
+        return text
+    return text.replace("  context: 512\n", f"  context: 512\n  layout: {layout}\n").replace(
+        "drafter:\n", f"drafter:\n  layout: {layout}\n")
+
+
+@pytest.mark.parametrize("kind, layout", [("dflash2", "stateful"),  # 3 accept runs each: the rest heavy
+                                          pytest.param("dflash2", "ane", marks=pytest.mark.heavy),
+                                          pytest.param("mtp", "stateful", marks=pytest.mark.heavy),
+                                          pytest.param("mtp", "ane", marks=pytest.mark.heavy)])
+def test_in_the_devices_arithmetic_the_scaled_pair_accepts_as_the_unscaled(tmp_path, kind, layout):
+    """``accept --runtime device``: both sides' fp16 modules in the arithmetic of their layout's device (stateful: the
+    GPU's, ane: the Neural Engine's), lossless against the target's own greedy decoding so computed, every drafter
+    tensor within its limit: the scaled pair accepts what the unscaled pair accepts. Without the range scales the same
+    checkpoints fail (exit 1), naming a drafter tensor past fp16."""
+    target = residual_scaled(TARGET, tmp_path / "scaled", FACTOR)
+    if kind == "dflash2":
+        plain_drafter, drafter, text = DRAFTER, drafter_residual_scaled(DRAFTER, tmp_path / "drafter", FACTOR), RECIPE
+    else:
+        plain_drafter, drafter, text = MTP, mtp_residual_scaled(MTP, tmp_path / "mtp", 4 * FACTOR), MTP_RECIPE
+    text = in_layout(text, layout)
+    _, plain = accept(tmp_path, TARGET, plain_drafter, text, "device")
+    _, rescaled = accept(tmp_path, target, drafter, text, "device")
+    for result in (plain, rescaled):
+        assert result["lossless"] is True and result["range"]["passed"] and result["range"]["checked"] > 20
+    assert rescaled["tokens_per_round"] == plain["tokens_per_round"] > 1.5
+    assert rescaled["acceptance_by_position"] == plain["acceptance_by_position"]
+    recipe = tmp_path / "raw.yaml"
+    recipe.write_text(text.format(target=target, drafter=drafter).replace("  context: 512\n",
+                                                                          "  context: 512\n  rescale: false\n"))
+    result = CliRunner().invoke(main, ["accept", str(recipe), "--runtime", "device"])
+    assert result.exit_code == 1, result.output
+    assert re.search(r"range: drafter\.[\w.]+ \((output|input|port)\)", result.output), result.output
 
 
 def test_an_mtp_head_at_scale_accepts_as_the_unscaled_head(tmp_path):
@@ -121,9 +159,7 @@ def test_the_scaled_pair_bundle_accepts_on_the_runtime_as_the_unscaled(tmp_path,
     results = []
     for target, draft in ((TARGET, DRAFTER), (scaled, drafter)):
         text = RECIPE.format(target=target, drafter=draft).replace("backends: [coreai]", "backends: [coreai, coreml]")
-        if layout == "ane":
-            text = text.replace("  context: 512\n", "  context: 512\n  layout: ane\n").replace(
-                "  kind: dflash2\n", "  kind: dflash2\n  layout: ane\n")
+        text = in_layout(text, layout)
         recipe = tmp_path / f"{target.name}-{layout}.yaml"
         recipe.write_text(text)
         bundle = tmp_path / f"{target.name}-{layout}-bundle"

@@ -1,9 +1,11 @@
 """``spec-convert accept``: greedy speculative decoding with the shipped target and drafter, measured.
 
 By default the export modules run with the shipped weights (rebuilt from the recipe's pinned sources, as
-``spec-convert gate`` does), computing in fp32. ``--runtime coreai`` runs the built bundle's ``.aimodel``
-packages themselves on the Core AI runtime (on Linux its CPU reference: slow, so one short prompt), after the
-pair check; divergences from plain greedy are classified by the torch modules' logits.
+``spec-convert gate`` does), computing in fp32. ``--runtime device`` runs them in fp16 in the arithmetic of each
+side's device (``convert.fp16``: the ane layout's on the Neural Engine, the stateful layout's on the GPU).
+``--runtime coreai`` runs the built bundle's ``.aimodel`` packages themselves on the Core AI runtime (on Linux its
+CPU reference: slow, so one short prompt), after the pair check; divergences from plain greedy are classified by the
+torch modules' logits.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 
 from convert.commands.inspect import open_drafter, open_target
 from convert.errors import GateError, InputError
+from convert.pipeline import drafter
 from convert.pipeline.build import shipped_modules
 from convert.pipeline.drafter_build import (
     format_ab,
@@ -29,6 +32,7 @@ from convert.pipeline.plan import make_plan
 from convert.progress import console, stage
 from convert.runtime.chain import coreai_drafter, coreai_target
 from convert.runtime.host import TargetDriver, module_driver
+from convert.verify.gates import DEVICE_OF_LAYOUT
 from manifests import identity
 from manifests.schema import HostContract
 
@@ -54,6 +58,8 @@ def run_accept(recipe_path: Path, bundle: Path | None, runtime: str, tokens: int
     if runtime == "torch":
         acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules, held_out_prompts(plan))
         return {"runtime": "torch", "acceptance": acceptance, "ab": ab}
+    if runtime == "device":
+        return _run_device(plan, target, modules)
     return _run_coreai(plan, bundle, pair, target, target32, modules, fp16_modules)
 
 
@@ -91,6 +97,21 @@ def _run_coreai(plan, bundle: Path, pair, target, target32, modules, fp16_module
                                  [(greedy_ids, torch_logits)], (t_session, d_session))
     return {"runtime": "coreai", "acceptance": {**acceptance, "prompt_tokens": len(prompt), "tokens": count},
             "ab": ab}
+
+
+def _run_device(plan, target, modules) -> dict:
+    """Both sides in the arithmetic of their layouts' devices (``drafter.device_acceptance``) on the held-out prompts:
+    lossless against the target's own greedy decoding so computed, and the drafter's range verdict (exit 1 past)."""
+    (prompts, data), tokens = held_out_prompts(plan), plan.drafter.config.accept.tokens
+    devices = f"the target on the {DEVICE_OF_LAYOUT[plan.recipe.target.layout]}, the drafter on the " \
+              f"{DEVICE_OF_LAYOUT[plan.drafter.config.layout]}"
+    with stage(f"accept in the devices' arithmetic ({devices}): {len(prompts)} prompts x {tokens} tokens"):
+        stats, runs, verdict = drafter.device_acceptance(plan, target, modules, prompts, tokens)
+    drafter.raise_if_out_of_range(verdict, "accept --runtime device")
+    drafter.raise_if_lossy(stats, runs)
+    console.print(f"range ({verdict.device}): {verdict.checked} drafter tensors within their limits; least headroom "
+                  + ", ".join(f"{e.tensor} ({e.kind}) {e.headroom:.3g}x" for e in verdict.tightest[:3]))
+    return {"runtime": "device", "acceptance": {"data": data, **stats, "range": verdict.model_dump()}, "ab": None}
 
 
 def result_json(result: dict) -> str:

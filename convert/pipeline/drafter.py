@@ -53,8 +53,8 @@ from convert.pipeline.partition import (
 from convert.progress import console
 from convert.runtime import speculative
 from convert.runtime.economics import MeteredFunctions, cost_model
-from convert.runtime.host import ModuleFunctions, TargetDriver, module_driver
-from convert.verify.gates import DEVICE_OF_LAYOUT
+from convert.runtime.host import DeviceFunctions, ModuleFunctions, TargetDriver, module_driver
+from convert.verify.gates import DEVICE_OF_LAYOUT, RangeReport
 from convert.weights import rescale
 from convert.weights.quantize import read_entry, round_to_nearest, summary, write_entry
 from convert.weights.target import TargetModules
@@ -606,6 +606,56 @@ def economics(kind: str, target_modules, target32, drafter_modules, drafter32, p
     speculative.speculate(kind, target, drafter, prompt, tokens)
     target.greedy(prompt, 2)  # prefill, then one decode call: the unit of cost
     return cost_model(log, tokens_per_round)
+
+
+def device_acceptance(plan, target: TargetModules, modules, prompts: list[list[int]],
+                      tokens: int) -> tuple[dict, list[speculative.PromptRun], RangeReport]:
+    """The pair as the devices compute it: the shipped fp16 target in the arithmetic of its layout's device and the
+    fp16 drafter in its layout's (``convert.fp16``, call by call: ``DeviceFunctions``), over speculative decoding of
+    ``prompts`` for ``tokens`` ids each, checked against the target's own plain greedy decoding in that arithmetic
+    (``accept``'s stats and runs), every product's input and port and every module's output of the drafter watched
+    (its ``RangeReport``)."""
+    target16 = compute_copy(target, torch.float16, share_weights=True)
+    drafter16 = compute_copy(modules, torch.float16, share_weights=True)
+    device = DEVICE_OF_LAYOUT[plan.drafter.config.layout]
+    peaks = Peaks(only=torch.float16, drafter=drafter16.core)
+    functions = (DeviceFunctions(ModuleFunctions(target16), DEVICE_OF_LAYOUT[plan.recipe.target.layout]),
+                 DeviceFunctions(ModuleFunctions(drafter16), device, peaks))
+    driver = TargetDriver(functions[0], target16.widths, target16.contract)
+    references = []
+    for prompt in prompts:
+        functions[0].reset()
+        references.append(driver.greedy(prompt, tokens))
+    stats, runs = accept(plan.drafter.kind, target16, drafter16, prompts, tokens, anchor_table(target), references,
+                         functions)
+    return stats, runs, RangeReport.of(device, peaks)
+
+
+def device_pass(plan, target: TargetModules, target32: TargetModules, modules, prompt: list[int],
+                tokens: int) -> dict:
+    """The build's device pass of the pair (``device_acceptance``) on one held-out ``prompt``, beside the fp32 pair's
+    tokens per round on it (no time recorded: a rebuild's manifest is the same); raises ``GateError`` where a drafter
+    tensor leaves its device's range or the run is not lossless."""
+    stats, runs, verdict = device_acceptance(plan, target, modules, [prompt], tokens)
+    drafter32 = compute_copy(modules, torch.float32, share_weights=True)
+    fp32, _ = accept(plan.drafter.kind, target32, drafter32, [prompt], tokens, anchor_table(target),
+                     greedy_references(target32, [prompt], tokens))
+    result = {"target_device": DEVICE_OF_LAYOUT[plan.recipe.target.layout], "device": verdict.device,
+              "prompt_tokens": len(prompt), "tokens": tokens, "tokens_per_round": stats["tokens_per_round"],
+              "fp32_tokens_per_round": fp32["tokens_per_round"],
+              "acceptance_by_position": stats["acceptance_by_position"], "lossless": stats["lossless"],
+              "near_ties": stats["near_ties"], "range": verdict.model_dump(exclude={"tightest"}),
+              "tightest": [f"{e.tensor} ({e.kind}): {e.headroom:.3g}x" for e in verdict.tightest[:3]]}
+    raise_if_out_of_range(verdict, "device pass of the pair")
+    raise_if_lossy(stats, runs)
+    return result
+
+
+def raise_if_out_of_range(verdict: RangeReport, what: str) -> None:
+    if verdict.over:
+        first, more = verdict.over[0], len(verdict.over) - 1
+        raise GateError(f"{what} (the drafter on the {verdict.device}): range: {first.phrase()}"
+                        f"{f' (and {more} more)' if more else ''}; nothing was published")
 
 
 def raise_if_lossy(stats: dict, runs: list[speculative.PromptRun]) -> None:

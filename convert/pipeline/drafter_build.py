@@ -275,6 +275,11 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
         target32 = stage_copy(plan, target)  # over the layers loaded again
     held_out = held_out_prompts(plan)
     acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules, held_out, keys)
+    tokens = dplan.config.accept.tokens
+    with stage(f"device pass of the pair: a held-out prompt x {tokens} tokens, the target on the "
+               f"{gates.DEVICE_OF_LAYOUT[plan.recipe.target.layout]}, the drafter on the "
+               f"{gates.DEVICE_OF_LAYOUT[dplan.config.layout]} (their arithmetic)"):
+        acceptance["device"] = drafter.device_pass(plan, target, target32, modules, held_out[0][0], tokens)
     del target32  # packaging needs only the fp16 modules; the fp32 copy of the target is freed
     console.print(format_stats(acceptance))
     if ab:

@@ -35,6 +35,7 @@ from convert.errors import InputError
 from convert.export.ane import MASKED, history_mask_row, rope_rows
 from convert.export.quantized import embedding_rows
 from convert.export.spec import TORCH_DTYPES, buffer_specs
+from convert.fp16 import device_arithmetic
 from convert.models.dflash2.core import selector_walk
 from convert.models.part import rung_name
 
@@ -399,6 +400,25 @@ class ModuleFunctions:
     def host_buffers(self) -> dict[str, np.ndarray]:
         """The host's buffers themselves (the ane layout's; none for modules with states)."""
         return self.driven.buffers if isinstance(self.driven, HostOwned) else {}
+
+
+class DeviceFunctions:
+    """``Functions`` whose every call computes in ``device``'s arithmetic (``convert.fp16.device_arithmetic``: fp16
+    modules as the ANE or the GPU computes them), noting ``peaks`` when given: a pair whose target and drafter run on
+    different devices enters each one's arithmetic call by call."""
+
+    def __init__(self, functions, device: str, peaks=None):
+        self.functions, self.device, self.peaks = functions, device, peaks
+
+    def reset(self) -> None:
+        self.functions.reset()
+
+    def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with torch.no_grad(), device_arithmetic(self.device, self.peaks):
+            return self.functions.call(function, inputs)
+
+    def states(self) -> dict[str, np.ndarray]:
+        return self.functions.states()
 
 
 class _ModuleCalls:
