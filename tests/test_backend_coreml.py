@@ -12,6 +12,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -191,3 +192,13 @@ def test_the_toys_index_copy_write_is_refused_with_the_function_named(tmp_path):
 def test_fp32_states_are_refused_before_converting(tmp_path):
     with pytest.raises(PackageError, match="state 'key_cache' is float32.*float16 only"):
         coreml.package(scatter_toy_functions(torch.float32), tmp_path / "toy.mlpackage")
+
+
+def test_packaging_leaves_no_temporary_files(tmp_path, monkeypatch):
+    """coremltools keeps each converted function's temporary ``.mlpackage`` until the interpreter exits (an ``atexit``
+    cleanup, which a worker process ending with ``os._exit`` never runs): packaging removes them as it goes."""
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    coreml.package(scatter_toy_functions(), tmp_path / "toy.mlpackage")
+    assert sorted(p.name for p in private.iterdir()) == []

@@ -115,11 +115,11 @@ def package(functions: dict[str, tuple[nn.Module, FunctionSpec]], path: Path) ->
     if not functions:
         raise PackageError(f"no functions to package into {path}")
     path = Path(path)
-    with tempfile.TemporaryDirectory(prefix="spec-convert-coreml-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="spec-convert-coreml-") as tmp, _temporaries_in(Path(tmp) / "coremltools"):
         descriptor = ct.utils.MultiFunctionDescriptor()
         for name, (module, spec) in functions.items():
             single = Path(tmp) / f"{name}.mlpackage"
-            convert_function(name, module, spec).save(str(single))
+            _save_and_release(convert_function(name, module, spec), single)
             descriptor.add_function(str(single), src_function_name="main", target_function_name=name)
             gc.collect()  # a MIL program is a graph of cycles: its constants go only when the collector runs
         descriptor.default_function_name = next(iter(functions))
@@ -127,6 +127,27 @@ def package(functions: dict[str, tuple[nn.Module, FunctionSpec]], path: Path) ->
             ct.utils.save_multifunction(descriptor, str(path))
         gc.collect()
     _make_deterministic(path)
+
+
+@contextlib.contextmanager
+def _temporaries_in(directory: Path):
+    """Python's temp directory is ``directory`` while the body runs: coremltools makes a temporary ``.mlpackage`` for
+    every model it converts or merges (``save_multifunction`` too, out of reach) and removes it only at interpreter
+    exit, which a worker process (ended by ``os._exit``) never reaches; here they go with ``directory``'s parent."""
+    directory.mkdir()
+    before, tempfile.tempdir = tempfile.tempdir, str(directory)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
+
+
+def _save_and_release(model: ct.models.MLModel, path: Path) -> None:
+    """Save ``model`` at ``path`` and remove the temporary ``.mlpackage`` coremltools made it in at once (a part's
+    function at 27B is gigabytes; ``_temporaries_in`` catches the rest)."""
+    model.save(str(path))
+    if model.is_temp_package and model.package_path:
+        shutil.rmtree(model.package_path, ignore_errors=True)
 
 
 def convert_function(name: str, module: nn.Module, spec: FunctionSpec) -> ct.models.MLModel:
