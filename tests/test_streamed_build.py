@@ -15,6 +15,7 @@ import torch
 from convert.cache import BuildCache
 from convert.errors import InputError
 from convert.export.functions import compute_copy
+from convert.fp16 import Peaks
 from convert.pipeline import build, partition
 from convert.pipeline import plan as planning
 from convert.pipeline.build import shipped_modules
@@ -84,13 +85,20 @@ def test_the_weights_read_back_from_the_cache_are_the_ones_returned(built):
     assert summary(result.items(), modules.core.parameters()) == summary(returned.weights, modules.core.parameters())
 
 
+@pytest.mark.parametrize("watched", [False, True])  # watched: the windows one after the other on one host
 @pytest.mark.parametrize("built", ["hybrid", "hybrid-ane"], indirect=True)  # the commit-next-call contract
-def test_the_streamed_candidate_computes_what_the_whole_candidate_computes(built):
+def test_the_streamed_candidate_computes_what_the_whole_candidate_computes(built, watched):
     plan, modules, loader, *_ = built
     g = torch.Generator().manual_seed(5)
     windows = torch.randint(3, plan.args.vocab_size, (2, 80), generator=g).tolist()
     taps, probe = list(modules.core.taps), gates.default_probe(modules)
-    streamed = gates.streamed_candidate(loader, windows, taps, 4, probe, torch.Generator().manual_seed(0))
+    peaks = Peaks() if watched else None
+    streamed = gates.streamed_candidate(loader, windows, taps, 4, probe, torch.Generator().manual_seed(0),
+                                        peaks=peaks)
+    if watched:  # each piece's modules noted under the whole target's names
+        layers = {int(name.split(".")[2]) for name, kind in peaks.peaks if kind == "output"
+                  and re.fullmatch(r"target\.layers\.\d+", name)}
+        assert layers == set(range(plan.args.num_hidden_layers))
     candidate, generator = compute_copy(modules, torch.float32), torch.Generator().manual_seed(0)
     for window, got in zip(windows, streamed, strict=True):
         want = gates._candidate_window(candidate, window, taps, 4, probe, generator)

@@ -651,16 +651,17 @@ def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy
             time, so that the sessions run in step read each block once (``export.lockstep``); one host, in this
             thread, when ``watched``."""
             piece = compute_copy(loader.load([unit])[0], compute_dtype, share_weights=True)
-            hosts = [ModuleFunctions(piece)] + [ModuleFunctions(piece.session()) for _ in windows[1:]]
             if not watched:
+                hosts = [ModuleFunctions(piece)] + [ModuleFunctions(piece.session()) for _ in windows[1:]]
                 over_sessions(len(windows), hosts, work)
                 return
             if peaks is not None:
                 peaks.name({"layers.0": f"layers.{unit.layer_indices[0]}"} if unit.layer_indices else None,
                            own=False, target=piece.core)
+            host = ModuleFunctions(piece)
             with device_arithmetic(device, peaks):
                 for w in range(len(windows)):
-                    work(hosts[0], w)
+                    work(host, w)
 
         passes = greedy_tokens
         in_step = "one window after the other" if watched else "the windows in step"
