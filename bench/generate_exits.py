@@ -27,8 +27,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from convert.fp16 import native_fp16_cpu
-
 HELD_BACK = """\
 import asyncio.selector_events, sys, threading, time
 from convert.cli import main
@@ -48,7 +46,7 @@ def machine() -> str:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
                  platform.processor())
-    fp16 = "avx512_fp16" if native_fp16_cpu() else "no avx512_fp16"
+    fp16 = "avx512_fp16" if "avx512_fp16" in cpuinfo.split() else "no avx512_fp16"
     return f"{model}, {os.cpu_count()} cores, {fp16}, Python {platform.python_version()}"
 
 

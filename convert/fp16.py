@@ -4,8 +4,9 @@ torch's CPU kernels compute an fp16 matrix product with an fp32 accumulator and 
 modules are more exact than the device. The Core AI runtime on a CPU with native fp16 (AVX512-FP16) rounds every
 product and every partial sum to fp16; measured (``tests/test_fp16.py``, coreai-core 1.0.0b3): its fp16 linear and
 matmul equal, bit for bit, the sequential sum over the inner dimension in which each product is rounded to fp16 and
-each partial sum is rounded to fp16, while its depthwise conv1d equals torch's own bit for bit. On a CPU without native
-fp16 the same runtime computes closer to torch.
+each partial sum is rounded to fp16, while its depthwise conv1d equals torch's own bit for bit. So does the runtime on
+an AMD EPYC with AVX-512 but without AVX512-FP16 (measured); the package check asks the runtime which it does
+(``convert.verify.checks.like_the_runtime``) rather than guess from the CPU's flags.
 
 ``true_fp16()`` is a dispatch mode under which torch computes that way on any CPU: ``aten.mm``, ``bmm``, ``addmm``,
 ``baddbmm``, ``mv`` and ``dot`` of fp16 operands accumulate in fp16, in order. Elementwise fp16 ops already round their
@@ -19,26 +20,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import cache
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
-CPUINFO = Path("/proc/cpuinfo")
-
-
-@cache
-def native_fp16_cpu() -> bool:
-    """Whether this CPU computes fp16 natively (AVX512-FP16): then the Core AI runtime accumulates in fp16."""
-    try:
-        return "avx512_fp16" in CPUINFO.read_text().split()
-    except OSError:
-        return False
-
-
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` ([..., M, K] @ [..., K, N], broadcast) with each product and each partial sum rounded to fp16."""
     a, b = a.unsqueeze(-1), b.unsqueeze(-3)  # [..., M, K, 1], [..., 1, K, N]
@@ -83,13 +70,6 @@ def true_fp16(enabled: bool = True):
         return
     with TrueFp16():
         yield
-
-
-def like_the_runtime():
-    """The arithmetic of this CPU's Core AI runtime, for the torch side of a package check: true fp16 where the CPU
-    computes fp16 natively, torch's own kernels elsewhere (``native_fp16_cpu``). The check then compares a package
-    with the modules computing as the runtime does, on either kind of CPU."""
-    return true_fp16(native_fp16_cpu())
 
 
 # ---- The devices' arithmetic (docs/fp16.md, "Device modes") ---------------------------------------------------------

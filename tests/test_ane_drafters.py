@@ -18,14 +18,13 @@ from rich.console import Console
 from convert.commands.inspect import _print_contract
 from convert.export.ane import MASKED, history_mask_row, pointwise, rows_of
 from convert.export.quantized import QuantizedLinear, apply_quantized
-from convert.fp16 import like_the_runtime
 from convert.inputs.sources import load_tensors, read_json
 from convert.models import dflash2, mtp
 from convert.pipeline.drafter import Recording
 from convert.pipeline.packaging import package_formats
 from convert.runtime.host import HostOwned, ModuleFunctions
 from convert.runtime.speculative import DFlash2Driver, MTPDriver
-from convert.verify import placement
+from convert.verify import checks, placement
 from convert.weights.quantize import round_to_nearest
 from manifests.schema import HostContract
 
@@ -244,7 +243,7 @@ def test_a_head_in_row_parts_ships_each_part_and_replays_on_the_runtime(tmp_path
     apply_quantized(modules.core, {"lm_head": round_to_nearest("lut4", target["lm_head"].float(), 16)})
     assert [type(part) for part in modules.core.lm_head.parts] == [QuantizedLinear] * 3
     recording = Recording(ModuleFunctions(modules))
-    with like_the_runtime():
+    with checks.like_the_runtime():
         _dflash2_drafts(modules, target["embed_tokens"].numpy(), recording)
     done = {p.format: p for p in package_formats(["coreai", "coreml"], modules, tmp_path, "dflash2_lut4",
                                                  recording.calls)}

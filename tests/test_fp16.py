@@ -1,5 +1,7 @@
-"""True fp16 (``convert/fp16.py``): the emulation is the native-fp16 runtime's arithmetic, and every package kind's
-functions stay within the package check's own bounds when they compute in it, against fp32, on any CPU."""
+"""fp16 as the package checks and the devices compute it (``convert/fp16.py``): the check's torch side is this CPU's
+Core AI runtime's arithmetic bit for bit, and every package kind's functions stay within the package check's own
+bounds when they compute as the device of their layout does (or in true fp16, the runtime's), against fp32, on any
+CPU; the seeded hybrids that do not are strict xfails with what was measured (docs/fp16.md)."""
 
 import shutil
 from pathlib import Path
@@ -15,9 +17,10 @@ from qwen3_5_checkpoints import write_checkpoint as write_hybrid
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from convert.errors import PackageError
 from convert.export.functions import FunctionModule, compute_copy
 from convert.export.spec import FunctionSpec, TensorSpec
-from convert.fp16 import matmul, native_fp16_cpu, true_fp16
+from convert.fp16 import device_arithmetic, matmul, true_fp16
 from convert.inputs.recipe import Graphs, Target
 from convert.inputs.sources import load_tensors, read_json
 from convert.models.qwen3 import Qwen3Args
@@ -25,8 +28,10 @@ from convert.pipeline import drafter, drafter_build
 from convert.pipeline.build import shipped_modules
 from convert.pipeline.plan import make_plan
 from convert.runtime.host import ModuleFunctions
-from convert.verify import checks
+from convert.verify import checks, gates
 from convert.weights.target import build_modules
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_product_and_partial_sum_is_rounded_to_fp16():
@@ -55,8 +60,11 @@ class Products(nn.Module):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not native_fp16_cpu(), reason="the Core AI runtime accumulates in fp16 only on an AVX512-FP16 CPU")
-def test_true_fp16_is_the_native_runtime_bit_for_bit(tmp_path):
+def test_the_checks_torch_side_is_the_runtime_bit_for_bit(tmp_path):
+    """The package check's torch side (``checks.like_the_runtime``) computes an fp16 linear and batched matmul as this
+    CPU's Core AI runtime does, bit for bit. Where the runtime rounds every partial sum (measured: an Intel Xeon with
+    AVX512-FP16, and an AMD EPYC with AVX-512 but without AVX512-FP16), that is true fp16, which torch's own kernels
+    are not: a check comparing the runtime with torch's kernels there failed the VL hybrid's states by 27%."""
     from convert.backends import coreai
 
     torch.manual_seed(0)
@@ -71,11 +79,16 @@ def test_true_fp16_is_the_native_runtime_bit_for_bit(tmp_path):
         got = session.call("f", {"x": x.numpy(), "q": q.numpy()})
     with torch.no_grad():
         plain = core(x, q)
+        with checks.like_the_runtime():
+            checked = core(x, q)
         with true_fp16():
             emulated = core(x, q)
+    rounds = checks.runtime_rounds_partial_sums()
     for name in ("linear", "scores"):
-        assert np.array_equal(got[name], emulated[name].numpy()), name
-        assert not np.array_equal(got[name], plain[name].numpy()), name  # torch's fp32 accumulator differs
+        assert np.array_equal(got[name], checked[name].numpy()), name
+        if rounds:
+            assert np.array_equal(got[name], emulated[name].numpy()), name
+            assert not np.array_equal(got[name], plain[name].numpy()), name  # torch's fp32 accumulator differs
 
 
 def _aligned_attention(directory: Path, gain: float) -> None:
@@ -108,12 +121,13 @@ def test_attention_scores_stay_finite_in_fp16(tmp_path):
     assert (got - want).abs().max() / want.abs().max() < 0.02
 
 
-def _true_fp16(modules, returned: tuple[str, ...] | None = None):
-    """Functions over ``modules`` that compute in true fp16, standing in for the native-fp16 runtime in the check's
-    comparisons; ``returned``: the outputs a package returns (its functions' outputs and these), default every one."""
+def _computing(modules, arithmetic, returned: tuple[str, ...] | None = None):
+    """Functions over ``modules`` whose calls compute under ``arithmetic()`` (``true_fp16``: the Core AI runtime's
+    arithmetic; ``device_arithmetic(device)``: a device's), standing in for the package in the check's comparisons;
+    ``returned``: the outputs a package returns (its functions' outputs and these), default every one."""
     functions = ModuleFunctions(modules)
 
-    class TrueFp16Functions:
+    class Computing:
         def reset(self):
             functions.reset()
 
@@ -121,14 +135,14 @@ def _true_fp16(modules, returned: tuple[str, ...] | None = None):
             return functions.states()
 
         def call(self, name, inputs):
-            with true_fp16():
+            with arithmetic():
                 out = functions.call(name, inputs)
             if returned is None:
                 return out
             kept = {o.name for o in modules.functions[name][1].outputs} | set(returned)
             return {k: v for k, v in out.items() if k in kept}
 
-    return TrueFp16Functions()
+    return Computing()
 
 
 TARGET = """\
@@ -137,7 +151,7 @@ target:
   source: path:{source}
   graphs: {{prefill: 16, decode: 1, verify: 8}}
   context: 128
-  gate: {{data: {{samples: 2, length: 48}}, greedy_tokens: 8}}
+  gate: {{data: {{samples: 2, length: 64}}, greedy_tokens: 8}}
 {extra}
 backends: [coreai]
 """
@@ -149,29 +163,72 @@ def _plan(tmp: Path, source: Path, extra: str = ""):
     return make_plan(recipe, str(tmp / "out"))
 
 
-HYBRID_GAP = pytest.mark.xfail(strict=True, reason=(
-    "measured: the tiny hybrid's final-norm hidden states in true fp16 are 7.5% (CausalLM) and 33% "
-    "(ConditionalGeneration) off fp32, relative to their largest magnitude, over the check's 2%: fp16 accumulation in "
-    "every linear adds 0.5-1% a layer to a residual stream of magnitude 1-2 (docs/fp16.md); open in #21"))
+# measured (docs/fp16.md, ``python -m bench.hybrid_fp16``): the seeded random hybrids are ill-conditioned where the
+# trained one is not; computed as the device of their layout computes, three of them are over the check's 2%
+VL_GPU_GAP = pytest.mark.xfail(strict=True, raises=PackageError, reason=(
+    "measured: in the stateful layout and the GPU's arithmetic the seeded VL hybrid's outputs are 2.16% off fp32 "
+    "(states 1.26%), over the check's 2%; torch's own fp16 kernels give 2.12%, so fp16 storage, not accumulation, and "
+    "no part alone (the Gated DeltaNet blocks in fp32: 2.00%, the MLPs in fp32: 1.82%); seeded random hybrids "
+    "(seeds 0-5) range 0.80-2.64%, the trained hybrid fixture is at 0.21%"))
+ANE_HYBRID_GAP = pytest.mark.xfail(strict=True, raises=PackageError, reason=(
+    "measured: in the ane layout and the ANE's arithmetic the seeded random hybrid's outputs are 2.30% off fp32 and "
+    "the VL one's 6.46% (states 1.44%, 4.07%), over the check's 2%: a Gated DeltaNet row whose output is small (rms "
+    "near the gated norm's sqrt(eps), 1e-3, against a median row's 5e-3: the CausalLM one's row 10, the VL one's first "
+    "prefill row, beta (q . k) v of nearly orthogonal q and k) carries 6.7% and 22% of relative error from the fp16 "
+    "recurrence and its inputs, which the gated norm scales up to the other rows' magnitude; the recurrence in fp32 "
+    "(which the ANE has not) does not bring them in (2.93%, 5.52%); the trained hybrid fixture here is at 0.31%"))
 
 
-@pytest.mark.parametrize("kind", ["dense", pytest.param("hybrid", marks=HYBRID_GAP),
-                                  pytest.param("hybrid-conditional", marks=HYBRID_GAP)])
-def test_targets_in_true_fp16_are_within_the_checks_bounds(tmp_path, kind):
-    """The package check's run (prefill, decodes, a rollback or partial accept) with the fp16 modules computing in
-    true fp16 in place of the runtime, against the fp32 modules: ids equal but for near ties, logits and states
-    within the check's fp16 bounds."""
+@pytest.mark.parametrize(("kind", "layout"), [
+    ("dense", "stateful"), ("dense", "ane"), ("hybrid", "stateful"), ("trained-hybrid", "ane"),
+    pytest.param("hybrid-conditional", "stateful", marks=VL_GPU_GAP),
+    pytest.param("hybrid", "ane", marks=ANE_HYBRID_GAP),
+    pytest.param("hybrid-conditional", "ane", marks=ANE_HYBRID_GAP)])
+def test_targets_in_the_devices_arithmetic_are_within_the_checks_bounds(tmp_path, kind, layout):
+    """The package check's run (prefill, decodes, a rollback or partial accept) with the fp16 modules computing as the
+    device of their layout computes (``ane``: the Neural Engine's; ``stateful``: the GPU's) in place of the runtime,
+    against the fp32 modules: ids equal but for near ties, logits and states within the check's fp16 bounds. (The
+    hybrids in true fp16, the runtime's CPU arithmetic, are over them: docs/fp16.md.)"""
     if kind == "dense":
         write_checkpoint(tmp_path / "ckpt", hidden_size=128, intermediate_size=384, num_hidden_layers=4)
-    else:
+    elif kind != "trained-hybrid":
         write_hybrid(tmp_path / "ckpt", conditional=kind == "hybrid-conditional")
-    modules, _ = shipped_modules(_plan(tmp_path, tmp_path / "ckpt", "  logits: true"))
+    source = ROOT / "fixtures" / "stdlib-qwen3_5" if kind == "trained-hybrid" else tmp_path / "ckpt"
+    modules, _ = shipped_modules(_plan(tmp_path, source, f"  layout: {layout}\n  logits: true"))
     fp32 = compute_copy(modules, torch.float32)
-    stats = checks.lockstep(_true_fp16(modules), ModuleFunctions(fp32), modules.widths,
-                            modules.contract, modules.core.args.vocab_size)
+    device = gates.DEVICE_OF_LAYOUT[layout]
+    stats = checks.lockstep(_computing(modules, lambda: device_arithmetic(device)), ModuleFunctions(fp32),
+                            modules.widths, modules.contract, modules.core.args.vocab_size)
     assert stats["argmax_compared"] >= 16
     assert stats["max_output_delta"] <= checks.FP16_OUTPUT_BOUND
     assert stats["max_state_delta"] <= checks.FP16_STATE_BOUND
+
+
+def test_a_dense_target_in_true_fp16_is_within_the_checks_bounds(tmp_path):
+    """The same run with the dense target's fp16 modules in true fp16 (the runtime's CPU arithmetic)."""
+    write_checkpoint(tmp_path / "ckpt", hidden_size=128, intermediate_size=384, num_hidden_layers=4)
+    modules, _ = shipped_modules(_plan(tmp_path, tmp_path / "ckpt", "  logits: true"))
+    stats = checks.lockstep(_computing(modules, true_fp16), ModuleFunctions(compute_copy(modules, torch.float32)),
+                            modules.widths, modules.contract, modules.core.args.vocab_size)
+    assert stats["argmax_compared"] >= 16
+    assert stats["max_output_delta"] <= checks.FP16_OUTPUT_BOUND
+    assert stats["max_state_delta"] <= checks.FP16_STATE_BOUND
+
+
+@pytest.mark.slow
+def test_the_vl_hybrids_core_ai_package_passes_its_check(tmp_path):
+    """The held-back failure of #40: the vision-language hybrid's .aimodel against its fp16 modules on this CPU's
+    runtime. On an AMD EPYC without AVX512-FP16 the runtime rounds every partial sum; a torch side in torch's own
+    kernels there failed the check (value_cache 0.268, key_cache 0.192 on this recipe; 0.179 through the CLI at
+    prefill 64); computing as the runtime does, the two agree within 0.6% (docs/fp16.md)."""
+    from convert.backends import coreai
+
+    write_hybrid(tmp_path / "ckpt", conditional=True)
+    modules, _ = shipped_modules(_plan(tmp_path, tmp_path / "ckpt"))
+    coreai.package(modules.functions, tmp_path / "t.aimodel")
+    check = checks.check_package("coreai", tmp_path / "t.aimodel", modules)
+    assert check["argmax_compared"] >= 16
+    assert check["max_state_delta"] <= checks.FP16_STATE_BOUND
 
 
 DRAFTER = """\
@@ -207,7 +264,7 @@ def test_drafters_in_true_fp16_are_within_the_checks_bounds(tmp_path, kind):
     prompt = drafter_build.held_out_prompts(plan)[0][0][:drafter_build.CHECK_PROMPT_TOKENS]
     calls = drafter.recorded_calls(kind, target32, compute_copy(modules, torch.float32), prompt,
                                    drafter_build.CHECK_GENERATED, drafter.anchor_table(target32))
-    stats = checks.replay_coreai(_true_fp16(modules, returned=("logits",)), calls)
+    stats = checks.replay_coreai(_computing(modules, true_fp16, returned=("logits",)), calls)
     assert stats["ids_compared"] >= 20
     assert stats["max_output_delta"] <= checks.FP16_OUTPUT_BOUND
     shutil.rmtree(tmp_path)

@@ -35,7 +35,7 @@ from convert.export.quantized import (
     table_shape,
 )
 from convert.export.spec import FunctionSpec
-from convert.fp16 import Peaks, device_arithmetic, like_the_runtime
+from convert.fp16 import Peaks, device_arithmetic
 from convert.inputs import contract
 from convert.inputs.recipe import Drafter, DrafterQuantization, Recipe
 from convert.inputs.sources import Snapshot, check_safetensors, resolve, tensor_shapes
@@ -54,6 +54,7 @@ from convert.progress import console
 from convert.runtime import speculative
 from convert.runtime.economics import MeteredFunctions, cost_model
 from convert.runtime.host import DeviceFunctions, ModuleFunctions, TargetDriver, module_driver
+from convert.verify.checks import like_the_runtime
 from convert.verify.gates import DEVICE_OF_LAYOUT, RangeReport
 from convert.weights import rescale
 from convert.weights.quantize import read_entry, round_to_nearest, summary, write_entry
@@ -695,7 +696,7 @@ class Recording:
 def recorded_calls(kind: str, target_modules, drafter_modules, prompt: list[int], tokens: int,
                    embeddings: np.ndarray) -> list:
     """The drafter calls of a short speculative run of the shipped fp16 modules, with their outputs, computed as this
-    CPU's Core AI runtime computes (``fp16.like_the_runtime``): what the drafter's package check replays."""
+    CPU's Core AI runtime computes (``checks.like_the_runtime``): what the drafter's package check replays."""
     target, drafter = drivers(kind, target_modules, drafter_modules, embeddings)
     drafter.functions = Recording(drafter.functions)
     with like_the_runtime():

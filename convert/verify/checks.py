@@ -20,14 +20,20 @@
 
 from __future__ import annotations
 
+import tempfile
+from functools import cache
+from pathlib import Path
+
 import numpy as np
 import torch
+from torch import nn
 
 from convert import backends
 from convert.errors import PackageError
 from convert.export import quantized as compress
-from convert.export.spec import FunctionSpec
-from convert.fp16 import like_the_runtime
+from convert.export.functions import FunctionModule
+from convert.export.spec import FunctionSpec, TensorSpec
+from convert.fp16 import true_fp16
 from convert.inputs.thresholds import NEAR_TIE_LOGITS
 from convert.models.part import HIDDEN_OUT, Part, host_tables
 from convert.runtime.chain import link_inputs, module_chain
@@ -197,9 +203,40 @@ def probe_tokens(vocab: int, count: int) -> list[int]:
     return torch.randint(0, vocab, (count,), generator=g).tolist()
 
 
+class _SumProbe(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"total": x @ torch.ones(x.shape[-1], 1, dtype=x.dtype)}
+
+
+@cache
+def runtime_rounds_partial_sums() -> bool:
+    """Whether this CPU's Core AI runtime rounds every partial sum of an fp16 product to fp16 (``fp16.true_fp16``),
+    asked of the runtime once a process: 2048 and eight ones sum to 2048 so (fp16's spacing at 2048 is 2), to 2056
+    with an fp32 accumulator. The CPU's flags do not tell: the runtime computes true fp16, bit for bit, on an Intel
+    Xeon with AVX512-FP16 and on an AMD EPYC with AVX-512 but without AVX512-FP16 (coreai-core 1.0.0b3, measured:
+    ``tests/test_fp16.py``, docs/fp16.md)."""
+    x = torch.tensor([[2048.0] + [1.0] * 8], dtype=torch.float16)
+    spec = FunctionSpec("total", (TensorSpec("x", tuple(x.shape), "float16"),),
+                        (TensorSpec("total", (1, 1), "float16"),))
+    coreai = backends.load("coreai")
+    with tempfile.TemporaryDirectory(prefix="spec-convert-probe-") as tmp:
+        path = Path(tmp) / "probe.aimodel"
+        coreai.package({"total": (FunctionModule(_SumProbe(), spec, {}), spec)}, path)
+        with coreai.open_session(path) as session:
+            total = float(np.asarray(session.call("total", {"x": x.numpy()})["total"]).reshape(-1)[0])
+    return total == 2048.0
+
+
+def like_the_runtime():
+    """The arithmetic of this CPU's Core AI runtime, for the torch side of a package check: true fp16 where the
+    runtime rounds every partial sum (``runtime_rounds_partial_sums``), torch's own kernels elsewhere. The check then
+    compares a package with the modules computing as the runtime does."""
+    return true_fp16(runtime_rounds_partial_sums())
+
+
 def run_coreai(session, modules: TargetModules, prompt: list[int] | None = None) -> dict:
     """Greedy on the runtime in lockstep with the torch modules (``lockstep``), the modules computing as this CPU's
-    runtime does (``fp16.like_the_runtime``)."""
+    runtime does (``like_the_runtime``)."""
     with like_the_runtime():
         return lockstep(session, ModuleFunctions(modules), modules.widths, modules.contract,
                         modules.core.args.vocab_size, prompt)
@@ -423,8 +460,7 @@ class Recorder:
 
 def recorded_calls(parts: list[Part], pieces: list, taps, contract: dict, vocab: int, short: bool) -> list[list]:
     """Each part's calls in the check's session (``checks.check_calls``) run through the chained torch parts: what
-    each part's package check replays on its own, computed as this CPU's runtime computes
-    (``fp16.like_the_runtime``)."""
+    each part's package check replays on its own, computed as this CPU's runtime computes (``like_the_runtime``)."""
     chain = module_chain(parts, pieces, taps, Recorder)
     widths = {name: spec.width for name, (_, spec) in pieces[0].functions.items()}
     driver = TargetDriver(chain, widths, contract)
