@@ -17,7 +17,8 @@ with the Prism fields and the ``modules`` list) and hadamard.json.
 
 The pack's dense tensors are fp32 unless ``dense_dtype`` says otherwise: the published dtypes of the un-rotated
 tensors were not established (the reference notes bf16 for ``in_proj_a`` / ``in_proj_b``); the build tests store them
-in bf16, which fp16 holds exactly at these magnitudes. The default block (64) is below mlx-vlm's smallest (512),
+in bf16, which fp16 holds exactly at these magnitudes, and in fp32 (what ``exact`` ships of them then:
+``convert/weights/precision.py``). The default block (64) is below mlx-vlm's smallest (512),
 so that rows of the tiny widths (128, 256) hold several blocks.
 """
 

@@ -122,7 +122,15 @@ class QuantizedEmbedding(QuantizedLinear):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = nn.functional.embedding(ids, self.shipped_weight())
-        return rows if self.rotation is None else self.rotation(rows)
+        return rows if self.rotation is None else rotated_rows(self.rotation, rows)
+
+
+def rotated_rows(rotation: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """Looked-up rows of a rotated (exact2) table turned back (``s * H(row)``) in fp32 and rounded to the rows' dtype
+    once, as mlx-vlm's lookup computes them (``convert/inputs/prism.py``): an fp32 island of the fp16 graph (Core AI
+    keeps it; Core ML's fp16 program computes it in fp16), so the rows equal ``embedding_rows``' bit for bit and not
+    the butterflies' fp16 roundings at every stage."""
+    return rotation(rows.float()).to(rows.dtype)
 
 
 class _SharedTensors(nn.Module):
@@ -262,7 +270,7 @@ class CodesLinear(_SharedTensors):
             rows = QuantizedWeight(self.method, codes, self.group_size, scale=self.scale[flat],
                                    zero_point=self.zero_point[flat]).dequantize()
         rows = rows.to(self.compute_dtype).reshape(*ids.shape, self.shape[1])
-        return rows if self.rotation is None else self.rotation(rows)
+        return rows if self.rotation is None else rotated_rows(self.rotation, rows)
 
     def shipped_nbytes(self) -> int:
         """Bytes this layer takes in a package (``QuantizedLinear.shipped_nbytes``'s count)."""

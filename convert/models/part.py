@@ -14,6 +14,7 @@ from convert.export.ane import logits_ranges, pointwise, rms_norm, rows_of
 from convert.export.spec import FunctionSpec, TensorSpec
 
 HIDDEN_OUT = "hidden_states_out"  # a part's rows for the next part (Core ML refuses one name for an input and output)
+KEPT_FP32 = "kept_fp32"  # the names of a core's parameters kept in fp32 among fp16 ones (convert/weights/precision.py)
 
 
 ROW_ALIGN = 64  # vocabulary splits fall on multiples of this many rows (and of a lut4 table's rows)
@@ -101,12 +102,20 @@ def stream_norms(core: nn.Module) -> list[nn.Module]:
     return norms if final is None else [*norms, final]
 
 
+def core_dtype(core: nn.Module) -> torch.dtype:
+    """The dtype a core computes its rows in: its parameters', but those it keeps in fp32 (``KEPT_FP32``: an exact
+    pack's norms in an fp16 core, which compute in fp32 and return the rows' dtype)."""
+    kept = getattr(core, KEPT_FP32, frozenset())
+    own = next((p.dtype for name, p in core.named_parameters() if name not in kept), None)
+    return own if own is not None else next(core.parameters()).dtype
+
+
 def part_input(core: nn.Module, input_ids, hidden_states) -> torch.Tensor:
     """The rows [S, H] a part's layers start from: its embedding rows of ``input_ids`` (zero for ids outside them)
     added to the previous part's ``hidden_states``, or those rows alone."""
     part = core.part
     if hidden_states is not None:  # in the core's dtype: a tracing copy computes in fp32 on the fp16 rows given
-        hidden_states = hidden_states.to(next(core.parameters()).dtype)
+        hidden_states = hidden_states.to(core_dtype(core))
     if part.embedding is None:
         return hidden_states[0]
     ids = input_ids[0].long()
@@ -155,7 +164,7 @@ def host_tables(core: nn.Module) -> tuple[str, ...]:
 def host_rows(core: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """The rows [S, H] an ane part's layers start from: ``hidden_states`` [1, S, H] as given (the host's embedding
     lookup for the first part, the previous part's rows for the others), in the core's dtype."""
-    rows = hidden_states[0].to(next(core.parameters()).dtype)
+    rows = hidden_states[0].to(core_dtype(core))
     return rows * core.residual_scale if core.part.embedding is not None and core.residual_scale != 1 else rows
 
 

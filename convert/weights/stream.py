@@ -15,14 +15,17 @@ from convert.export.functions import META, parameters_on_meta, set_parameter
 from convert.inputs.checkpoint import Reader
 from convert.models import family_of
 from convert.models.layout import Layout
+from convert.weights import precision
 
 
 def skeleton(args, target, ship_dtype: torch.dtype, work_dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     """The family's export core with every parameter on meta and its buffers as the shipped core's, in
-    ``work_dtype`` on ``device``."""
+    ``work_dtype`` on ``device``; the parameters ``precision.kept_fp32_names`` names in fp32 (``Streamer`` fills them
+    uncast)."""
     with parameters_on_meta():
         core = family_of(args).build_core(args, target)
     core = core.to(ship_dtype).to(work_dtype)
+    precision.keep_fp32(core, target)
     for module in core.modules():
         for name, buffer in module._buffers.items():
             if buffer is not None:
@@ -57,11 +60,14 @@ class Streamer:
 
     def _cast(self, stored: torch.Tensor, name: str) -> torch.Tensor:
         """To the device first, then cast (the same values either way): the host holds only the stored bytes. A
-        factor is applied in fp32 before the cast."""
+        factor is applied in fp32 before the cast; a parameter the core keeps in fp32 (``precision.kept``) is only
+        made fp32."""
         factor = self.factors.get(name, 1.0)
         stored = stored.to(self.device)
         if factor != 1:
             stored = stored.float() * factor
+        if name in precision.kept(self.core):
+            return stored.float()
         return stored.to(self.ship_dtype).to(self.work_dtype)
 
     def fill(self, prefix: str, skip: frozenset[str] = frozenset()) -> nn.Module:

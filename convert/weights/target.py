@@ -13,7 +13,7 @@ from convert.export.spec import TORCH_DTYPES, FunctionSpec
 from convert.inputs.recipe import Target
 from convert.models import family_of
 from convert.models.layout import Layout
-from convert.weights import rescale
+from convert.weights import precision, rescale
 from convert.weights.stream import checkpoint_key
 
 
@@ -38,11 +38,13 @@ def build_modules(args, target: Target, tensors: dict[str, torch.Tensor], dtype:
                   layout: Layout | None = None, scales: rescale.Scales | None = None) -> TargetModules:
     """Export modules filled with ``tensors`` in ``dtype``, sharing one core and one set of states. ``layout``: how
     the checkpoint stores the model (``sanitize``'s result; checked here when not given). ``scales``: the range
-    scales folded in (``convert/weights/rescale.py``: each weight multiplied in fp32 before the cast)."""
+    scales folded in (``convert/weights/rescale.py``: each weight multiplied in fp32 before the cast). The parameters
+    ``precision.kept_fp32_names`` names stay fp32 (an exact pack's norms and decay gate)."""
     family = family_of(args)
     if layout is None:
         layout = family.sanitize({k: tuple(v.shape) for k, v in tensors.items()}, args)
     core = family.build_core(args, target).to(dtype).eval()
+    precision.keep_fp32(core, target)
     if scales is not None and not scales.identity:
         factors = rescale.weight_factors(core, scales)
         keys = {layout.stored(checkpoint_key(core, name)): factor for name, factor in factors.items()}
@@ -58,6 +60,7 @@ def modules_over(core: nn.Module, args, target: Target, dtype: torch.dtype, part
     """The function modules of the whole target (or of ``part``, ``convert/pipeline/partition.py``) over ``core``,
     sharing one set of fresh states."""
     family = family_of(args)
+    precision.record(core, target)  # a part's core (``shipped.part_modules``) shares the whole core's kept tensors
     specs = family.function_specs(args, target, dtype, part)
     states = {s.name: torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype]) for s in specs[0].states}
     functions = {s.name: (family.FunctionModule(core, s, states), s) for s in specs}
