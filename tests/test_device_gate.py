@@ -192,6 +192,7 @@ def test_a_parted_build_measures_and_folds_its_scales_one_piece_at_a_time(tmp_pa
     assert got["prompt_ids"] == ids and got["generated_ids"] == want
 
 
+@HEAVY  # the watched streamed candidate's names are checked in tests/test_streamed_build.py
 def test_without_the_rescale_a_parted_gate_fails_naming_the_tensor(tmp_path, scaled):
     """The streamed gate's device pass judges the range one piece at a time, under the whole target's layer names."""
     code, output, out = build(tmp_path, scaled["residual"], "stateful", rescale=False, parted=True)
