@@ -202,3 +202,15 @@ def test_without_the_rescale_a_parted_gate_fails_naming_the_tensor(tmp_path, sca
     assert not out.exists()
     report = json.loads((tmp_path / f"{out.name}.gate_report.json").read_text())
     assert report["device"]["range"]["passed"] is False and all(m["passed"] for m in report["metrics"])
+
+
+def test_gate_windows_too_short_for_the_probes_are_refused_before_the_range_stage(tmp_path):
+    """A hybrid's probe is four verify blocks after half a window: a 48-token window cannot hold them, and the range
+    stage (the first to run the gate's schedule) refuses it by the quantity, exit 2, where it raised an IndexError."""
+    recipe = tmp_path / "short.yaml"
+    recipe.write_text(RECIPE.format(source=HYBRID, layout="stateful", rescale="true", backends="coreai", parts="")
+                      .replace("length: 64", "length: 48"))
+    result = CliRunner().invoke(main, ["build", str(recipe), "--output", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "evaluation length 48 is too short for 4 probe block(s) of 8 after a prefill of 24" in result.output
+    assert not (tmp_path / "out").exists()

@@ -495,6 +495,7 @@ def range_scales(modules: TargetModules, data: EvalData, device: str, windows: i
     """The scales (``convert.weights.rescale``) that bring the fp32 peaks of ``modules`` (the checkpoint's weights as
     they are) on the first ``windows`` windows of ``data`` within ``device``'s limits, and their record, printed.
     Raises ``rescale.RangeError`` where no scale reaches a tensor past its limit."""
+    _check_inputs(modules, data, list(modules.core.taps), 1, default_probe(modules))
     tokens = data.tokens.tolist()[:max(1, windows)]
     return _chosen(measure_range(modules, tokens, data.identity.seed), modules.core, device, len(tokens))
 
@@ -502,8 +503,9 @@ def range_scales(modules: TargetModules, data: EvalData, device: str, windows: i
 def streamed_range_scales(loader, data: EvalData, device: str, windows: int) -> tuple[rescale.Scales, Rescale]:
     """``range_scales`` one piece of the target at a time (``streamed_candidate``; ``loader``: a
     ``convert.weights.shipped.PartLoader`` of the checkpoint's weights as they are: neither quantized nor scaled)."""
-    tokens = data.tokens.tolist()[:max(1, windows)]
     outline, peaks = loader.outline, Peaks()
+    _check_inputs(outline, data, list(outline.core.taps), 1, default_probe(outline))
+    tokens = data.tokens.tolist()[:max(1, windows)]
     streamed_candidate(loader, tokens, list(outline.core.taps), 1, default_probe(outline),
                        torch.Generator().manual_seed(data.identity.seed), peaks=peaks, what="range: the fp32 run")
     return _chosen(peaks, outline.core, device, len(tokens))
