@@ -110,8 +110,8 @@ def build(recipe: Path, output: str | None, dry_run: bool, cache_dir: Path | Non
 @main.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--bundle", "-b", type=click.Path(path_type=Path), help="also run the bundle's .aimodel (artifact gate)")
-@click.option("--report", "-r", type=click.Path(path_type=Path), default=Path("gate_report.json"), show_default=True,
-              help="where the report goes")
+@click.option("--report", type=click.Path(path_type=Path), default=Path("gate_report.json"), show_default=True,
+              help="where the report goes (a file there that is not a gate report is refused, never replaced)")
 @user_errors
 def gate(recipe: Path, bundle: Path | None, report: Path) -> None:
     """Run the numeric gates of a recipe's target alone: exit 0 pass, 1 fail (with a table and a report).
@@ -119,8 +119,9 @@ def gate(recipe: Path, bundle: Path | None, report: Path) -> None:
     The shipped weights are rebuilt from the recipe's pinned source (quantization is deterministic); with
     --bundle they must hash to the bundle's, and its .aimodel is run on the Core AI runtime against them.
     """
-    from convert.commands.gate import gate_bundle
+    from convert.commands.gate import check_report_path, gate_bundle
 
+    check_report_path(report)
     gate_bundle(recipe, bundle, report)
     click.echo(f"gate passed; report: {report}")
 

@@ -304,9 +304,21 @@ def test_inspect_names_a_missing_or_resized_file(tmp_path):
 
 def test_gate_given_a_drafter_bundle(tmp_path):
     drafter = write_bundle(tmp_path / "drafter", drafter_manifest(target_manifest()))
-    result = run("gate", RECIPES / "tiny_qwen3.yaml", "-b", drafter, "-r", tmp_path / "report.json")
+    result = run("gate", RECIPES / "tiny_qwen3.yaml", "-b", drafter, "--report", tmp_path / "report.json")
     refused(result, 2, f"{drafter}: a drafter bundle; gate --bundle takes a target bundle", paths=(str(drafter),))
     assert not (tmp_path / "report.json").exists()
+
+
+def test_gate_never_replaces_a_file_that_is_not_its_report(tmp_path):
+    """``-r`` is ``--recipe`` wherever it exists (``generate``); ``gate --report`` refuses a path holding anything but
+    a gate report, before any work, and leaves it as it was."""
+    other = tmp_path / "other.yaml"
+    other.write_text("name: mine\n")
+    refused(run("gate", RECIPES / "tiny_qwen3.yaml", "--report", other), 2,
+            f"{other}: holds something that is not a gate report; give --report a new path", paths=(str(other),))
+    assert other.read_text() == "name: mine\n"
+    assert run("gate", RECIPES / "tiny_qwen3.yaml", "-r", other).exit_code == 2  # no such option
+    assert other.read_text() == "name: mine\n"
 
 
 def test_generate_given_a_drafter_bundle(tmp_path):

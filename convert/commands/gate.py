@@ -21,6 +21,21 @@ from manifests import identity
 from manifests.schema import Manifest
 
 
+def check_report_path(path: Path) -> None:
+    """Refuse a ``--report`` path that holds anything but a gate report (a report run again is replaced; nothing else
+    is ever overwritten), before any work."""
+    if not path.exists():
+        return
+    if path.is_file():
+        try:
+            GateReport.model_validate_json(path.read_text())
+            return
+        except (ValueError, UnicodeDecodeError):
+            pass
+    raise InputError(f"{path}: holds something that is not a gate report; give --report a new path (nothing was "
+                     "written)")
+
+
 def gate_bundle(recipe_path: Path, bundle: Path | None, report_path: Path) -> GateReport:
     """``spec-convert gate``: the statistical gate on modules rebuilt from the recipe, and with a bundle the
     artifact gate on its .aimodel, after checking the rebuilt weights are the bundle's (lm_head, embeddings). A
