@@ -466,3 +466,14 @@ def test_generate_refuses_a_manifest_without_its_functions(bundle_copy):
     (bundle_copy / "manifest.json").write_text(json.dumps(manifest))
     refused(run("generate", bundle_copy, "-p", "def f"), 2, "manifest.json functions[0] ('prefill'): no position_ids, "
             "input_ids or hidden_states input [1, S, ...]", paths=(str(bundle_copy),))
+
+
+def test_an_output_that_cannot_be_written_is_refused_in_one_line(tmp_path):
+    """A file where the output's folder must be: exit 2, one line naming it, nothing built or left beside it."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("mine\n")
+    out = blocker / "bundle"
+    refused(run("build", RECIPES / "tiny_qwen3.yaml", "--output", out), 2,
+            f"output {out}: cannot be written there ({blocker} is a file, not a folder)",
+            paths=(str(out), str(blocker)))
+    assert blocker.read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

@@ -46,10 +46,17 @@ def check_destination(output: Path) -> None:
 def staging(output: Path) -> Iterator[Path]:
     output = output.resolve()
     check_destination(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.parent / f".{output.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as error:  # a file where a folder must be, no permission, a read-only file system
+        blocking = next((p for p in output.parents if p.exists()), None)
+        why = f"{blocking} is a file, not a folder" if blocking is not None and not blocking.is_dir() else \
+            f"{error.strerror}: {error.filename}"
+        raise InputError(f"output {output}: cannot be written there ({why}); choose another --output (nothing was "
+                         "built)") from None
     try:
         yield tmp
     except BaseException:
