@@ -39,7 +39,8 @@ backends: [{backends}]
 
 def build(tmp: Path, source: Path, layout: str, rescale: bool = True, backends: str = "coreai",
           parted: bool = False) -> tuple[int, str, Path]:
-    """``parted``: the target ships as 5 parts (embedding, 3 + 3 + 2 layers, head), gated one piece at a time."""
+    """``parted``: the target ships as parts of at most 8 MB (stateful: the embedding, 3 + 3 + 2 layers, the head; ane:
+    4 parts), gated one piece at a time."""
     name = f"{source.name}-{layout}-{'scaled' if rescale else 'raw'}{'-parted' if parted else ''}"
     recipe = tmp / f"{name}.yaml"
     recipe.write_text(RECIPE.format(source=source, layout=layout, rescale=str(rescale).lower(), backends=backends,
@@ -179,7 +180,7 @@ def test_a_parted_build_measures_and_folds_its_scales_one_piece_at_a_time(tmp_pa
     assert code == 0, output
     assert re.search(r"range \((gpu|ane), headroom 4x\): residual stream x 1/8,", output), output
     m = json.loads((out / "manifest.json").read_text())
-    assert len(m["parts"]) == 5 and m["rescale"]["residual_scale"] == 0.125 and m["rescale"]["mlp_scales"] == {}
+    assert len(m["parts"]) >= 4 and m["rescale"]["residual_scale"] == 0.125 and m["rescale"]["mlp_scales"] == {}
     device = m["gate"]["device"]
     assert device["passed"] and device["windows"] == 1 and device["metrics"]["greedy_match"] == 1.0
     assert device["range"]["over"] == [] and device["range"]["checked"] > 100
