@@ -654,9 +654,8 @@ def device_pass(plan, target: TargetModules, target32: TargetModules, modules, p
 
 def raise_if_out_of_range(verdict: RangeReport, what: str) -> None:
     if verdict.over:
-        first, more = verdict.over[0], len(verdict.over) - 1
-        raise GateError(f"{what} (the drafter on the {verdict.device}): range: {first.phrase()}"
-                        f"{f' (and {more} more)' if more else ''}; nothing was published")
+        raise GateError(f"{what} (the drafter on the {verdict.device}): range: {verdict.over_phrase()}; nothing was "
+                        "published")
 
 
 def raise_if_lossy(stats: dict, runs: list[speculative.PromptRun]) -> None:

@@ -215,6 +215,11 @@ class RangeReport(BaseModel):
     def passed(self) -> bool:
         return not self.over
 
+    def over_phrase(self) -> str:
+        """The first tensor over its limit, and how many more (a failed verdict's words)."""
+        more = len(self.over) - 1
+        return f"{self.over[0].phrase()}{f' (and {more} more)' if more else ''}"
+
     @classmethod
     def of(cls, device: str, peaks: Peaks) -> RangeReport:
         bounds = limits(device)
@@ -244,9 +249,7 @@ class DevicePass(BaseModel):
     def failures(self) -> list[str]:
         failed = [f"device pass ({self.device}) {m.failure()}" for m in self.metrics if not m.passed]
         if self.range.over:
-            first = self.range.over[0]
-            more = f" (and {len(self.range.over) - 1} more)" if len(self.range.over) > 1 else ""
-            failed.append(f"range ({self.device}): {first.phrase()}{more}")
+            failed.append(f"range ({self.device}): {self.range.over_phrase()}")
         return failed
 
 
