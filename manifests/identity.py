@@ -59,6 +59,7 @@ def export_id(identity: dict) -> str:
 
 LM_HEAD_FILE = "lm_head.safetensors"
 EMBEDDINGS_FILE = "embeddings.safetensors"
+REPORT_FILE = "gate_report.json"  # the numeric gate's report: a target bundle's, hashed in its manifest's records
 
 
 def file_sha256(path: Path) -> str:

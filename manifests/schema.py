@@ -162,7 +162,7 @@ class HostSelector(Model):
 
 
 class HostContract(Model):
-    """What a runtime sets between calls and must never do: README "Hybrid targets" and docs/hybrid.md explain it.
+    """What a runtime sets between calls and must never do: docs/hybrid.md explains it.
     A drafter binds the name and version of its target's contract."""
 
     name: str
@@ -320,7 +320,9 @@ class CompileStep(Model):
     kind: str
     status: Literal["done", "deferred", "failed"]
     reason: str = ""
-    outputs: list[str] = []
+    outputs: list[str] = Field([], description="relative to the bundle's compiled/ folder: a file or a folder")
+    files: list[FileEntry] = Field([], description="every file of the outputs (a folder's recursively), relative to "
+                                   "the bundle, hashed for `spec-convert verify`")
 
 
 class Package(Model):
@@ -385,14 +387,19 @@ class BundleManifest(Model):
     schema_version: Literal["2"] = SCHEMA_VERSION
     kind: str
     name: str
-    export_id: str = Field(description="sha256 of the identity fields (all but built_at, toolchain, compile)")
+    export_id: str = Field(description="sha256 of the identity fields (all but built_at, toolchain, compile, "
+                           "records)")
     built_at: str
     toolchain: dict[str, str]
     source: Source
+    records: list[FileEntry] = Field(
+        [], description="files whose bytes vary from run to run (a target's gate_report.json: its timings), relative "
+        "to the bundle, hashed for `spec-convert verify`, outside the export id")
 
     def identity(self) -> dict:
-        """The fields the export id covers: everything but time, toolchain and later compile status."""
-        data = self.model_dump(mode="json", exclude={"export_id", "built_at", "toolchain"})
+        """The fields the export id covers: everything but time, toolchain, later compile status and the records
+        whose bytes vary from run to run."""
+        data = self.model_dump(mode="json", exclude={"export_id", "built_at", "toolchain", "records"})
         for package in data["packages"]:
             package.pop("compile")
         return data

@@ -196,6 +196,33 @@ def test_huge_values_are_not_echoed(workdir, mutate, needles):
     refused(dry_run(workdir, mutate(GOOD)), 2, *needles)
 
 
+@pytest.mark.parametrize("command", [("--dry-run",), ("--output", "out/b")], ids=["dry-run", "build"])
+def test_an_affine4_group_that_does_not_divide_a_width(workdir, command):
+    """affine4 groups of 64 input columns on the tiny checkpoint, whose o_proj and down_proj take 96: refused at plan
+    time naming the field, the weight and its width, and a group size that fits (the quantizer raised a ValueError
+    mid-build)."""
+    (workdir / "r.yaml").write_text(GOOD.replace("context: 64", "context: 64\n  quantization: {method: affine4, "
+                                                 "group_size: 64}"))
+    result = run("build", "r.yaml", *command)
+    line = refused(result, 2, "target.quantization.group_size: 64 (affine4) does not divide the input width 96 of "
+                   "layers.0.self_attn.o_proj (weight [64, 96]", "e.g. 32")
+    assert "Traceback" not in result.output and "ValueError" not in line
+    assert not (workdir / "out").exists()
+
+
+def test_a_drafter_group_that_does_not_divide_a_width(tmp_path):
+    """The drafter's own linears too: lut4 tables of 64 rows on the fixture DFlash2 drafter, whose selector
+    projection has 32."""
+    text = (RECIPES / "tiny_qwen3_dflash2.yaml").read_text().replace("path:../fixtures",
+                                                                      f"path:{RECIPES.parent / 'fixtures'}")
+    assert "  quantization: {method: lut4-gptq}" in text
+    (tmp_path / "r.yaml").write_text(text.replace("  quantization: {method: lut4-gptq}",
+                                                  "  quantization: {method: lut4, group_size: 64}"))
+    result = run("build", tmp_path / "r.yaml", "--dry-run")
+    refused(result, 2, "drafter.quantization.group_size: 64 (lut4) does not divide the output rows 32 of "
+            "candidate_selector.hidden_projection (weight [32, 256]", "e.g. 16")
+
+
 # --- manifests given to inspect ------------------------------------------------------------------------------------
 
 
@@ -271,7 +298,7 @@ def test_inspect_prints_markup_as_text(tmp_path):
     manifest = target_manifest()
     manifest["name"] = "[/bold] [red]x"
     manifest["packages"][0]["check"]["note"] = "[/]"
-    result = run("inspect", write_bundle(tmp_path / "b", manifest))
+    result = run("inspect", write_bundle(tmp_path / "b", manifest), "--details")
     assert result.exit_code == 0, result.output
     assert "[/bold] [red]x  export id" in result.stdout and "note=[/]" in result.stdout
 

@@ -93,7 +93,7 @@ def test_rebuild_is_identical(built, tiny_checkpoint):
     code, output = build(tmp, tiny_checkpoint, "b")
     assert code == 0, output
     # the same target, data and thresholds: the gate's report comes from the build cache, not a second run
-    assert output.count("numeric gate: restored from the cache") == 1
+    assert output.count("\u2713 numeric gate: restored from the cache") == 1  # its end line (a log has a start line)
     a, b = manifest(first), manifest(tmp / "b")
     assert a["built_at"] and b["built_at"]
     a.pop("built_at"), b.pop("built_at")
@@ -127,7 +127,8 @@ def test_lm_head_hash_tracks_one_value(built, tiny_checkpoint):
     assert f"source.files.{model_file}.sha256" in changed
     # package bytes and hashes, checks and gate (its device pass too) of the new head
     allowed_prefixes = ("packages.", "gate.metrics.", "gate.device.metrics.", "gate.device.range.",
-                        "rescale.tightest.")  # the peaks of the new head are measured too
+                        "rescale.tightest.",  # the peaks of the new head are measured too
+                        "records.")  # the gate report's hash
     unexpected = {k for k in changed if not k.startswith(allowed_prefixes)} - {
         "weights.lm_head_sha256", "export_id", f"source.files.{model_file}.sha256",
         "drafter_interface.lm_head_file.sha256"}  # a target with taps ships lm_head.safetensors for its drafter
@@ -198,8 +199,13 @@ def test_failing_gate_publishes_nothing(tmp_path, tiny_checkpoint):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".g.")]
 
 
-def test_gate_command_on_a_bundle(built, tmp_path):
+def test_gate_command_on_a_bundle(built, tmp_path, monkeypatch):
     tmp, bundle = built
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["gate", str(tmp / "a.yaml")])  # no --report: the table, no file anywhere
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == "gate passed" and "kl_mean" in result.output
+    assert list(tmp_path.iterdir()) == []  # no gate_report.json in the current directory
     report = tmp_path / "report.json"
     result = CliRunner().invoke(main, ["gate", str(tmp / "a.yaml"), "--bundle", str(bundle), "--report", str(report)])
     assert result.exit_code == 0, result.output
@@ -269,11 +275,11 @@ def test_an_ane_layout_bundle(built, tiny_checkpoint):
         specs = backends.load(fmt).read_back(bundle / package)
         assert all(spec.states == () for spec in specs.values()), fmt
     # the placement lint: the stateful packages keep states and scatter into them, look rows up and take the argmax;
-    # the ane ones hold none of it (README "Layouts")
+    # the ane ones hold none of it (docs/layouts.md)
     for package in manifest(stateful)["packages"]:
         assert any("keeps 2 states" in f for f in package["placement"]), package["format"]
     assert [package["placement"] for package in m["packages"]] == [[], []]
-    shown = " ".join(CliRunner().invoke(main, ["inspect", str(bundle)]).output.split())  # rich wraps its lines
+    shown = " ".join(CliRunner().invoke(main, ["inspect", str(bundle), "--details"]).output.split())  # rich wraps
     assert "host buffer key_history: the host writes each call's key_rows into it along axis 2" in shown
     assert "placement lint tiny.aimodel: no finding" in shown
     code, output = build(tmp, tiny_checkpoint, "a-strict", "", "--strict")

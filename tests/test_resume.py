@@ -28,12 +28,15 @@ target:
   gate:
     data: {corpus: "path:corpus.txt", samples: 2, length: 32}
     greedy_tokens: 4
+    # the seeded random checkpoint in 4 bits is far from its fp32 self: what is tested here is the resume, so every
+    # bar that compares it with fp32 (the device pass's, the artifact check's near-tie margin too) lets it through
     thresholds: {mean_kl_max: 1.0, p99_kl_max: 5.0, max_kl_max: 20.0, top1_min: 0.0, cosine_min: 0.0,
-                 greedy_match_min: 0.0, block_chain_real_flips_max: 1000}
+                 greedy_match_min: 0.0, block_chain_real_flips_max: 1000, device_mean_kl_max: 10.0,
+                 device_top1_min: 0.0, device_greedy_match_min: 0.0, near_tie_margin: 1000.0}
 backends: [coreai, coreml]
 """
 ROOT = Path(__file__).resolve().parent.parent
-UNSTABLE = ".odix"  # coreai-core's ODIX lowering orders a table differently run to run (README, Reproducibility)
+UNSTABLE = ".odix"  # coreai-core's ODIX lowering orders a table differently run to run (docs/bundle.md)
 
 
 def start(tmp: Path, output: str, cache: Path) -> subprocess.Popen:
@@ -91,8 +94,23 @@ def comparable(bundle: Path) -> dict[str, bytes]:
             data = b"present"
         elif rel == "gate_report.json":  # measured durations; every value besides them must match
             data = json.dumps(_without_seconds(json.loads(data)), sort_keys=True).encode()
+        elif rel == "manifest.json":  # it hashes those two files (outside the export id, which must match)
+            data = json.dumps(_without_varying_hashes(json.loads(data)), sort_keys=True).encode()
         files[rel] = data
     return files
+
+
+def _without_varying_hashes(manifest: dict) -> dict:
+    """The manifest without the hashes and sizes of the files whose bytes vary from run to run: its ``records`` (the
+    gate report) and the ODIX lowering among its compile outputs."""
+    for record in manifest["records"]:
+        record.update(sha256="varies", size=0)
+    for package in manifest["packages"]:
+        for step in package["compile"]:
+            for entry in step["files"]:
+                if entry["path"].endswith(UNSTABLE):
+                    entry.update(sha256="varies", size=0)
+    return manifest
 
 
 def _without_seconds(value):
@@ -128,3 +146,6 @@ def test_a_build_killed_twice_resumes_to_the_same_bundle(tmp_path):
     log = " ".join((tmp_path / "resumed.log").read_text().split())
     assert "8 of 8 units reused, 0 computed" in log and "restored from the cache" in log
     assert comparable(tmp_path / "resumed") == comparable(tmp_path / "reference")
+    manifests = [json.loads((tmp_path / name / "manifest.json").read_text()) for name in ("resumed", "reference")]
+    assert manifests[0]["export_id"] == manifests[1]["export_id"]
+    assert [r["path"] for r in manifests[0]["records"]] == ["gate_report.json"]

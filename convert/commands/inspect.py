@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from rich.console import Console
@@ -10,8 +11,115 @@ from rich.text import Text
 
 from convert.errors import GateError, InputError
 from convert.pipeline.bundle import read_manifest
+from convert.verify.placement import layout_of, meaning
 from manifests.identity import file_sha256
 from manifests.schema import DrafterManifest, FileEntry, Manifest
+
+
+def print_summary(m: Manifest | DrafterManifest) -> None:
+    """A part's manifest in a few lines: what it is, its gate's metrics (a drafter's acceptance), its quantization and
+    each package's placement lint as a count with what it means for the layout; ``print_manifest`` has the rest."""
+    out = Console(highlight=False, markup=False)  # a manifest's strings are printed as they are, never as markup
+    for line in summary_lines(m):
+        out.print(line, soft_wrap=True)
+
+
+def summary_lines(m: Manifest | DrafterManifest) -> list[str]:
+    layout = layout_of(m.functions)
+    functions = ", ".join(f.name for f in m.functions) or "none"
+    if isinstance(m, DrafterManifest):
+        a, t = m.architecture, m.target
+        lines = [f"{m.name}  drafter export id {m.export_id}",
+                 f"  drafter {a.kind}: {a.num_layers} layers, hidden {a.hidden_size}, {a.parameter_count:,} "
+                 f"parameters; {layout} layout; functions {functions}; built for target export {t.export_id[:16]} "
+                 f"({t.architecture.family})",
+                 *_acceptance_lines(m.acceptance)]
+        lines.append(_quantization(m.quantization, ", borrowed lm_head excluded"))
+        if m.ab:
+            lines.append(f"  A/B vs fp16: sign test p {m.ab.get('sign_test_p')}, accepted {m.ab.get('accepted_other')} "
+                         f"vs {m.ab.get('accepted_base')}")
+    else:
+        a, g = m.architecture, m.gate
+        parts = f"; {len(m.parts)} parts" if m.parts else ""
+        lines = [f"{m.name}  export id {m.export_id}",
+                 f"  target {a.family}: {a.num_layers} layers, hidden {a.hidden_size}, vocab {a.vocab_size}, context "
+                 f"{a.context}; {layout} layout; functions {functions}{parts}"]
+        windows = f" on {_windows(g.data['n'])} of {g.data.get('length')} tokens" if "n" in g.data else ""
+        lines.append(f"  gate {'passed' if g.passed else 'FAILED'}: {_metrics(g.metrics, g.thresholds)}{windows}")
+        if g.device is not None:
+            d = g.device
+            lines.append(f"  device pass ({d.device} arithmetic) {'passed' if d.passed else 'FAILED'}: "
+                         f"{_metrics(d.metrics, g.thresholds, 'device_')} on {_windows(d.windows)}")
+        else:
+            lines.append("  device pass: not recorded (a bundle built before it)")
+        if g.artifact:
+            art = g.artifact
+            lines.append(f"  artifact: {art.get('package')} on the Core AI runtime "
+                         f"{'passed' if art.get('passed') else 'FAILED'} ({art.get('runtime_calls')} calls)")
+        lines.append(_quantization(m.quantization))
+    for p in m.packages:
+        size = sum(f.size for f in p.files) / 2**20
+        if p.placement is None:
+            lint = "not linted"
+        else:
+            count = f"{len(p.placement)} findings" if p.placement else "no finding"
+            lint = f"{count}, {meaning(layout, len(p.placement))}"
+        lines.append(f"  package {p.path} ({p.format}, {size:.1f} MiB): placement lint {lint}")
+    return lines
+
+
+def _windows(n) -> str:
+    return f"{n} window{'' if n == 1 else 's'}"
+
+
+def _quantization(q, note: str = "") -> str:
+    if q is None:
+        return "  quantization none (fp16 weights)"
+    return (f"  quantization {q.method}, {q.bits} bits, group {q.group_size} ({q.bits_per_weight:.2f} bits per "
+            f"weight{note})")
+
+
+SUMMARY_METRICS = (("mean KL", "kl_mean", "mean_kl_max", "max"), ("top-1", "top1", "top1_min", "min"),
+                   ("greedy", "greedy_match", "greedy_match_min", "min"))
+
+
+def _metrics(metrics: dict[str, float], thresholds: dict[str, float], prefix: str = "") -> str:
+    """The summary's metrics, each with its bar when the gate recorded one."""
+    shown = []
+    for label, key, bar, side in SUMMARY_METRICS:
+        if key in metrics:
+            limit = thresholds.get(prefix + bar)
+            shown.append(f"{label} {metrics[key]:.4g}" + (f" ({side} {limit:g})" if limit is not None else ""))
+    return ", ".join(shown) or "no metric recorded"
+
+
+def _acceptance_lines(acc: dict) -> list[str]:
+    """A drafter's acceptance (its gate): tokens per round, lossless, the device pass and the predicted speedup.
+    ``acceptance`` is a free-form record past its checked numbers: anything else is shown only when it is a number."""
+    def number(value, fmt: str) -> str | None:
+        return format(value, fmt) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    tokens = number(acc.get("tokens_per_round"), ".3f")
+    lines = [f"  acceptance: {f'{tokens} tokens per round' if tokens else 'not measured'}, lossless "
+             f"{acc.get('lossless')}"]
+    device = acc.get("device")
+    if isinstance(device, dict) and number(device.get("tokens_per_round"), ".3f"):
+        lines.append(f"  device pass ({str(device.get('device'))[:40]} arithmetic): "
+                     f"{number(device.get('tokens_per_round'), '.3f')} tokens per round, lossless "
+                     f"{device.get('lossless')}")
+    economics, ngram = acc.get("economics"), acc.get("ngram")
+    speedup = number(economics.get("predicted_speedup"), ".2f") if isinstance(economics, dict) else None
+    baseline = number(ngram.get("tokens_per_round"), ".3f") if isinstance(ngram, dict) else None
+    if speedup or baseline:
+        lines.append("  " + "; ".join(x for x in (speedup and f"predicted speedup {speedup}x",
+                                                  baseline and f"n-gram baseline {baseline} tokens per round") if x))
+    return lines
+
+
+def manifests_json(manifests: dict[str, Manifest | DrafterManifest]) -> str:
+    """``inspect --json``: one bundle's manifest, or a pair's as {"target": ..., "drafter": ...}."""
+    data = {name: m.model_dump(mode="json") for name, m in manifests.items()}
+    return json.dumps(next(iter(data.values())) if len(data) == 1 else data, indent=2, ensure_ascii=False)
 
 
 def print_manifest(m: Manifest | DrafterManifest) -> None:

@@ -17,9 +17,11 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from convert.errors import InputError, field_name, quote
+from manifests.identity import file_sha256
 from manifests.schema import SCHEMA_VERSION, DrafterManifest, Manifest
 
 MANIFEST = "manifest.json"
+COMPILED = "compiled"  # where a bundle's compile steps write their outputs (``CompileStep.outputs``: relative to it)
 
 MANIFEST_BYTES_LIMIT = 64 * 2**20  # a 27B parted target's manifest is well under 1 MB
 
@@ -71,6 +73,21 @@ def publish(tmp: Path, output: Path) -> None:
         os.rename(output, old)
     os.rename(tmp, output)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def file_entry(bundle: Path, path: Path) -> dict:
+    """``path`` as a manifest's ``FileEntry``: relative to ``bundle`` ('/'-separated), its sha256 and size."""
+    return {"path": path.relative_to(bundle).as_posix(), "sha256": file_sha256(path), "size": path.stat().st_size}
+
+
+def compiled_files(bundle: Path, outputs: list[str]) -> list[dict]:
+    """Every file of a compile step's ``outputs`` (relative to the bundle's ``compiled/``; a folder's files
+    recursively) as a ``FileEntry`` relative to ``bundle``, sorted: what ``CompileStep.files`` records."""
+    found = set()
+    for output in outputs:
+        path = bundle / COMPILED / output
+        found.update([path] if path.is_file() else (p for p in path.rglob("*") if p.is_file()))
+    return [file_entry(bundle, path) for path in sorted(found)]
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -33,6 +33,7 @@ from convert import backends, progress
 from convert import cache as build_cache
 from convert.backends.base import CompileRecord
 from convert.export import quantized as compress
+from convert.pipeline.bundle import COMPILED
 from convert.processes import die_with_parent
 from convert.progress import stage
 from convert.verify import checks
@@ -131,7 +132,7 @@ def _store(directory: Path, packaged: Packaged, out: Path) -> dict:
     shutil.copytree(packaged.path, directory / "package" / packaged.path.name)
     for record in packaged.compiled:
         for output in record.outputs:
-            source = out / "compiled" / output
+            source = out / COMPILED / output
             target = directory / "compiled" / output
             target.parent.mkdir(parents=True, exist_ok=True)
             (shutil.copytree if source.is_dir() else shutil.copy2)(source, target)
@@ -144,7 +145,7 @@ def _restore(entry: build_cache.Entry, out: Path) -> Packaged:
     path = out / meta["name"]
     shutil.copytree(entry.path("package") / meta["name"], path)
     if entry.path("compiled").is_dir():
-        shutil.copytree(entry.path("compiled"), out / "compiled", dirs_exist_ok=True)
+        shutil.copytree(entry.path("compiled"), out / COMPILED, dirs_exist_ok=True)
     compiled = [CompileRecord(**c) for c in meta["compiled"]]
     return Packaged(meta["format"], path, meta["check"], compiled, meta["check_seconds"])
 
@@ -198,5 +199,5 @@ def _package(name: str, path: Path, modules, out: Path, calls: list | None, ever
         check = checks.check_package(name, path, modules, calls, every_function)
     seconds = time.perf_counter() - start
     with stage(f"compile {name}"):
-        compiled = backend.compile(path, out / "compiled")
+        compiled = backend.compile(path, out / COMPILED)
     return Packaged(name, path, check, compiled, seconds)

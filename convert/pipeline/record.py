@@ -19,6 +19,7 @@ from convert.inputs.sources import (
     license_files,
 )
 from convert.models import family_of
+from convert.pipeline.bundle import compiled_files
 from convert.pipeline.plan import Plan
 from convert.verify.gates import GateReport
 from convert.verify.placement import PLACEMENT
@@ -70,7 +71,7 @@ def package_entry(name: str, path: Path, bundle: Path, check: dict, compiled, pa
         "stable_hash_scope": backend.STABLE_HASH_SCOPE,
         "check": {k: v for k, v in check.items() if k != PLACEMENT},
         "placement": check.get(PLACEMENT),
-        "compile": [vars(c) for c in compiled],
+        "compile": [{**vars(c), "files": compiled_files(bundle, c.outputs)} for c in compiled],
     }
 
 
@@ -137,7 +138,7 @@ def _quantization_record(quant, result: QuantizeResult, modules: TargetModules) 
 
 
 def _manifest(plan: Plan, source_files, modules: TargetModules, packages, parts, extra_files, quantization,
-              report: GateReport, drafter_interface: dict | None) -> Manifest:
+              report: GateReport, drafter_interface: dict | None, records: list[dict]) -> Manifest:
     args, snap, core = plan.args, plan.snapshot, modules.core
     tok_records = [r for r in source_files if r.path in TOKENIZER_FILES]
     data = {
@@ -175,6 +176,7 @@ def _manifest(plan: Plan, source_files, modules: TargetModules, packages, parts,
         "packages": packages,
         "extra_files": extra_files,
         "drafter_interface": drafter_interface,
+        "records": records,
     }
     manifest = Manifest.model_validate(data)
     manifest.export_id = identity.export_id(manifest.identity())

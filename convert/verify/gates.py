@@ -78,10 +78,10 @@ from convert.verify.reference import memory_mapped, streamed_reference
 from convert.weights import rescale
 from convert.weights.quantize import calibration_text
 from convert.weights.target import TargetModules
+from manifests.identity import REPORT_FILE as REPORT_FILE  # the report's name, re-exported (verify reads it there)
 from manifests.schema import Rescale
 from quant.calibrate import fixture_corpus_text, sample_calibration
 
-REPORT_FILE = "gate_report.json"
 # What an artifact gate ran (ArtifactResult.scope)
 WHOLE_RUN = "the .aimodel in lockstep with the torch modules: prefill, decodes, a verify after a rollback"
 PARTS_CHAINED = ("every part's .aimodel chained on the runtime (its own rows passed from part to part) in lockstep "
@@ -419,7 +419,7 @@ def run_gates(
     device_windows = min(device_windows, len(windows)) if device else 0
     kept: list[tuple[_Window, _Window]] = []  # the first windows' (reference, candidate), for the device pass
     with progress_bar(progress) as bar:
-        task = bar.add_task("numeric gate", total=data.identity.n + device_windows)
+        task = bar.add_task("numeric gate", total=data.identity.n + device_windows, what="windows")
         for index, window in enumerate(windows):
             cand = _candidate_window(candidate, window, taps, greedy_tokens, probe_accepts, generator)
             ref = _reference_window(reference, window, taps, cand.greedy, modules)

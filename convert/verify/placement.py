@@ -2,7 +2,7 @@
 
 The reference is anemll-forge's target chunk, which places fully on the ANE (``mps.fullyPlacedOnANE``, its own
 audit): its builder (``coreai/qwen38_coreai_build.py`` @e3741346, ``Entry._forward``, read through the public
-corpus; ``../shared/reference/turn3-anchors.md`` section 1) writes 1x1 and grouped convolutions, batched matmuls,
+corpus: github.com/Anemll/anemll-forge) writes 1x1 and grouped convolutions, batched matmuls,
 softmax, elementwise arithmetic and activations, reductions (max, mean, sum), shape ops and the compressed-weight
 constexprs, all in fp16, over inputs the host owns. Forge found what leaves the ANE: a state write lowers to a
 scatter and runs on the GPU, a gather and integer arithmetic are not in its graphs (the host looks up embeddings
@@ -89,3 +89,18 @@ def lint(fmt: str, specs: dict[str, FunctionSpec], op_types: dict[str, set[str]]
                     findings.append(f"{name}: {tensor.name}'s rows and the call's ({axis:,}) are one attention axis "
                                     f"over the ANE's {ANE_DIM_LIMIT:,} (forge caps its history at 65,472 rows)")
     return findings
+
+
+def layout_of(functions) -> str:
+    """The layout a package's functions were exported for: the stateful layout's keep their caches as states, the ane
+    layout's keep none (the host owns every buffer)."""
+    return "stateful" if any(f.states for f in functions) else "ane"
+
+
+def meaning(layout: str, findings: int) -> str:
+    """What a package's count of findings means for its layout, in words (``build`` and ``inspect`` say it)."""
+    if layout == "stateful":
+        return ("expected for the stateful layout (the GPU runs its programs; the lint measures against the ANE)"
+                if findings else "in the stateful layout, whose programs the GPU runs")
+    return ("these matter in the ane layout, which means the Neural Engine to run each program whole (--strict refuses "
+            "them)" if findings else "each program holds only what the Neural Engine runs")
