@@ -7,8 +7,10 @@ within the model's positions) live in ``check_against_model``, run before any we
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -220,17 +222,18 @@ def _check_contract_value(name: str, value: Any, key: str) -> None:
 
 
 class Target(Strict):
-    source: str = Field(description="path:DIR (relative to the recipe) or hf://org/name@revision")
+    source: str = Field(description="path:DIR (relative to the recipe file's directory, or absolute) or "
+                        "hf://org/name@<commit hash>")
     graphs: Graphs = Graphs()
     context: int = Field(512, gt=0, description="KV cache capacity in tokens")
     layout: Literal["stateful", "ane"] = Field(
         "stateful", description="stateful: the packages keep the KV caches as states (the GPU path, as Apple's own "
         "exports); ane: no states, the host owns the history and writes each call's rows, activations channels first "
-        "with 1x1 convolutions (the Neural Engine's layout, as anemll-forge ships; README \"Layouts\")")
+        "with 1x1 convolutions (the Neural Engine's layout, as anemll-forge ships; docs/layouts.md)")
     ladder: list[int] = Field(
         default_factory=list, description="layout ane: smaller contexts whose prefill / decode / verify the package "
         "also holds (named prefill_<context> ...; the same weights), each below context; the host calls the smallest "
-        "that holds a call's rows and passes that much history (forge ships an entry per context; README \"Layouts\")")
+        "that holds a call's rows and passes that much history (forge ships an entry per context; docs/layouts.md)")
     taps: list[int] | None = Field(None, description="layers whose outputs are returned, in this order (0-based)")
     logits: bool = Field(False, description="also return full [1,S,vocab] logits from every function")
     hidden: bool = Field(
@@ -325,7 +328,8 @@ class Acceptance(TextSample):
 class Drafter(Strict):
     kind: DrafterKind
     source: str | None = Field(
-        None, description="path:DIR or hf://org/name@revision; an MTP head defaults to the target's own checkpoint"
+        None, description="path:DIR (relative to the recipe file's directory) or hf://org/name@<commit hash>; an MTP "
+        "head defaults to the target's own checkpoint"
     )
     context_update: int = Field(64, gt=0, description="dflash2: rows per context_update call (prefill)")
     context_append: int = Field(8, gt=0, description="dflash2: rows per context_append call (new-context capacity)")
@@ -334,7 +338,7 @@ class Drafter(Strict):
     layout: Literal["stateful", "ane"] = Field(
         "stateful", description="stateful: the packages keep the drafter's ring / KV cache as states; ane: no states, "
         "the host owns them and writes each call's rows, computes the masks and takes the argmax (or walks the "
-        "selector), activations channels first with 1x1 convolutions (README \"Layouts\")")
+        "selector), activations channels first with 1x1 convolutions (docs/layouts.md)")
     quantization: DrafterQuantization = DrafterQuantization()
     accept: Acceptance = Acceptance()
     contract: dict[str, Any] = Field(
@@ -354,7 +358,8 @@ class Recipe(Strict):
         None, description="a drafter built and bound to this target (the bundle then holds target/ and drafter/)"
     )
     backends: list[Backend] = Field(default_factory=lambda: ["coreai", "coreml"], min_length=1)
-    output: str | None = Field(None, description="bundle directory, relative to the current directory")
+    output: str | None = Field(None, description="bundle directory, relative to the working directory `build` runs "
+                               "in (not to the recipe, unlike path: sources); `build --output` overrides it")
 
     @field_validator("backends")
     @classmethod
@@ -396,6 +401,8 @@ def load_recipe(path: Path) -> Recipe:
         err = exc.errors()[0]
         field = field_name(err["loc"]) or "recipe"
         message = {"extra_forbidden": "unknown field", "missing": "required field is missing"}.get(err["type"])
+        if err["type"] == "extra_forbidden":
+            message += did_you_mean(err["loc"])
         if err["type"] == "sub_field":
             field, message = f"{field}.{field_name([err['ctx']['name']])}", err["ctx"]["message"]
         elif message is None:
@@ -403,6 +410,23 @@ def load_recipe(path: Path) -> Recipe:
             if "input" in err and not isinstance(err["input"], dict) and err["type"] != "value_error":
                 message += f" (got {quote(err['input'], ECHO_LIMIT)})"
         raise InputError(f"{path}: {field}: {message}") from None
+
+
+def did_you_mean(loc: tuple) -> str:
+    """For an unknown field at ``loc``, "; did you mean 'x'?" naming the closest field of the model it is in
+    (``difflib``), or "; fields here: ..." when none is close."""
+    model: type[BaseModel] = Recipe
+    for step in loc[:-1]:
+        info = model.model_fields.get(step) if isinstance(step, str) else None
+        inner = next((t for t in (info.annotation, *typing.get_args(info.annotation))
+                      if isinstance(t, type) and issubclass(t, BaseModel)), None) if info else None
+        if inner is None:
+            return ""
+        model = inner
+    names = list(model.model_fields)
+    key = str(loc[-1])
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6) if len(key) <= 100 else []
+    return f"; did you mean {close[0]!r}?" if close else f"; fields here: {', '.join(names)}"
 
 
 def _parse_yaml(text: str, path: Path):

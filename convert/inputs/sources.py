@@ -3,16 +3,24 @@
 References: ``path:DIR`` (relative to the recipe file, or absolute) and ``hf://org/name@revision``
 (a commit hash, 7 to 40 hex digits: a branch or tag is not a pin). Hub snapshots come from the
 Hugging Face cache; a download is tried only when the pinned commit is not cached and
-``HF_HUB_OFFLINE`` is not set. Weights are safetensors only (single file or sharded index), read
-through memory maps; pickle checkpoints are refused and ``trust_remote_code`` is never used.
+``HF_HUB_OFFLINE`` is not set. Within ``headers_only()`` (``build --dry-run``) nothing is downloaded but
+the repo's small files (config, tokenizer, index, licenses) and each safetensors file's header (HTTP range
+requests): the weights are stood for by stubs that hold the header alone (``HEADERS_MARKER``). Weights are
+safetensors only (single file or sharded index), read through memory maps; pickle checkpoints are refused
+and ``trust_remote_code`` is never used.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
 import struct
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +36,11 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 LICENSE_PREFIXES = ("LICENSE", "LICENCE", "NOTICE", "COPYING")
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+HUB_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "LICENSE*", "NOTICE*")  # what a build downloads
+# A headers-only snapshot's record (a dot file: ``file_records`` skips it): each weight file's size on the hub, for
+# which its stub (the 8-byte length and the header, the data left out) stands.
+HEADERS_MARKER = ".headers-only.json"
+_HEADERS_INTO: ContextVar[Path | None] = ContextVar("headers_into", default=None)
 
 
 @dataclass(frozen=True)
@@ -67,11 +80,114 @@ def resolve(reference: str, recipe_dir: Path, field: str = "target.source") -> S
         return Snapshot(reference=reference, directory=directory)
     match = HF_PATTERN.match(reference)
     if not match:
+        if re.match(r"^hf://[\w.-]+/[\w.-]+$", reference):
+            raise InputError(f"{field}: {reference!r} has no revision; append @<commit hash> (the commit to build, "
+                             "7 to 40 hex digits, from the repo's history on the hub): a build is pinned to one commit")
         raise InputError(f"{field}: {reference!r} is neither 'path:DIR' nor 'hf://org/name@revision'")
     repo, revision = match["repo"], match["revision"]
     if not PINNED.match(revision):
         raise InputError(f"{field}: {reference!r}: revision {revision!r} is not a commit hash; pin a commit")
-    return Snapshot(reference=reference, directory=_hub_snapshot(repo, revision), repo=repo, revision=revision)
+    headers_into = _HEADERS_INTO.get()
+    directory = _hub_snapshot(repo, revision) if headers_into is None else _hub_headers(repo, revision, headers_into)
+    return Snapshot(reference=reference, directory=directory, repo=repo, revision=revision)
+
+
+@contextmanager
+def headers_only() -> Iterator[Path]:
+    """Within it ``resolve`` reads an uncached ``hf://`` reference's small files and safetensors headers only, into a
+    temporary directory that lives as long as the context (``_hub_headers``): what ``build --dry-run`` plans from.
+    A snapshot already in the Hugging Face cache is used as it is."""
+    with tempfile.TemporaryDirectory(prefix="spec-convert-headers-") as scratch:
+        token = _HEADERS_INTO.set(Path(scratch))
+        try:
+            yield Path(scratch)
+        finally:
+            _HEADERS_INTO.reset(token)
+
+
+def _hub_headers(repo: str, revision: str, root: Path) -> Path:
+    """The pinned commit from the Hugging Face cache, else a headers-only snapshot of it in ``root``: the files a build
+    would download (``HUB_PATTERNS``) but the weights, and for each ``*.safetensors`` file a stub of its 8-byte length
+    and header (read with HTTP range requests, ``parse_safetensors_file_metadata``), its size on the hub recorded in
+    ``HEADERS_MARKER``. No weight is downloaded."""
+    import huggingface_hub as hub
+
+    cache = hub_cache()
+    cached = _cached_snapshot(cache, repo, revision)
+    if cached is not None:
+        return cached
+    directory = root / repo.replace("/", "--") / revision
+    if (directory / HEADERS_MARKER).is_file():  # the same reference twice (an MTP head in its target's snapshot)
+        return directory
+    if hub_offline():
+        raise SourceUnavailable(
+            f"hf://{repo}@{revision} is not in the Hugging Face cache ({cache}) and "
+            "HF_HUB_OFFLINE is set; download it on a machine with network first"
+        )
+    try:
+        info = hub.model_info(repo, revision=revision, files_metadata=True)
+        commit = info.sha or ""
+        files = {s.rfilename: s.size for s in info.siblings or []
+                 if any(fnmatch.fnmatch(s.rfilename, p) for p in HUB_PATTERNS)}
+        if commit.startswith(revision):
+            for name in sorted(n for n in files if not n.endswith(".safetensors")):
+                hub.hf_hub_download(repo, name, revision=commit, local_dir=directory)
+            sizes = {name: _write_stub(directory / name, hub.parse_safetensors_file_metadata(
+                repo, name, revision=commit), size) for name, size in sorted(files.items())
+                if name.endswith(".safetensors")}
+    except InputError:
+        raise
+    except Exception as exc:  # network, auth or unknown revision: all are a user's input problem here
+        raise SourceUnavailable(
+            f"hf://{repo}@{revision} is not in the Hugging Face cache ({cache}) and its config and safetensors "
+            f"headers could not be read from the hub ({type(exc).__name__}); check the repo and revision or populate "
+            "the cache"
+        ) from None
+    if not commit.startswith(revision):
+        raise InputError(f"hf://{repo}@{revision} resolved to commit {commit or '?'}, not the pinned one")
+    (directory / HEADERS_MARKER).write_text(json.dumps({"repo": repo, "revision": commit, "sizes": sizes}))
+    return directory
+
+
+def _write_stub(path: Path, metadata, size: int | None) -> int:
+    """A safetensors file's stub: its 8-byte length and its header (rebuilt from the hub's parse of it, padded with
+    spaces to the original's length as the format pads), no data; returns the file's size on the hub."""
+    header: dict = {name: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": list(t.data_offsets)}
+                    for name, t in metadata.tensors.items()}
+    if metadata.metadata:
+        header = {"__metadata__": dict(metadata.metadata), **header}
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    end = max((t.data_offsets[1] for t in metadata.tensors.values()), default=0)
+    if size is not None and size - 8 - end >= len(raw):
+        raw += b" " * (size - 8 - end - len(raw))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    return 8 + len(raw) + end
+
+
+def headers_record(directory: Path) -> dict | None:
+    """A headers-only snapshot's record (``HEADERS_MARKER``), or None for a snapshot with its weights."""
+    marker = Path(directory) / HEADERS_MARKER
+    return read_json(marker) if marker.is_file() else None
+
+
+def refuse_headers_only(directory: Path) -> None:
+    """Weights are never read from a headers-only snapshot (its stubs hold no data; only a dry run makes one)."""
+    if headers_record(directory) is not None:
+        raise InputError(f"{directory}: a headers-only snapshot (build --dry-run's); its weights were not downloaded")
+
+
+def stored_size(path: Path) -> int:
+    """A weight file's size: in a headers-only snapshot its stub stands for the file on the hub."""
+    record = headers_record(path.parent)
+    if record is not None and path.name in record.get("sizes", {}):
+        return int(record["sizes"][path.name])
+    return path.stat().st_size
+
+
+def weight_bytes(directory: Path) -> int:
+    """The bytes of a checkpoint's ``*.safetensors`` files (a headers-only snapshot's as on the hub)."""
+    return sum(stored_size(p) for p in Path(directory).glob("*.safetensors"))
 
 
 def _hub_snapshot(repo: str, revision: str) -> Path:
@@ -231,8 +347,9 @@ def check_safetensors(path: Path) -> dict[str, tuple[int, ...]]:
     data_offsets, a known dtype, a shape of non-negative integers and offsets that hold exactly its bytes; the
     tensors cover the data from 0 to the end of the file with no gap, overlap or trailing byte; ``__metadata__``
     maps strings to strings. Returns tensor name -> shape; anything else is refused naming the file (and the tensor).
+    A headers-only snapshot's stub is checked as the file of the size it stands for (``stored_size``).
     """
-    size = path.stat().st_size
+    size = stored_size(path)
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
@@ -341,6 +458,7 @@ class CheckpointReader:
     and unmaps it again, so what a streamed stage holds is what it keeps, never the checkpoint's pages."""
 
     def __init__(self, directory: Path):
+        refuse_headers_only(directory)
         self.files = {name: path for path in weight_files(directory) for name in check_safetensors(path)}
 
     def get(self, key: str) -> torch.Tensor:
@@ -361,6 +479,7 @@ class CheckpointReader:
 
 def load_tensors(directory: Path) -> dict[str, torch.Tensor]:
     """Read every tensor through safetensors' memory map (no pickle, no copy of the whole file)."""
+    refuse_headers_only(directory)
     tensors: dict[str, torch.Tensor] = {}
     for path in weight_files(directory):
         check_safetensors(path)

@@ -4,6 +4,8 @@ parts, memory, the drafter's plan), refused before any weight is read when it ca
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -24,12 +26,20 @@ from convert.export.spec import (
     size_lines,
     size_text,
 )
-from convert.inputs import contract
+from convert.inputs import contract, prism
 from convert.inputs.checkpoint import checkpoint_shapes
 from convert.inputs.contract import _MISSING, as_config, lookup
 from convert.inputs.prism import BLOCK_FIELD, pack_block, source_config, unfolded_snapshot
 from convert.inputs.recipe import Recipe, check_against_model, load_recipe
-from convert.inputs.sources import Snapshot, resolve
+from convert.inputs.sources import (
+    Snapshot,
+    headers_only,
+    headers_record,
+    read_json,
+    resolve,
+    tensor_shapes,
+    weight_bytes,
+)
 from convert.models import dflash2, family_for, family_of, mtp
 from convert.models.layout import Layout
 from convert.models.part import Part
@@ -38,7 +48,9 @@ from convert.pipeline.drafter import (
     DrafterPlan,
     drafter_contract,
     head_ranges,
+    own_linear_shapes,
     own_phase_bytes,
+    own_shapes,
     plan_drafter,
     stage_target,
 )
@@ -46,6 +58,7 @@ from convert.pipeline.partition import (
     BASE_BYTES,
     build_memory_bytes,
     held_target_bytes,
+    matrix_bytes,
     memory_line,
     piece_sizes,
     plan_lines,
@@ -53,7 +66,15 @@ from convert.pipeline.partition import (
     shipped_line,
 )
 from convert.verify import placement
-from convert.weights.quantize import estimate_lines, kept_modules
+from convert.weights.quantize import (
+    COST_MODEL,
+    MEASURED_WEIGHTS,
+    check_group_size,
+    check_group_widths,
+    estimate_lines,
+    kept_modules,
+    unit_weights,
+)
 from convert.weights.target import function_specs
 
 
@@ -89,6 +110,11 @@ class Plan:
         return sum(s.nbytes for s in self.specs[0].states)
 
     @cached_property
+    def sizes(self):
+        """The shipped bytes of the target's pieces (``partition.piece_sizes``; builds its parameterless core once)."""
+        return piece_sizes(self.args, self.recipe.target)
+
+    @cached_property
     def peak_memory_bytes(self) -> int:
         """Estimate of the build's peak host memory (``convert/pipeline/partition.py``: measured costs), the drafter
         stage's included; computed once (it builds the target's parameterless core)."""
@@ -115,7 +141,7 @@ class Plan:
         target's tables alone while GPTQ runs, its layers loaded again after; its tables at packaging) and, where
         prompts run, the sessions' states (``drafter_sessions``)."""
         whole = self.drafter_stage_target_bytes
-        sizes = piece_sizes(self.args, self.recipe.target)
+        sizes = self.sizes
         tables = int((sizes.embedding_row + sizes.head_row) * self.args.vocab_size) + sizes.norm
         let_go = {"package"} | ({"quantize"} if not self.parts[0].is_whole and
                                  self.drafter.config.quantization.uses_gptq else set())
@@ -151,40 +177,98 @@ class Plan:
         return int(min(MAX_SESSIONS, max(1, room // self.drafter_session_bytes)))
 
 
-def make_plan(recipe_path: Path, output: str | None = None, cache_root: Path | None = None) -> Plan:
+def make_plan(recipe_path: Path, output: str | Path | None = None, cache_root: Path | None = None,
+              refuse: bool = True) -> Plan:
     """Validate the recipe and the checkpoint's config and headers; reads no weights (but a Prism pack's, which is
     unfolded once into ``cache_root``, default the build cache's directory:
-    ``convert.inputs.prism.unfolded_snapshot``)."""
+    ``convert.inputs.prism.unfolded_snapshot``; within ``sources.headers_only()`` a pack on the hub is planned from its
+    headers, ``_pack_headers_view``). ``refuse``: raise when the build would not fit ``target.max_host_memory_gb``
+    (``refusal``); the dry run says so in its summary instead."""
     recipe = load_recipe(recipe_path)
     snapshot = resolve(recipe.target.source, recipe_path.resolve().parent)
     contract.check(source_config(snapshot.directory), recipe.target.contract, str(snapshot.directory / "config.json"),
                    "target.contract")
-    snapshot = unfolded_snapshot(snapshot, recipe.target.quantization, str(recipe_path),
-                                 recipe.target.max_host_memory_gb * 1e9, cache_root)
+    quant = recipe.target.quantization
+    if headers_record(snapshot.directory) is not None and quant.method == "exact" and \
+            snapshot.config().get("model_type") == prism.MODEL_TYPE:
+        snapshot, shapes = _pack_headers_view(snapshot)
+    else:
+        snapshot = unfolded_snapshot(snapshot, quant, str(recipe_path), recipe.target.max_host_memory_gb * 1e9,
+                                     cache_root)
+        shapes = checkpoint_shapes(snapshot.directory)
     config_path = snapshot.directory / "config.json"
     family = family_for(snapshot.config(), str(config_path))
     args = family.Args.from_config(snapshot.config(), where=str(config_path))
     check_against_model(recipe, args.num_hidden_layers, args.max_position_embeddings, recipe_path)
-    layout = family.sanitize(checkpoint_shapes(snapshot.directory), args, f"checkpoint {snapshot.directory}")
+    layout = family.sanitize(shapes, args, f"checkpoint {snapshot.directory}")
+    check_group_size(args, recipe.target)  # before the quantizer meets a width its groups do not divide
     if not (snapshot.directory / "tokenizer.json").is_file():
         raise InputError(f"{snapshot.directory}: no tokenizer.json; a bundle ships its tokenizer and hashes it")
-    checkpoint_bytes = sum(p.stat().st_size for p in snapshot.directory.glob("*.safetensors"))
+    checkpoint_bytes = weight_bytes(snapshot.directory)
     out = Path(output or recipe.output or Path("bundles") / recipe.name)
     drafter = plan_drafter(recipe, recipe_path, snapshot, args, SHIP_DTYPE) if recipe.drafter else None
+    if drafter is not None:  # the drafter quantizes every linear of its own
+        check_group_widths(drafter.config.quantization, own_linear_shapes(drafter), "drafter.quantization",
+                           "quantize the drafter with the other 4-bit method, or not (method: none)")
     plan = Plan(recipe, recipe_path, out, snapshot, args, layout, function_specs(args, recipe.target, SHIP_DTYPE),
                 checkpoint_bytes, plan_parts(args, recipe.target), drafter)
-    _check_host_memory(plan)
+    if refuse:
+        _check_host_memory(plan)
     return plan
+
+
+def _pack_headers_view(snapshot: Snapshot) -> tuple[Snapshot, dict[str, tuple[int, ...]]]:
+    """A headers-only Prism pack's unfolded view (``prism.write_view``'s config.json and tokenizer files, beside the
+    stubs) and its tensors' shapes in the unfolded checkpoint (``prism.UnfoldedPack.shapes``), from its config's modules
+    list and the safetensors headers alone: the scales and signs ``read_pack`` checks are tensor data, read by the
+    build."""
+    directory = snapshot.directory
+    config = read_json(directory / "config.json")
+    prism._check_config(config, directory / "config.json")
+    records = prism._module_records(config, directory / "config.json")
+    pack = prism.Pack(directory, config, 0, {})
+    stored = tensor_shapes(directory)
+    packed = {prism.PREFIX + r["path"] + part for r in records for part in (".weight", ".scales", ".biases", ".signs")}
+    shapes = {}
+    for record in records:
+        name = prism.PREFIX + record["path"] + ".weight"
+        if name not in stored or len(stored[name]) != 2:
+            raise InputError(f"{directory / 'config.json'}: modules names {record['path']!r}, but the pack has no 2-D "
+                             f"tensor {name!r}")
+        rows, words = stored[name]
+        shapes[prism.hf_key(name)] = (rows, words * prism.CODES_PER_WORD)
+    for name, shape in stored.items():
+        if name not in packed:
+            shapes[prism.hf_key(name)] = tuple(prism.hf_layout(name, torch.empty(shape, device="meta")).shape)
+    view = directory.parent / f"{directory.name}.unfolded"
+    view.mkdir(exist_ok=True)
+    (view / "config.json").write_text(json.dumps(prism.unfolded_config(pack), indent=2))
+    prism._copy_files(pack, view)
+    return dataclasses.replace(snapshot, directory=view, packed=directory), shapes
+
+
+def refusal(plan: Plan) -> tuple[str, str] | None:
+    """Why the build would be refused for host memory (``_check_host_memory``), as (the stage over the budget, what
+    else lowers it), or None. A whole target is built in memory only when it fits (``plan_parts``); a parted one's
+    packaging fits by construction, so what can be over is the drafter stage or the streamed gate, which more or
+    smaller parts do not lower."""
+    budget = plan.recipe.target.max_host_memory_gb * 1e9
+    if plan.parts[0].is_whole or plan.peak_memory_bytes <= budget:
+        return None
+    if plan.drafter_stage_bytes > budget:
+        return ("the drafter stage", "build the target alone (a recipe without its drafter); more or smaller parts "
+                "do not lower it (the stage holds the whole target's quantized weights beside the drafter)")
+    return ("the streamed gate", "lower target.gate.data.samples or length (the gate holds every window's states); "
+            "more or smaller parts do not lower it")
 
 
 def _check_host_memory(plan: Plan) -> None:
     """A parted target's packaging fits ``target.max_host_memory_gb`` by construction (``plan_parts``); its streamed
     gate holds every window's states, which the gate data sets: refuse a gate that would not fit, before any work."""
-    target = plan.recipe.target
-    budget = target.max_host_memory_gb * 1e9
-    if plan.parts[0].is_whole or plan.peak_memory_bytes <= budget:
+    target, refused = plan.recipe.target, refusal(plan)
+    if refused is None:
         return
-    if plan.drafter_stage_bytes > budget:
+    if refused[0] == "the drafter stage":
         raise InputError(f"{plan.recipe_path}: drafter: the drafter stage needs about "
                          f"{plan.drafter_stage_bytes / 1e9:.0f} GB ({_drafter_stage_parts(plan)}), over "
                          f"target.max_host_memory_gb {target.max_host_memory_gb:g}; build the target alone here (a "
@@ -296,6 +380,213 @@ def describe_plan(plan: Plan) -> list[str]:
     return lines
 
 
+def dry_run(recipe_path: Path, output: str | Path | None = None, cache_root: Path | None = None) -> list[str]:
+    """``build --dry-run``: the plan's summary, then its signatures. Loads no weights: an ``hf://`` source that is not
+    in the Hugging Face cache is planned from its config, tokenizer files and safetensors headers
+    (``sources.headers_only``); one that cannot be reached either, from the recipe's contracts (``describe_contract``).
+    A build the plan would refuse is said so in the summary (exit 0: the plan is what was asked for)."""
+    with headers_only():
+        try:
+            plan = make_plan(recipe_path, output, cache_root, refuse=False)
+        except SourceUnavailable as unavailable:
+            return describe_contract(load_recipe(recipe_path), recipe_path, unavailable)
+        return [*summary_lines(plan), *describe_plan(plan)]
+
+
+# Measured rates the summary's time estimates scale (an estimate, never a promise; a stage not measured says so).
+# The quantize stage: ``convert.weights.quantize.COST_MODEL`` (bench/scale.py at the 27B geometry, one H200 and 2 CPU
+# cores). The gate: the 27B gate on this repo's 2-core CPU machine (docs/benchmarks.md, "The gate's candidate at full
+# size", 2026-12-05): the candidate about 2.25 h and the streamed reference 50 min, about 3.1 h, for 26,895,998,464
+# parameters over 16 windows of 256 tokens and 16 greedy tokens; scaled by parameters x windows x (length + greedy).
+GATE_CPU_SECONDS = 3.1 * 3600
+GATE_MEASURED_PARAMETERS = 26_895_998_464
+GATE_MEASURED_TOKENS = 16 * (256 + 16)
+# Packaging: the parted 27B target in both formats on the same machine (docs/benchmarks.md, "Parts of the Bonsai 27B
+# packaged as its build packages them", 2026-12-05): about 10,000 s (2.8 h) for its 14 parts, packaged, checked and
+# compiled; scaled by parameters and formats. Core AI's and Core ML's converters run on the CPU: a GPU does not help.
+PACKAGING_CPU_SECONDS = 10_000
+PACKAGING_MEASURED_PARAMETERS = 26_895_998_464
+PACKAGING_MEASURED_FORMATS = 2
+CPU_MACHINE = "2 CPU cores"  # COST_MODEL's name of the CPU machine the rates were measured on
+GPU_MACHINE = "one H200"
+GB = 1e9
+
+
+def summary_lines(plan: Plan, contract_note: str = "") -> list[str]:
+    """The plan's first lines: what is built (parts, formats, sizes), what a build downloads, the estimated peak host
+    memory against the budget (and, when the build would be refused, a plain line saying so and what to change), the
+    estimated time per stage on the CPU and on one GPU (from ``GATE_CPU_SECONDS`` ... and ``COST_MODEL``) and the disk
+    it takes."""
+    recipe, args, target = plan.recipe, plan.args, plan.recipe.target
+    formats = len(recipe.backends)
+    sizes = plan.sizes
+    shipped = sizes.total(args.vocab_size, args.tie_word_embeddings)
+    table = 2 * args.vocab_size * args.hidden_size if sizes.host_lookup else 0
+    count = len(plan.parts)
+    parts = "whole (one package)" if plan.parts[0].is_whole else f"in {count} parts"
+    lines = [f"summary{contract_note} (estimates; no weights read):",
+             f"  builds: target {parts} x {formats} format{'s' if formats > 1 else ''} ({', '.join(recipe.backends)}), "
+             f"quantization {target.quantization.method}, layout {target.layout}: {_size(shipped)} of weights a "
+             "format" + (f", the host's embedding table {_size(table)}" if table else "")]
+    drafter = 0
+    if plan.drafter is not None:
+        drafter = drafter_shipped_bytes(plan.drafter)
+        lines.append(f"  builds: drafter {plan.drafter.kind} (quantization {plan.drafter.config.quantization.method}, "
+                     f"layout {plan.drafter.config.layout}): {_size(drafter)} of its own weights a format")
+    elif recipe.drafter is not None:
+        lines.append(f"  builds: drafter {recipe.drafter.kind}: planned from its config.json at build time")
+    download = download_line(plan)
+    if download:
+        lines.append(download)
+    budget = target.max_host_memory_gb
+    peak = plan.peak_memory_bytes / GB
+    stage = "the drafter stage" if plan.drafter_stage_bytes >= plan.peak_memory_bytes else "the target's build"
+    lines.append(f"  peak host memory: {peak:.1f} GB ({stage}), target.max_host_memory_gb {budget:g}: "
+                 f"{'over' if peak > budget else 'within'} budget")
+    refused = refusal(plan)
+    if refused:
+        raise_to = math.ceil(peak * 10) / 10
+        lines.append(f"  this build would be refused: peak {peak:.1f} GB > target.max_host_memory_gb {budget:g} "
+                     f"({refused[0]}); raise target.max_host_memory_gb to {raise_to:g} or {refused[1]}")
+    lines += time_lines(plan)
+    lines += data_lines(plan)
+    bundle = formats * (shipped + drafter) + table
+    cache = bundle - table + (shipped if target.quantization.format not in (None, "exact2") else 0)
+    if plan.snapshot is not None and plan.snapshot.packed is not None and \
+            4 * plan.parameter_count <= target.max_host_memory_gb * GB:
+        cache += 4 * plan.parameter_count  # the pack unfolded in fp32 (prism.unfolded_snapshot); larger: a view
+    lines.append(f"  disk: bundle {_size(bundle)}; build cache about {_size(cache)} (the packaged parts"
+                 + (", the quantized weights" if target.quantization.format not in (None, "exact2") else "")
+                 + ", the gate's per-window records); temporaries: the bundle is written beside --output and renamed "
+                 "into place (no second copy)" + ("" if target.quantization.format in (None, "exact2") else
+                                                  f", under --no-cache the quantized weights {_size(shipped)}"))
+    return lines
+
+
+def data_lines(plan: Plan) -> list[str]:
+    """The text the gate (and GPTQ) measure on, and when it is the fixture corpus (the default) a word that it is a
+    Python split, not the model's own domain."""
+    target = plan.recipe.target
+    texts = [("gate", target.gate.data.corpus, "target.gate.data.corpus")]
+    if target.quantization.method.endswith("gptq"):
+        texts.append(("GPTQ calibration", target.quantization.calibration.corpus,
+                      "target.quantization.calibration.corpus"))
+    lines = []
+    for what, corpus, field in texts:
+        default = corpus.startswith("fixture:")
+        lines.append(f"  {what} text: {corpus}" + (
+            f" (the fixture corpus: Python source, the default; for another domain set {field} to path:FILE of "
+            "your model's text)" if default else ""))
+    return lines
+
+
+def drafter_shipped_bytes(drafter: DrafterPlan) -> int:
+    """The drafter's own weights as a package stores them (its linears quantized as its recipe says, the rest fp16;
+    the tables it borrows from the target not counted)."""
+    quant = drafter.config.quantization
+    linears = own_linear_shapes(drafter)
+    parameters = sum(math.prod(shape) for shape in own_shapes(drafter).values())
+    others = parameters - sum(rows * columns for rows, columns in linears.values())
+    return 2 * others + sum(matrix_bytes(quant.format, quant.resolved_group_size, shape) for shape in linears.values())
+
+
+def download_line(plan: Plan) -> str | None:
+    """What a build would download: the weight files of each source planned from its headers (``headers_only``)."""
+    if plan.snapshot is None:  # planned from the contracts: the hub was not reached
+        if plan.recipe.target.quantization.format == "exact2":
+            least, what = plan.sizes.total(plan.args.vocab_size, plan.args.tie_word_embeddings), "its packed codes"
+        else:
+            least, what = 2 * plan.parameter_count, f"{plan.parameter_count:,} parameters in bf16"
+        return f"  download: not read (the hub was not reached); the target alone at least {_size(least)} ({what})"
+    sources = [plan.snapshot] + ([plan.drafter.snapshot] if plan.drafter and plan.drafter.snapshot is not None
+                                 and plan.drafter.snapshot.source != plan.snapshot.source else [])
+    fetched = []
+    for snapshot in sources:
+        record = headers_record(snapshot.source)
+        if record is not None:
+            sizes = record.get("sizes", {})
+            fetched.append((snapshot.reference, len(sizes), sum(sizes.values())))
+    if not fetched:
+        cached = [s.reference for s in sources if s.repo is not None]
+        return f"  download: none ({', '.join(cached)} in the Hugging Face cache)" if cached else None
+    total = sum(size for _, _, size in fetched)
+    each = "; ".join(f"{ref}: {n} safetensors file{'s' if n != 1 else ''}, {_size(size)}"
+                     for ref, n, size in fetched)
+    return (f"  download: a build fetches {_size(total)} of weights into the Hugging Face cache ({each}); this "
+            "plan read only their headers")
+
+
+def cpu_seconds(plan: Plan) -> dict[str, float]:
+    """The estimated seconds of the stages measured on the CPU machine (``quantize``, ``gate``, ``packaging``), scaled
+    from the rates above; a stage with nothing to do or no measured rate left out."""
+    target, parameters = plan.recipe.target, plan.args.parameter_count
+    seconds = {}
+    if target.quantization.format not in (None, "exact2"):
+        quantize = quantize_seconds(plan.args, target).get(CPU_MACHINE)
+        if quantize is not None:
+            seconds["quantize"] = quantize
+    data = target.gate.data
+    seconds["gate"] = GATE_CPU_SECONDS * parameters / GATE_MEASURED_PARAMETERS * data.samples * (
+        data.length + target.gate.greedy_tokens) / GATE_MEASURED_TOKENS
+    seconds["packaging"] = PACKAGING_CPU_SECONDS * parameters / PACKAGING_MEASURED_PARAMETERS * \
+        len(plan.recipe.backends) / PACKAGING_MEASURED_FORMATS
+    return seconds
+
+
+def time_lines(plan: Plan) -> list[str]:
+    """Estimated time of each stage on the CPU machine and on one GPU, scaled from the measured rates above."""
+    target, args = plan.recipe.target, plan.args
+    quant = target.quantization
+    cpu = cpu_seconds(plan)
+    lines = [f"  time (estimates scaled from rates measured at 27B, docs/benchmarks.md; {CPU_MACHINE} | "
+             f"{GPU_MACHINE}):"]
+    if quant.format in (None, "exact2"):
+        lines.append(f"    quantize ({quant.method}): nothing to quantize")
+    else:
+        seconds = quantize_seconds(args, target)
+        lines.append(f"    quantize ({quant.method}): {_hours(seconds.get(CPU_MACHINE))} | "
+                     f"{_hours(seconds.get(GPU_MACHINE))}")
+    data = target.gate.data
+    gate, packaging = cpu["gate"], cpu["packaging"]
+    lines.append(f"    gate ({data.samples} x {data.length} tokens): {_hours(gate)} | not measured")
+    lines.append(f"    packaging ({len(plan.parts)} part{'s' if len(plan.parts) > 1 else ''} x "
+                 f"{len(plan.recipe.backends)} formats): {_hours(packaging)} | the same (the converters run on the "
+                 "CPU)")
+    if plan.recipe.drafter is not None:
+        lines.append("    drafter stages (calibration, quantize, acceptance A/B): not measured at this size")
+    return lines
+
+
+def quantize_seconds(args, target) -> dict[str, float]:
+    """The quantize stage's seconds on each machine ``COST_MODEL`` measured the method on (``estimate_lines``'s
+    arithmetic: each unit's GPTQ solves by its weights, its calibration passes by weights x tokens)."""
+    quant = target.quantization
+    units = unit_weights(args, target)
+    estimates = {}
+    for measured in COST_MODEL:
+        costs = measured.seconds.get(quant.method)
+        if costs is None:
+            continue
+        tokens = quant.calibration.samples * quant.calibration.length / measured.tokens if quant.uses_gptq else 1
+        estimates[measured.device] = sum(
+            weights / MEASURED_WEIGHTS[kind] * (costs[kind][1] + (costs[kind][0] - costs[kind][1]) * tokens)
+            for kind, weights in units if kind in costs)
+    return estimates
+
+
+def _size(nbytes: float) -> str:
+    """Bytes as the budgets count them (10^9 a GB)."""
+    return f"{nbytes / GB:.1f} GB" if nbytes >= GB / 10 else f"{nbytes / 1e6:.1f} MB"
+
+
+def _hours(seconds: float | None) -> str:
+    if seconds is None:
+        return "not measured"
+    if seconds < 60:
+        return "under a minute"
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
 def describe_drafter(plan: Plan) -> list[str]:
     d, a = plan.drafter, plan.drafter.args
     quant = d.config.quantization
@@ -339,7 +630,8 @@ def describe_contract(recipe: Recipe, recipe_path: Path, unavailable: SourceUnav
         drafter_lines, drafter = _dflash2_lines(recipe, recipe_path, hidden, vocab, taps) \
             if recipe.drafter.kind == "dflash2" else _mtp_lines(recipe, recipe_path, pinned)
     if planned is None:
-        return lines + target_lines + drafter_lines
+        return ["summary: sizes, host memory and time are planned from config.json at build time (the recipe's "
+                "contracts do not pin every shape)", *lines, *target_lines, *drafter_lines]
     args, specs, parts = planned
     plan = Plan(recipe, recipe_path, Path(recipe.output or Path("bundles") / recipe.name), None, args, None, specs,
                 0, parts, drafter)
@@ -350,7 +642,8 @@ def describe_contract(recipe: Recipe, recipe_path: Path, unavailable: SourceUnav
     elif recipe.drafter is not None:
         memory.append("  estimated drafter stage: from the drafter's config.json at build time (its contract does "
                       "not pin every shape)")
-    return lines + target_lines + memory + drafter_lines
+    summary = summary_lines(plan, " from the recipe's contracts")
+    return summary + lines + target_lines + memory + drafter_lines
 
 
 def _mtp_lines(recipe: Recipe, recipe_path: Path, pinned: dict) -> tuple[list[str], DrafterPlan | None]:
