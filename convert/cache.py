@@ -26,21 +26,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from convert.paths import default_cache
 from convert.progress import console
 from manifests import identity
 
 ENTRY = "entry.json"
 OBJECT_FILE = "object.pt"  # the payload of an entry ``BuildCache.put_object`` stores
-ENV = "SPEC_CONVERT_CACHE"
 PROJECT_PACKAGES = ("convert", "quant", "manifests")
 
-
-def default_directory() -> Path:
-    """``$SPEC_CONVERT_CACHE``, else ``$XDG_CACHE_HOME/spec-convert``, else ``~/.cache/spec-convert``."""
-    if os.environ.get(ENV):
-        return Path(os.environ[ENV])
-    base = Path(os.environ["XDG_CACHE_HOME"]) if os.environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    return base / "spec-convert"
 
 
 def key(record: dict) -> str:
@@ -126,7 +119,7 @@ class BuildCache:
     ``hits`` / ``misses`` / ``corrupt`` count lookups by stage (the resume tests and the build log read them)."""
 
     def __init__(self, root: Path | None = None, enabled: bool = True):
-        self.root = Path(root) if root is not None else default_directory()
+        self.root = Path(root) if root is not None else default_cache()
         self.enabled = enabled
         self.hits: dict[str, int] = {}
         self.misses: dict[str, int] = {}

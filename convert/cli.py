@@ -67,6 +67,12 @@ def main() -> None:
     """Convert speculative-decoding checkpoints into gated Core AI and Core ML bundles."""
     # coremltools draws a tqdm bar per conversion pass; the stage log says what runs and for how long
     os.environ.setdefault("TQDM_DISABLE", "1")
+    # torch makes a compile-cache folder in the system temp dir when torch._dynamo is first imported
+    # (torchinductor_<user>); a command leaves nothing in the temp dir (tests/test_temporaries.py): it goes beside
+    # the build cache
+    from convert.paths import default_cache
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache() / "torchinductor"))
     # version notices that every run would print and that tests/test_build.py shows to be harmless here
     warnings.filterwarnings("ignore", message="coreai-torch has only been validated")
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
@@ -74,35 +80,30 @@ def main() -> None:
 
 @main.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
-@click.option("--output", "-o", help="bundle directory (overrides the recipe's `output`)")
-@click.option("--dry-run", is_flag=True, help="print the plan without loading weights")
+@click.option("--output", "-o", type=click.Path(path_type=Path),
+              help="bundle directory, relative to the working directory (overrides the recipe's `output`)")
+@click.option("--dry-run", is_flag=True, help="print the plan (a summary, then every function's signature) without "
+              "loading or downloading weights: an uncached hf:// source is read as config, tokenizer files and "
+              "safetensors headers")
 @click.option("--cache-dir", type=click.Path(path_type=Path),
               help="build cache (default $SPEC_CONVERT_CACHE, else ~/.cache/spec-convert)")
 @click.option("--no-cache", is_flag=True, help="compute every stage again; read and write no cache")
 @click.option("--strict", is_flag=True, help="fail (exit 1, nothing published) on any finding of the placement lint: "
-              "an op, state, dtype or dim a program the ANE runs whole does not hold (README \"Layouts\")")
+              "an op, state, dtype or dim a program the ANE runs whole does not hold (docs/layouts.md)")
 @user_errors
-def build(recipe: Path, output: str | None, dry_run: bool, cache_dir: Path | None, no_cache: bool,
+def build(recipe: Path, output: Path | None, dry_run: bool, cache_dir: Path | None, no_cache: bool,
           strict: bool) -> None:
     """Build the bundle a recipe describes. Expensive stages are cached: an interrupted build resumes."""
     from convert.cache import BuildCache
-    from convert.errors import SourceUnavailable
     from convert.pipeline.build import build as run_build
     from convert.pipeline.plan import describe_plan, make_plan
+    from convert.pipeline.plan import dry_run as plan_dry_run
 
-    try:
-        plan = make_plan(recipe, output, cache_dir)
-    except SourceUnavailable as unavailable:
-        if not dry_run:
-            raise
-        from convert.inputs.recipe import load_recipe
-        from convert.pipeline.plan import describe_contract
-
-        click.echo("\n".join(describe_contract(load_recipe(recipe), recipe, unavailable)))
-        return
-    click.echo("\n".join(describe_plan(plan)))
     if dry_run:
+        click.echo("\n".join(plan_dry_run(recipe, output, cache_dir)))
         return
+    plan = make_plan(recipe, output, cache_dir)
+    click.echo("\n".join(describe_plan(plan)))
     manifest = run_build(plan, BuildCache(cache_dir, enabled=not no_cache), strict)
     click.echo(f"bundle: {plan.output} (export id {manifest.export_id[:16]})")
 
@@ -110,27 +111,34 @@ def build(recipe: Path, output: str | None, dry_run: bool, cache_dir: Path | Non
 @main.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--bundle", "-b", type=click.Path(path_type=Path), help="also run the bundle's .aimodel (artifact gate)")
-@click.option("--report", type=click.Path(path_type=Path), default=Path("gate_report.json"), show_default=True,
-              help="where the report goes (a file there that is not a gate report is refused, never replaced)")
+@click.option("--report", type=click.Path(path_type=Path),
+              help="also write the report as JSON to this path (default: none, the table only; a file there that is "
+              "not a gate report is refused, never replaced; a bundle is never written to: its manifest hashes its "
+              "files, and its own gate_report.json is the build's)")
 @user_errors
-def gate(recipe: Path, bundle: Path | None, report: Path) -> None:
-    """Run the numeric gates of a recipe's target alone: exit 0 pass, 1 fail (with a table and a report).
+def gate(recipe: Path, bundle: Path | None, report: Path | None) -> None:
+    """Run the numeric gates of a recipe's target alone and print their table: exit 0 pass, 1 fail, 2 bad input
+    (a recipe or bundle refused, a --report path holding something else).
 
     The shipped weights are rebuilt from the recipe's pinned source (quantization is deterministic); with
     --bundle they must hash to the bundle's, and its .aimodel is run on the Core AI runtime against them.
     """
     from convert.commands.gate import check_report_path, gate_bundle
 
-    check_report_path(report)
+    if report is not None:
+        check_report_path(report)
     gate_bundle(recipe, bundle, report)
-    click.echo(f"gate passed; report: {report}")
+    click.echo(f"gate passed; report: {report}" if report is not None else "gate passed")
 
 
 @main.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--runtime", type=click.Choice(["torch", "device", "coreai"]), default="torch", show_default=True,
-              help="torch: the export modules with the shipped weights; device: the same in fp16 in the arithmetic "
-              "of each side's device (docs/fp16.md); coreai: the bundle's .aimodel packages")
+              help="torch (the default: needs no bundle and measures every held-out prompt at full length, where the "
+              "Core AI runtime, fp16 emulated on Linux, runs one short prompt): the export modules with the shipped "
+              "weights; device: "
+              "the same in fp16 in the arithmetic of each side's device (docs/fp16.md); coreai: the bundle's .aimodel "
+              "packages")
 @click.option("--bundle", "-b", type=click.Path(path_type=Path), help="the built bundle (target/ and drafter/)")
 @click.option("--tokens", type=click.IntRange(min=1),
               help="tokens generated per prompt (default: the recipe's drafter.accept.tokens)")
@@ -160,14 +168,16 @@ def accept(recipe: Path, runtime: str, bundle: Path | None, tokens: int | None, 
 @click.option("--prompt", "-p", required=True, help="the text to continue (encoded with the bundle's tokenizer)")
 @click.option("-n", "tokens", type=click.IntRange(min=1), default=16, show_default=True, help="tokens to generate")
 @click.option("--runtime", type=click.Choice(["coreai", "torch"]), default="coreai", show_default=True,
-              help="coreai: the bundle's .aimodel on the Core AI runtime; torch: the export modules with the shipped "
-                   "weights (rebuilt from --recipe)")
+              help="coreai (the default: the smoke test runs what ships, the bundle alone): the bundle's .aimodel on "
+                   "the Core AI runtime; torch: the export modules with the shipped weights (rebuilt from --recipe, "
+                   "faster on Linux)")
 @click.option("--recipe", "-r", type=click.Path(path_type=Path), help="the bundle's recipe (for --runtime torch)")
 @click.option("--json", "as_json", is_flag=True, help="print the prompt and generated ids as JSON")
 @user_errors
 def generate(bundle: Path, prompt: str, tokens: int, runtime: str, recipe: Path | None, as_json: bool) -> None:
     """Greedy decoding of a bundle through its host contract (prefill chunks, decode steps): the smoke test of a
-    bundle. Stops after N tokens or at the end-of-sequence id."""
+    bundle. Stops after N tokens or at the end-of-sequence id. The text (or --json) on stdout; what runs, and the
+    tokens per second, on stderr."""
     import json
 
     from convert.commands.generate import generate as run_generate
@@ -202,17 +212,38 @@ def check_pair(drafter_bundle: Path, target_bundle: Path) -> None:
 
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--details", is_flag=True, help="the whole manifest: functions, host contract, every lint finding")
+@click.option("--json", "as_json", is_flag=True, help="the manifest as JSON (a pair's as {\"target\": ..., "
+              "\"drafter\": ...})")
 @user_errors
-def inspect(bundle: Path) -> None:
-    """Print a bundle's manifest readably (a pair's target and drafter both); exit 1 when a file it records is not
-    there with its recorded size (files are not hashed here: the commands that read them do)."""
-    from convert.commands.inspect import check_files, print_manifest
+def inspect(bundle: Path, details: bool, as_json: bool) -> None:
+    """Summarise a bundle's manifest (a pair's target and drafter both): its gate's metrics, quantization and placement
+    lint; exit 1 when a file it records is not there with its recorded size (files are not hashed here: `verify`
+    hashes them all)."""
+    from convert.commands.inspect import check_files, manifests_json, print_manifest, print_summary
     from convert.pipeline.bundle import parts, read_manifest
 
+    read = {}
     for part in parts(bundle):
         manifest = read_manifest(part)
-        print_manifest(manifest)
+        if not as_json:
+            (print_manifest if details else print_summary)(manifest)
         check_files(part, manifest, hashed_bytes=-1)
+        read[part.name] = manifest
+    if as_json:
+        click.echo(manifests_json(read))
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@user_errors
+def verify(bundle: Path) -> None:
+    """Check every file of a bundle (a pair's target and drafter both) against its manifest: size and sha256 of each
+    recorded file, files it does not record, the manifest's schema and export id, and a pair's drafter binding. Exit
+    0 with a line per part, 1 naming the first difference (each one is listed on stderr), 2 when it is not a bundle."""
+    from convert.commands.verify import verify as run_verify
+
+    run_verify(bundle, click.echo)
 
 
 @main.command()

@@ -1,6 +1,6 @@
 """The layout's layering rule, read from every import in the code (``ast``, function bodies included).
 
-A module imports only its own package or a lower layer (``LAYERS``, lowest first; the README's "Layout" section says
+A module imports only its own package or a lower layer (``LAYERS``, lowest first; docs/development.md's layers say
 the same), there are no import circles, and project imports sit at the top of their module: the CLI alone imports
 the commands inside its functions (so that ``--help`` stays fast). Model families are leaves: a family imports the
 primitives, the export specs, the inputs, the registry's shared pieces (``models/part.py``, ``models/layout.py``)
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("convert", "quant", "manifests")
 LAYERS = (
     ("convert", "quant", "manifests", "convert.errors", "convert.progress", "convert.processes", "convert.fp16",
-     "convert.fields"),
+     "convert.fields", "convert.paths"),
     ("convert.export", "convert.cache"),
     ("convert.inputs", "convert.backends"),
     ("convert.models",),
@@ -79,7 +79,7 @@ def layer(module: str) -> int:
     rows = {prefix: index for index, row in enumerate(LAYERS) for prefix in row}
     named = [p for p in rows if module == p or module.startswith(p + ".") and p != "convert"] or \
         (["convert"] if module == "convert" else [])
-    assert named, f"{module} is in no layer: add it to LAYERS (and to the README's layout)"
+    assert named, f"{module} is in no layer: add it to LAYERS (and to docs/development.md's file list)"
     return rows[max(named, key=len)]
 
 

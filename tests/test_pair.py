@@ -132,6 +132,7 @@ def test_pair_bundle(pair):
     assert result.exit_code == 0 and "drafter export id" in result.output and target["export_id"] in result.output
 
 
+@pytest.mark.heavy  # minutes on 2 cores: `make test-heavy` (the suite's 15-minute budget, docs/development.md)
 def test_a_rebuild_restores_the_gate_and_every_drafter_phase_from_the_build_cache(pair):
     """The same recipe built again (another name and output; the build cache of the first): the numeric gate's report
     and each prompt of the drafter stage's phases (plain greedy, acceptance, the n-gram baseline, the A/B's fp16
@@ -141,7 +142,7 @@ def test_a_rebuild_restores_the_gate_and_every_drafter_phase_from_the_build_cach
     recipe.write_text((tmp / "pair.yaml").read_text().replace("name: pair", "name: pair-again"))
     result = run("build", str(recipe), "--output", str(tmp / "pair-again"))
     assert result.exit_code == 0, result.output
-    assert result.output.count("numeric gate: restored from the cache") == 1
+    assert result.output.count("\u2713 numeric gate: restored from the cache") == 1  # its end line
     assert result.output.count("2 of 2 prompts restored from the build cache\n") == 4
     again = manifest(tmp / "pair-again" / "drafter")
     assert again["acceptance"] == manifest(bundle / "drafter")["acceptance"]
@@ -308,6 +309,7 @@ def hybrid_pair(tmp_path_factory):
                       layout="ane")
 
 
+@pytest.mark.heavy  # minutes on 2 cores: `make test-heavy` (the suite's 15-minute budget, docs/development.md)
 def test_hybrid_pair_binds_the_host_contract_and_every_field(hybrid_pair, pair, tmp_path):
     """The ane pair: the drafter binds the target's host contract and records its own (the host's ring), no package
     of either has a placement finding; every bound field is checked."""
@@ -319,7 +321,7 @@ def test_hybrid_pair_binds_the_host_contract_and_every_field(hybrid_pair, pair, 
     assert drafter["host_contract"]["selector"]["top_k"] == 8
     packages = drafter["packages"] + manifest(bundle / "target")["packages"]
     assert len(packages) == 2 and all(p["placement"] == [] for p in packages)
-    shown = " ".join(run("inspect", str(bundle / "drafter")).output.split())
+    shown = " ".join(run("inspect", str(bundle / "drafter"), "--details").output.split())
     assert "host contract spec-convert/dflash2-host-ring v1" in shown and "(slot = position mod 64)" in shown
     assert "placement lint dflash2_lut4.mlpackage: no finding" in shown
     assert drafter["acceptance"]["lossless"] is True

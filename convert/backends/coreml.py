@@ -57,6 +57,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from convert import progress
 from convert.backends.base import CompileRecord
 from convert.errors import PackageError
 from convert.export import quantized as compress
@@ -117,11 +118,13 @@ def package(functions: dict[str, tuple[nn.Module, FunctionSpec]], path: Path) ->
     path = Path(path)
     with tempfile.TemporaryDirectory(prefix="spec-convert-coreml-") as tmp, _temporaries_in(Path(tmp) / "coremltools"):
         descriptor = ct.utils.MultiFunctionDescriptor()
+        advance = progress.units(len(functions), "functions converted")  # a log's unit lines, a spinner's count
         for name, (module, spec) in functions.items():
             single = Path(tmp) / f"{name}.mlpackage"
             _save_and_release(convert_function(name, module, spec), single)
             descriptor.add_function(str(single), src_function_name="main", target_function_name=name)
             gc.collect()  # a MIL program is a graph of cycles: its constants go only when the collector runs
+            advance()
         descriptor.default_function_name = next(iter(functions))
         with _constants_shared_when_equal():
             ct.utils.save_multifunction(descriptor, str(path))

@@ -36,11 +36,12 @@ def check_report_path(path: Path) -> None:
                      "written)")
 
 
-def gate_bundle(recipe_path: Path, bundle: Path | None, report_path: Path) -> GateReport:
+def gate_bundle(recipe_path: Path, bundle: Path | None, report_path: Path | None = None) -> GateReport:
     """``spec-convert gate``: the statistical gate on modules rebuilt from the recipe, and with a bundle the
     artifact gate on its .aimodel, after checking the rebuilt weights are the bundle's (lm_head, embeddings). A
     parted target is gated layer by layer; its parts are chained on the runtime up to ``CHAINED_RUN_PARAMETERS``
-    (above, the build's per-part replays are its artifact check)."""
+    (above, the build's per-part replays are its artifact check). The table is printed; the report is written to
+    ``report_path`` only when given (never into the bundle: its manifest hashes its files), pass or fail."""
     manifest = open_target(bundle, "gate --bundle", ("coreai",)) if bundle is not None else None
     plan = make_plan(recipe_path)
     names = [p.path for p in manifest.packages if p.format == "coreai"] if manifest else []
@@ -71,7 +72,8 @@ def gate_bundle(recipe_path: Path, bundle: Path | None, report_path: Path) -> Ga
             with stage(f"artifact gate: {names[0]} on the Core AI runtime"):
                 report.artifact = gates.artifact_gate(bundle / names[0], modules)
     console.print(report.table())
-    report.write_json(report_path)
+    if report_path is not None:
+        report.write_json(report_path)
     report.raise_if_failed()
     return report
 

@@ -11,6 +11,8 @@ at the end-of-sequence id, as transformers' greedy ``generate`` does.
 
 from __future__ import annotations
 
+import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from convert.export.spec import WIDTH_INPUTS
 from convert.pipeline.build import shipped_modules
 from convert.pipeline.bundle import MANIFEST
 from convert.pipeline.plan import make_plan
+from convert.progress import console, stage, steps
 from convert.runtime.chain import coreai_target
 from convert.runtime.host import TargetDriver, module_driver
 from manifests.schema import Manifest
@@ -67,12 +70,29 @@ def widths(manifest: Manifest, folder: Path | None = None) -> dict[str, int]:
     return found
 
 
-def greedy(driver: TargetDriver, prompt: list[int], tokens: int, eos: int | None) -> list[int]:
-    """Greedy ids after ``prompt``: at most ``tokens``, ending early with ``eos``."""
-    out = driver.prefill(prompt)
-    ids = [int(out["argmax_ids"][-1])]
-    while len(ids) < tokens and ids[-1] != eos:
-        ids.append(int(driver.run("decode", [ids[-1]], len(prompt) + len(ids) - 1)["argmax_ids"][0]))
+def greedy(driver: TargetDriver, prompt: list[int], tokens: int, eos: int | None, told: bool = False) -> list[int]:
+    """Greedy ids after ``prompt``: at most ``tokens``, ending early with ``eos``. ``told``: the prefill and the decode
+    steps are stages on stderr (``convert.progress``), the decoding rate at the end."""
+    if not told:
+        out = driver.prefill(prompt)
+        ids = [int(out["argmax_ids"][-1])]
+        while len(ids) < tokens and ids[-1] != eos:
+            ids.append(int(driver.run("decode", [ids[-1]], len(prompt) + len(ids) - 1)["argmax_ids"][0]))
+        return ids
+    start = time.perf_counter()
+    with stage(f"prefill: {len(prompt)} prompt tokens"):
+        ids = [int(driver.prefill(prompt)["argmax_ids"][-1])]
+    prefilled = time.perf_counter()
+    if len(ids) < tokens and ids[-1] != eos:
+        with steps("decode", tokens - 1, "steps at most") as advance:
+            while len(ids) < tokens and ids[-1] != eos:
+                ids.append(int(driver.run("decode", [ids[-1]], len(prompt) + len(ids) - 1)["argmax_ids"][0]))
+                advance()
+    end = time.perf_counter()
+    decoded = len(ids) - 1
+    rate = f"{decoded / (end - prefilled):.2f} tokens/s decoding" if decoded else "no decode step"
+    console.print(f"generated {len(ids)} tokens in {end - start:.1f} s: {len(ids) / (end - start):.2f} tokens/s "
+                  f"overall (prefill {len(prompt)} tokens in {prefilled - start:.1f} s; {rate})", soft_wrap=True)
     return ids
 
 
@@ -90,13 +110,16 @@ def generate(bundle: Path, prompt: str, tokens: int, runtime: str, recipe: Path 
                          f"({context})")
     contract, eos = manifest.host_contract.model_dump(), manifest.tokenizer.eos_id
     if runtime == "coreai":
-        with coreai_target(folder, manifest) as functions:
-            generated = greedy(TargetDriver(functions, widths(manifest), contract), ids, tokens, eos)
+        packages = [p.path for p in manifest.packages if p.format == "coreai"]
+        with ExitStack() as stack:
+            with stage(f"load {', '.join(packages)} on the Core AI runtime"):
+                functions = stack.enter_context(coreai_target(folder, manifest))
+            generated = greedy(TargetDriver(functions, widths(manifest), contract), ids, tokens, eos, told=True)
     else:
         if recipe is None:
             raise InputError("--runtime torch rebuilds the shipped weights from the bundle's recipe: give --recipe")
 
         modules, _ = shipped_modules(make_plan(recipe))
         weights_match(manifest, modules, folder, recipe)
-        generated = greedy(module_driver(modules), ids, tokens, eos)
+        generated = greedy(module_driver(modules), ids, tokens, eos, told=True)
     return Generation(runtime, prompt, ids, generated, tokenizer.decode(generated))

@@ -38,7 +38,7 @@ Where each fact comes from (read, not guessed):
   "normalized-sylvester-walsh-hadamard", ``axis`` "input-last-dimension", ``sign_mode`` "explicit",
   ``gdn_v_grouped`` true, ``weight_names`` (the forward-rotated ``language_model.{path}.weight``),
   ``inverse_weight_names`` (the embedding), and ``sign_widths`` with ``sign_values`` (one vector per input width,
-  concatenated in that order). The same readers, and ``reference/hybrid-27b.md``, give ``biases = -scales``
+  concatenated in that order). The same readers, and the pack's published card, give ``biases = -scales``
   (zero point 1: codes 0, 1, 2 are -s, 0, +s). This reader checks both, and that the two metadata files agree.
 
 Judgement calls: any power-of-two block that divides the width is accepted (mlx-vlm takes 512 to 4096 only; the
@@ -65,6 +65,7 @@ from convert import cache as build_cache
 from convert.errors import InputError
 from convert.inputs.contract import as_config
 from convert.inputs.sources import Snapshot, check_safetensors, file_records, license_files, read_json, weight_files
+from convert.paths import default_cache
 from quant.types import QuantizedWeight, Rotation, walsh_hadamard
 
 MODEL_TYPE = "prism_hadamard_qwen35"
@@ -597,7 +598,7 @@ def unfolded_snapshot(snapshot: Snapshot, quant, where: str, max_bytes: float,
               "code": build_cache.code_fingerprint(("convert.inputs.prism",))}
     if streamed:  # the view names the pack's directory
         record["view"] = str(pack.directory.resolve())
-    directory = (cache_root or build_cache.default_directory()) / "unfolded" / build_cache.key(record)
+    directory = (cache_root or default_cache()) / "unfolded" / build_cache.key(record)
     if not (directory / "config.json").is_file():
         directory.parent.mkdir(parents=True, exist_ok=True)
         write = write_view if streamed else write_unfolded

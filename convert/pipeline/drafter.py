@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from convert import cache as build_cache
+from convert import progress
 from convert.errors import GateError, InputError
 from convert.export.ane import logits_ranges
 from convert.export.functions import compute_copy
@@ -436,10 +437,13 @@ def over_prompts(run: Callable[[object, object, int], T], prompts: int, sessions
         console.print(f"  {prompts - len(todo)} of {prompts} prompts restored from the build cache"
                       + (f"; running {len(todo)}" if todo else ""))
 
+    advance = progress.units(len(todo), "prompts")
+
     def finished(index: int, result) -> None:
         results[index] = result
         if journal is not None:
             journal.put(index, result)
+        advance()
 
     count = max(1, min(sessions, len(todo)))
     pairs = [(target_modules, drafter_modules)] + [

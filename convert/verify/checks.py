@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from convert import backends
+from convert import backends, progress
 from convert.errors import PackageError
 from convert.export import quantized as compress
 from convert.export.functions import FunctionModule
@@ -381,12 +381,14 @@ def replay_coreai(session, calls: list) -> dict:
     compared (the greedy walk continues from another id). Float outputs agree within ``FP16_OUTPUT_BOUND``.
     """
     stats = {"runtime_calls": 0, "ids_compared": 0, "id_near_ties": 0, "max_output_delta": 0.0}
+    advance = progress.units(sum(function != "reset" for function, *_ in calls), "runtime calls")
     for function, inputs, expected in calls:
         if function == "reset":
             session.reset()
             continue
         got = session.call(function, inputs)
         stats["runtime_calls"] += 1
+        advance()
         for output, value in got.items():
             value, want = np.asarray(value), np.asarray(expected[output])
             if value.dtype.kind in "iu":
