@@ -260,6 +260,7 @@ def test_a_calibration_stopped_part_way_runs_only_the_prompts_its_journal_lacks(
     assert all(torch.equal(g[name], w[name]) for g, w in zip(got, want, strict=True) for name in w)
 
 
+@pytest.mark.heavy  # minutes on 2 cores: `make test-heavy` (the suite's 15-minute budget, docs/development.md)
 def test_a_drafter_gptqd_once_is_restored_from_the_build_cache_without_calibrating(tmp_path, monkeypatch):
     """``shipped_drafter`` with ``PhaseKeys``: the GPTQ'd linears go into the build cache as they are quantized; a
     second call restores them without running the calibration or GPTQ, the same codes and record."""

@@ -389,7 +389,7 @@ backends: [coreai, coreml]
 """
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # minutes on 2 cores: `make test-heavy` (the suite's 15-minute budget, docs/development.md)
 def test_the_release_pairs_shape_builds_on_a_tiny_pack(written, tmp_path, monkeypatch):
     """The Bonsai release recipe's shape at a tiny size: an exact pack's target in parts with a DFlash2 drafter
     quantized lut4-gptq, both formats. The build exits 0 (the lossless acceptance and the pair check inside it; the
@@ -450,7 +450,7 @@ def test_the_release_pairs_shape_builds_on_a_tiny_pack(written, tmp_path, monkey
         out / "target" / "embeddings.safetensors", 3)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # minutes on 2 cores: `make test-heavy` (the suite's 15-minute budget, docs/development.md)
 def test_a_lean_target_gives_the_drafter_stage_the_dense_targets_results(written, tmp_path):
     """The drafter stage of a parted target runs it from its packed codes (``PartLoader.load(lean=True)``: each
     quantized linear a ``CodesLinear``): the quantized drafter, its acceptance and A/B, the bytes each call reads and
@@ -510,3 +510,106 @@ def test_a_lean_target_gives_the_drafter_stage_the_dense_targets_results(written
     assert mine.keys() == theirs.keys() and "lm_head" in mine
     for name in mine:
         assert torch.equal(mine[name].codes, theirs[name].codes), name
+
+
+RESIDUAL_FACTOR = 2.0**16  # the random pack's residual stream peaks near 1.4: x 65536 takes it near 1.9e5
+
+
+def _residual_scaled_pack(root: Path, out: Path, factor: float) -> Path:
+    """The pack of ``root`` at ``out`` with its residual stream times ``factor``, function-preserving up to the norms'
+    eps: the embedding's and every residual writer's group scales (and biases, ``-scales``) times it, as ``rescaled``
+    does to a dense checkpoint; the unfolded twin scaled the same way beside it (the reference of the ids)."""
+    import shutil
+
+    from rescaled import RESIDUAL_WRITERS, residual_scaled
+
+    shutil.copytree(root / "pack", out / "pack")
+    writers = tuple(w.removesuffix(".weight") + ".scales" for w in RESIDUAL_WRITERS) + ("embed_tokens.scales",)
+
+    def scale(tensors):
+        for key in [k for k in tensors if k.endswith(writers)]:
+            tensors[key] = (tensors[key].float() * factor).half()
+            tensors[key.removesuffix(".scales") + ".biases"] = -tensors[key]
+
+    edit_tensors(out / "pack", scale)
+    residual_scaled(root / "unfolded", out / "unfolded", factor)
+    return out
+
+
+@pytest.mark.parametrize("rescale", [True, False])
+def test_a_pack_at_real_magnitudes_ships_folded_scales_or_fails_naming_the_tensor(written_fp32, rescale):
+    """Issue #40: the fp32-norm pack with its residual stream past 1e5 (``_residual_scaled_pack``). The range stage
+    folds a power of two into the writers' group scales (the pack's codes untouched, each scale exact in fp16); the
+    gate against the scaled pack's own unfolded view passes with its device pass in range, and the shipped modules
+    in the GPU's arithmetic give the scaled twin's transformers greedy ids, which are the unscaled twin's. With
+    ``target.rescale: false`` the device pass fails (``GateError``, exit 1 in the CLI) naming the tensor past fp16."""
+    from convert.errors import GateError
+    from convert.fp16 import device_arithmetic
+    from convert.pipeline.build import shipped_modules
+    from convert.pipeline.plan import make_plan
+    from convert.runtime.host import module_driver
+    from convert.verify import gates as gate_module
+
+    root = written_fp32 / f"rescale-{rescale}"
+    root.mkdir()
+    scaled = _residual_scaled_pack(written_fp32, root / "scaled", RESIDUAL_FACTOR)
+    recipe = root / "tiny-bonsai.yaml"
+    recipe.write_text(FP32_RECIPE.replace("path:pack", f"path:{scaled / 'pack'}")
+                      .replace("  quantization:", f"  rescale: {str(rescale).lower()}\n  quantization:"))
+    plan = make_plan(recipe, cache_root=root / "cache")
+    modules, quant = shipped_modules(plan)
+    if not rescale:
+        over = r"range \(gpu\): target\.layers\.\d+\S* \((port|output)\): peak \d+ > limit 65504"
+        with pytest.raises(GateError, match=over):
+            gate_module.gate_target(plan, modules).raise_if_failed()
+        return
+    record = modules.rescale
+    assert record.residual_scale <= 2.0**-3, record  # past 1e5 / 16,376 (fp16's limit over the headroom)
+    assert max(e.peak for e in record.tightest) >= 1e5, record
+    # the table's rows are multiplied after the lookup: the stored table keeps the pack's magnitudes, in fp16's range
+    assert all(e.scaled <= e.limit / (1 if e.tensor == "target.embed_tokens" else record.headroom)
+               for e in record.tightest), record
+    assert quant["method"] == "exact"
+    report = gate_module.gate_target(plan, modules)
+    assert report.passed, report.failures()
+    expected, gaps = _transformers_greedy(scaled / "unfolded")
+    assert expected == _transformers_greedy(written_fp32 / "unfolded")[0]
+    tokenizer_ids = __import__("transformers").AutoTokenizer.from_pretrained(str(scaled / "unfolded")).encode(_prompt())
+    with device_arithmetic("gpu"):
+        ids, _ = module_driver(modules).greedy(tokenizer_ids, NEW_TOKENS)
+    assert ids == expected
+
+
+PARTED_SCALED_PACK = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "measured 2026-12-06: the parted build of the scaled pack passes its streamed gate (device pass included) and "
+    "fails the Core AI artifact check on one state, layers-1-1/key_cache 0.0256 relative against the fp16 bound 0.02; "
+    "the unscaled pack's parted build passes. The pack is a seeded random hybrid, the family whose fp16 error sits "
+    "around that bound (docs/fp16.md); the cause in this build is not established"))
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("parted", [False, pytest.param(True, marks=PARTED_SCALED_PACK)])
+def test_a_pack_at_real_magnitudes_builds_in_both_formats_and_generates_its_twins_ids(written_fp32, tmp_path, parted,
+                                                                                     monkeypatch):
+    """The scaled pack built as ``spec-convert build`` does, whole and in parts (the parts read each packed matrix's
+    folded scales from the same ``exact_result``): exit 0, the manifest records the fold, both packages pass their
+    checks, and the Core AI program generates the unscaled twin's greedy ids."""
+    from convert.pipeline import build
+
+    # a tiny pack's packages are mostly their fixed overhead, over any limit that parts it (as in the release pair's)
+    monkeypatch.setattr(build, "_check_part_size", lambda entry, max_part_mb: None)
+    scaled = _residual_scaled_pack(written_fp32, tmp_path / "scaled", RESIDUAL_FACTOR)
+    recipe = tmp_path / "tiny-bonsai.yaml"
+    text = FP32_RECIPE.replace("path:pack", f"path:{scaled / 'pack'}")
+    recipe.write_text(text.replace("  context: 128\n", "  context: 128\n  max_part_mb: 0.06\n") if parted else text)
+    out = tmp_path / "bundle"
+    result = CliRunner().invoke(main, ["build", str(recipe), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    m = _manifest(out)
+    assert m["rescale"]["residual_scale"] <= 2.0**-3 and m["gate"]["passed"]
+    assert (m["parts"] is not None and len(m["parts"]) > 1) == parted
+    args = ["generate", str(out), "--prompt", _prompt(), "-n", str(NEW_TOKENS), "--runtime", "coreai", "--json"]
+    generated = CliRunner().invoke(main, args)
+    assert generated.exit_code == 0, generated.output
+    expected, _ = _transformers_greedy(written_fp32 / "unfolded")
+    assert json.loads(generated.output.strip().splitlines()[-1])["generated_ids"] == expected

@@ -100,6 +100,7 @@ def ane_bundle(tmp_path_factory) -> Path:
     return tmp / "ane"
 
 
+@pytest.mark.heavy  # minutes on 2 cores: `make test-heavy` (the suite's 15-minute budget, docs/development.md)
 def test_the_ane_layout_holds_no_state_lookup_or_fp32_and_generates_the_same_ids(ane_bundle):
     """The hybrid's ane functions: the host's buffers (the Gated DeltaNet ones replaced or written at their leading
     rows), its commit inputs, lookup and argmax; no placement finding in either format, the delta rule in fp16 running

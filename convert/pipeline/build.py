@@ -14,6 +14,7 @@ from pathlib import Path
 from torch import nn
 
 from convert import cache as build_cache
+from convert import progress
 from convert.cache import BuildCache
 from convert.errors import GateError
 from convert.export.quantized import apply_quantized, release_dense_weights
@@ -23,13 +24,13 @@ from convert.inputs.sources import (
     load_tensors,
 )
 from convert.models.part import Part
-from convert.pipeline.bundle import MANIFEST, staging
+from convert.pipeline.bundle import MANIFEST, file_entry, staging
 from convert.pipeline.drafter_build import build_drafter
 from convert.pipeline.packaging import package_formats
 from convert.pipeline.partition import (
     MB,
 )
-from convert.pipeline.plan import Plan
+from convert.pipeline.plan import Plan, cpu_seconds
 from convert.pipeline.record import (
     _function_record,
     _manifest,
@@ -41,15 +42,17 @@ from convert.pipeline.record import (
 from convert.processes import in_fresh_process, in_this_process
 from convert.progress import console, stage
 from convert.runtime.host import TargetDriver
-from convert.verify import checks, gates
+from convert.verify import checks, gates, placement
 from convert.verify.checks import part_calls, recorded_calls, short_schedule
 from convert.verify.gates import GateReport
 from convert.verify.placement import REFERENCE
 from convert.weights import rescale
 from convert.weights.quantize import QuantizeResult, pack_modules, quantize_checkpoint
 from convert.weights.shipped import PartLoader
+from convert.weights.stream import skeleton
 from convert.weights.target import TargetModules, build_modules
 from manifests import identity
+from manifests.identity import REPORT_FILE
 from manifests.schema import Manifest, Rescale
 
 # Above this many parameters a parted target's artifact check replays a few rows on each part on its own: the Linux
@@ -75,7 +78,6 @@ def shipped_modules(plan: Plan, cache: BuildCache | None = None,
         scales, record = range_stage(plan, measured)
         if not scales.identity:
             measured = None
-            _refuse_exact_scales(plan, scales)
     result = quantize_stage(plan, cache or BuildCache(), file_hashes, in_memory=True, scales=scales)
     modules = measured if measured is not None else _load_modules(plan, scales)
     modules.rescale = record
@@ -83,16 +85,6 @@ def shipped_modules(plan: Plan, cache: BuildCache | None = None,
         return modules, None
     apply_quantized(modules.core, dict(result.items()))
     return modules, _quantization_record(quant, result, modules)
-
-
-def _refuse_exact_scales(plan: Plan, scales: rescale.Scales) -> None:
-    """An ``exact`` pack whose tensors need range scales is refused (``RangeError``): they are not folded into a
-    pack's own codes yet."""
-    if not scales.identity and plan.recipe.target.quantization.format == "exact2":
-        raise rescale.RangeError(
-            f"{plan.recipe_path}: target.quantization exact: the pack's tensors need the range scales above, "
-            "which are not folded into a pack's own codes yet; set target.rescale: false to ship the pack's "
-            "magnitudes as they are (the device pass judges them)")
 
 
 def _load_modules(plan: Plan, scales: rescale.Scales) -> TargetModules:
@@ -104,12 +96,23 @@ def _load_modules(plan: Plan, scales: rescale.Scales) -> TargetModules:
     return modules
 
 
-def exact_result(plan: Plan) -> QuantizeResult:
-    """``target.quantization.method: exact``: the pack's own codes, scales and rotations, nothing re-quantized."""
+def exact_result(plan: Plan, scales: rescale.Scales | None = None) -> QuantizeResult:
+    """``target.quantization.method: exact``: the pack's own codes, scales and rotations, nothing re-quantized; with
+    range ``scales``, each packed matrix's group scales times its power of two (``rescale.module_factors``: exact in
+    fp16, or refused naming the tensor), as the dense tensors take theirs when they are read."""
+    scales = scales or rescale.Scales()
+    folded = "" if scales.identity else ", the range scales folded into its group scales"
     with stage(f"read the scales and rotations of {plan.snapshot.packed.name} (exact: nothing is re-quantized; the "
-               "codes are read a unit at a time)"):
-        pack_modules(plan.snapshot.packed)
-        return QuantizeResult({}, None, None, pack=plan.snapshot.packed)
+               f"codes are read a unit at a time{folded})"):
+        packed = pack_modules(plan.snapshot.packed)
+        factors = {} if scales.identity else {
+            name: f for name, f in rescale.module_factors(
+                skeleton(plan.args, plan.recipe.target, SHIP_DTYPE, SHIP_DTYPE, "cpu"), scales).items()
+            if name in packed}
+        result = QuantizeResult({}, None, None, pack=plan.snapshot.packed, factors=factors)
+        for name in factors:  # refused here, before anything runs, where fp16 cannot hold a folded scale
+            result.unit(name)
+        return result
 
 
 def gate(plan: Plan, cache: BuildCache, source_files, compute: Callable[[GatePasses | None, tuple], GateReport],
@@ -122,6 +125,7 @@ def gate(plan: Plan, cache: BuildCache, source_files, compute: Callable[[GatePas
     takes hours, and a build resumed in a later session starts after it; a streamed gate stopped part way keeps its
     candidate's and reference's windows (``GatePasses``)."""
     settings = thresholds, data = gates.recipe_gate(plan)
+    progress.phase("numeric gate")
     if not cache.enabled:
         report = compute(None, settings)
     else:
@@ -133,7 +137,7 @@ def gate(plan: Plan, cache: BuildCache, source_files, compute: Callable[[GatePas
         entry = cache.get(GATE_STAGE, entry_key)
         if entry is not None:
             with stage(f"numeric gate: restored from the cache (computed in {entry.meta['seconds']:.0f} s)"):
-                report = GateReport.model_validate_json(entry.path(gates.REPORT_FILE).read_text())
+                report = GateReport.model_validate_json(entry.path(REPORT_FILE).read_text())
         else:
             passes = GatePasses(cache.root, entry_key)
             report = compute(passes, settings)
@@ -173,7 +177,7 @@ class GatePasses:
 
 
 def _stored_report(directory: Path, report: GateReport) -> dict:
-    report.write_json(directory / gates.REPORT_FILE)
+    report.write_json(directory / REPORT_FILE)
     return {"seconds": report.seconds}
 
 
@@ -190,7 +194,6 @@ def parts_loader(plan: Plan, cache: BuildCache, stack: ExitStack, file_hashes: d
     (``streamed_range_stage``) and folded, quantized (when the recipe says so) into ``cache``, or into a scratch cache
     beside the output (removed when ``stack`` closes) when it is disabled (``--no-cache``)."""
     scales = streamed_range_stage(plan)[0] if plan.recipe.target.rescale else rescale.Scales()
-    _refuse_exact_scales(plan, scales)
     return PartLoader(plan, quantize_stage(plan, parts_cache(plan, cache, stack), file_hashes, scales=scales), scales)
 
 
@@ -213,7 +216,7 @@ def quantize_stage(plan: Plan, cache: BuildCache, file_hashes: dict[str, str] | 
     if not quant.format:
         return None
     if quant.format == "exact2":
-        return exact_result(plan)
+        return exact_result(plan, scales)
     return quantize_checkpoint(plan.snapshot.directory, plan.args, plan.recipe.target, plan.layout, quant,
                                plan.recipe_path.resolve().parent, cache=cache, in_memory=in_memory,
                                file_hashes=file_hashes, scales=scales)
@@ -225,17 +228,21 @@ def build(plan: Plan, cache: BuildCache | None = None, strict: bool = False) -> 
     With a drafter the bundle holds ``target/`` and ``drafter/``, and the pair check runs before publishing.
     ``strict``: any finding of the placement lint fails the build (nothing is published).
     """
-    failed_report = plan.output.resolve().parent / f"{plan.output.name}.{gates.REPORT_FILE}"
+    failed_report = plan.output.resolve().parent / f"{plan.output.name}.{REPORT_FILE}"
     cache = cache or BuildCache()
-    with staging(plan.output) as tmp, ExitStack() as stack:
+    progress.start_clock()
+    with progress.phases(build_phases(plan), phase_estimates(plan)), staging(plan.output) as tmp, \
+            ExitStack() as stack:
         target_dir = tmp / plan.target_dir.relative_to(plan.output)
         target_dir.mkdir(exist_ok=True)
         manifest, modules, reload_layers = _build_target(plan, target_dir, failed_report, cache, stack)
         manifests = [manifest]
         if plan.drafter:
+            progress.phase("drafter")
             drafter_manifest = build_drafter(plan, modules, manifest, target_dir, tmp / "drafter", cache,
                                              reload_layers)
             manifests.append(drafter_manifest)
+            progress.phase("pair check")
             with stage("check-pair: the drafter's binding against the target bundle"):
                 problems = identity.pair_mismatches(drafter_manifest, manifest, target_dir)
             if problems:
@@ -244,8 +251,22 @@ def build(plan: Plan, cache: BuildCache | None = None, strict: bool = False) -> 
         findings = report_placement(manifests, listed=ane)
         if strict and findings:
             raise GateError(f"--strict: the placement lint found {len(findings)} findings, the first {findings[0]} "
-                            "(README \"Layouts\"); nothing was published")
+                            "(docs/layouts.md); nothing was published")
     return manifest
+
+
+def phase_estimates(plan: Plan) -> dict[str, float]:
+    """The plan's estimated seconds of the phases it has rates for (``plan.cpu_seconds``, on the CPU machine): what a
+    log's heartbeat counts the time left from where no counted units run."""
+    seconds = cpu_seconds(plan)
+    names = {"quantize": "weights", "gate": "numeric gate", "packaging": "packages"}
+    return {names[stage]: value for stage, value in seconds.items()}
+
+
+def build_phases(plan: Plan) -> list[str]:
+    """The phases of ``build``, in order (``convert.progress.phases``: the live display says which runs)."""
+    return ["sources", "weights", "numeric gate", "packages", "manifest"] + \
+        (["drafter", "pair check"] if plan.drafter else [])
 
 
 def report_placement(manifests: list[Manifest], listed: bool) -> list[str]:
@@ -258,7 +279,9 @@ def report_placement(manifests: list[Manifest], listed: bool) -> list[str]:
             if package.placement is None:
                 continue
             count = f"{len(package.placement)} findings" if package.placement else "no finding"
-            console.print(f"placement lint ({package.format} {package.path}): {count} against {REFERENCE}")
+            note = f"; {placement.meaning(placement.layout_of(manifest.functions), len(package.placement))}" \
+                if package.placement else ""
+            console.print(f"placement lint ({package.format} {package.path}): {count} against {REFERENCE}{note}")
             findings += [f"{package.path}: {finding}" for finding in package.placement]
             if listed:
                 for finding in package.placement:
@@ -270,8 +293,10 @@ def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
                   stack: ExitStack) -> tuple[Manifest, TargetModules, Callable[[], nn.ModuleList] | None]:
     """One package per format from the whole modules in memory; a parted target part by part (``_build_parts``).
     Returns the manifest, the modules and (a parted target's) a loader of its decoder layers again."""
+    progress.phase("sources")
     with stage("hash source files"):
         source_files = file_records(plan.snapshot.source)
+    progress.phase("weights")
     if len(plan.parts) > 1:
         return _build_parts(plan, out, failed_report, cache, source_files, stack)
     modules, quantization = shipped_modules(plan, cache, {r.path: r.sha256 for r in source_files})
@@ -282,6 +307,7 @@ def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
         return report
 
     report = gate(plan, cache, source_files, gated, failed_report)
+    progress.phase("packages")
     packages = []
     for done in package_formats(plan.recipe.backends, modules, out, plan.recipe.name, cache=cache):
         if done.format == "coreai":
@@ -325,14 +351,17 @@ def range_stage(plan: Plan, modules: TargetModules) -> tuple[rescale.Scales, Res
 def _finish_target(plan: Plan, out: Path, source_files, modules: TargetModules, packages, parts, quantization,
                    report: GateReport) -> Manifest:
     """The gate report, the extras, the drafter interface and the manifest (``modules``: at least the whole
-    embedding and lm_head, as shipped)."""
-    report.write_json(out / gates.REPORT_FILE)
+    embedding and lm_head, as shipped). The report holds the gate's timings: the manifest hashes it in its
+    ``records``, outside the export id, so it is written first and not changed after."""
+    progress.phase("manifest")
+    records = [file_entry(out, report.write_json(out / REPORT_FILE))]
     extra_files = copy_extras(plan.snapshot.directory, out)
     target = plan.recipe.target
     feeds_drafter = plan.drafter is not None or bool(target.taps) or target.hidden
     host_lookup = target.layout == "ane"  # the host looks the embedding rows up in the bundle's table
     interface = _write_drafter_interface(plan, modules, out) if feeds_drafter or host_lookup else None
-    manifest = _manifest(plan, source_files, modules, packages, parts, extra_files, quantization, report, interface)
+    manifest = _manifest(plan, source_files, modules, packages, parts, extra_files, quantization, report, interface,
+                         records)
     (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
     return manifest
 
@@ -348,7 +377,6 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, 
     drafter stage lets them go while it quantizes the drafter; ``stack`` keeps a scratch cache until then)."""
     run = in_fresh_process if plan.parameter_count > CHAINED_RUN_PARAMETERS else in_this_process
     scales, ranged = run(streamed_range_stage, plan) if plan.recipe.target.rescale else (rescale.Scales(), None)
-    _refuse_exact_scales(plan, scales)
     result = run(quantize_stage, plan, parts_cache(plan, cache, stack), {r.path: r.sha256 for r in source_files},
                  False, scales)
 
@@ -358,6 +386,7 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, 
         return report
 
     report = gate(plan, cache, source_files, gated, failed_report)
+    progress.phase("packages")
     loader = PartLoader(plan, result, scales)
     packages, parts = _package_parts(plan, loader, out, cache, report, failed_report)
     # the record reads every unit back (the tables' codes too) and needs only the core's names and shapes: from the

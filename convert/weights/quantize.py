@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -88,13 +88,14 @@ class QuantizeResult:
     units: dict[str, str] = field(default_factory=dict)  # unit -> "cached" | "computed"
     entries: dict[str, build_cache.Entry] = field(default_factory=dict)  # unit -> its cache entry
     pack: Path | None = None
+    factors: dict[str, float] = field(default_factory=dict)  # a pack's modules' range-fold factors (exact: 1 if absent)
 
     def unit(self, prefix: str) -> dict[str, QuantizedWeight]:
         """The weights of unit ``prefix`` (``layers.3``, ``lm_head``, ``embed_tokens``; none for another module)."""
         if prefix in self.entries:
             return read_entry(self.entries[prefix])
         if self.pack is not None:
-            return {n: exact_weight(m) for n, m in pack_modules(self.pack).items() if _under(n, prefix)}
+            return {n: self._exact(n, m) for n, m in pack_modules(self.pack).items() if _under(n, prefix)}
         return {n: w for n, w in self.weights.items() if _under(n, prefix)}
 
     def names(self) -> set[str]:
@@ -109,7 +110,15 @@ class QuantizeResult:
             yield from self.unit(prefix).items()
         if self.pack is not None:
             for name, module in pack_modules(self.pack).items():
-                yield name, exact_weight(module)
+                yield name, self._exact(name, module)
+
+    def _exact(self, name: str, module: PackedModule) -> QuantizedWeight:
+        """A pack's matrix as it ships: its own codes, its group scales times the range fold's power of two."""
+        weight = exact_weight(module)
+        factor = self.factors.get(name, 1.0)
+        if factor == 1:
+            return weight
+        return replace(weight, scale=rescale.exactly_scaled(weight.scale, factor, module.key))
 
 
 def _under(name: str, prefix: str) -> bool:
@@ -203,6 +212,46 @@ def unit_weights(args, target) -> list[tuple[str, int]]:
     if not args.tie_word_embeddings:
         units += [("lm_head", weights(core.lm_head)), ("embed_tokens", weights(core.embed_tokens))]
     return units
+
+
+# The group sizes a refusal suggests: affine4's allowed ones (``convert.inputs.recipe``), lut4's usual ones
+GROUP_CHOICES = {"affine4": (32, 64, 128), "lut4": (16, 8, 4, 32)}
+
+
+def check_group_size(args, target) -> None:
+    """Refuse, at plan time, a group size that does not divide a width of a weight the stage quantizes (affine4
+    groups its input columns, lut4 its output rows): the quantizer would fail there mid-build. The weights are those
+    ``plan_units`` picks from a parameterless core (nothing is read), named as ``keep_fp16`` names them."""
+    quant = target.quantization
+    if quant.format not in GROUP_CHOICES:
+        return
+    with parameters_on_meta():
+        core = family_of(args).build_core(args, target)
+    shapes = {name: tuple(core.get_submodule(name).weight.shape)
+              for unit in plan_units(core, kept_modules(core, quant), gptq=False) for name in unit.modules}
+    check_group_widths(quant, shapes, "target.quantization", "keep those weights fp16 (target.quantization.keep_fp16)")
+
+
+def check_group_widths(quant, shapes: dict[str, tuple[int, ...]], field: str, otherwise: str) -> None:
+    """``check_group_size`` over ``shapes`` (the [out, in] of each weight quantized with ``quant``, by name): an
+    InputError naming ``field``.group_size, the first weight whose width the group does not divide, and a group size
+    that divides them all (else ``otherwise``)."""
+    if quant.format not in GROUP_CHOICES:
+        return
+    axis, what = (1, "input width") if quant.format == "affine4" else (0, "output rows")
+    group = quant.resolved_group_size
+    bad = [(name, shape) for name, shape in shapes.items() if shape[axis] % group]
+    if not bad:
+        return
+    name, shape = bad[0]
+    others = f"; {len(bad) - 1} more quantized weights like it" if len(bad) > 1 else ""
+    choices = GROUP_CHOICES[quant.format]
+    fits = [g for g in choices if all(s[axis] % g == 0 for s in shapes.values())]
+    fix = f"set a group size that divides every quantized weight's {what}, e.g. {fits[0]}" if fits else \
+        f"no group size of {', '.join(map(str, choices))} divides every quantized weight's {what}: {otherwise}"
+    default = "" if quant.group_size else ", the default"
+    raise InputError(f"{field}.group_size: {group} ({quant.format}{default}) does not divide the {what} "
+                     f"{shape[axis]} of {name} (weight {list(shape)}{others}); {fix}")
 
 
 def default_device() -> torch.device:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from convert.errors import GateError
@@ -179,6 +180,26 @@ def weight_factors(core: nn.Module, scales: Scales) -> dict[str, float]:
                 for parameter, _ in layer.get_submodule(name).named_parameters():
                     factors[f"layers.{j}.{name}.{parameter}"] = factor
     return factors
+
+
+def module_factors(core: nn.Module, scales: Scales) -> dict[str, float]:
+    """``weight_factors`` by module name (``layers.3.mlp.down_proj``): what a linear's whole weight is multiplied by."""
+    return {name.removesuffix(".weight"): f for name, f in weight_factors(core, scales).items()
+            if name.endswith(".weight")}
+
+
+def exactly_scaled(values: torch.Tensor, factor: float, tensor: str) -> torch.Tensor:
+    """``values`` (fp16: a pack's group scales) times the power of two ``factor``, refused (``RangeError``) where fp16
+    cannot hold a product exactly (past 65,504, or below its normal range where bits are lost): the fold must not
+    change the pack's function."""
+    scaled = values.float() * factor
+    stored = scaled.to(values.dtype)
+    if not (torch.isfinite(stored).all() and torch.equal(stored.float(), scaled)):
+        lost = (stored.float() != scaled).sum().item()
+        raise RangeError(f"{tensor}: its scales times {factor:g} (the range fold) are not exact in {values.dtype} "
+                         f"({lost} of {scaled.numel()} values change); set target.rescale: false to ship the pack's "
+                         "magnitudes as they are (the device pass judges them)")
+    return stored
 
 
 def fold_constants(core: nn.Module, scales: Scales) -> None:
