@@ -1,4 +1,4 @@
-"""Benchmark: the stateful and the ane layouts side by side on the embedded fixtures (README "Layouts").
+"""Benchmark: the stateful and the ane layouts side by side on the embedded fixtures (docs/layouts.md).
 
 Builds each fixture recipe (``recipes/tiny_qwen3.yaml``, the dense fixture, and ``recipes/tiny_qwen3_5.yaml``, the
 hybrid one) twice into a scratch directory, once per ``target.layout``, through ``spec-convert build`` (both formats,
@@ -43,7 +43,7 @@ FIXTURES = {"dense": ROOT / "recipes" / "tiny_qwen3.yaml", "hybrid": ROOT / "rec
 PAIRS = {"dflash2": ROOT / "recipes" / "tiny_qwen3_dflash2.yaml", "mtp": ROOT / "recipes" / "tiny_qwen3_mtp.yaml"}
 MTP_RELEASE = ROOT / "recipes" / "qwen3_mtp_27b.yaml"
 RELEASE = ROOT / "recipes" / "dflash2_27b.yaml"
-RELEASE_CONTEXT = 8192  # the figures README "Layouts" compares (the recipe ships 65,472 with a ladder from 8,192)
+RELEASE_CONTEXT = 8192  # the figures docs/layouts.md compares (the recipe ships 65,472 with a ladder from 8,192)
 LAYOUTS = ("stateful", "ane")
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -204,7 +205,7 @@ def main() -> None:
     else:
         _wrap(coreai, "_export", sampler, lambda module, spec: f"{spec.name}: torch.export")
         _wrap(coreai.coreai_torch.TorchConverter, "to_coreai", sampler, lambda *a: "convert every function")
-    out = Path(f"/tmp/part-memory-{options.format}")
+    out = Path(tempfile.gettempdir()) / f"part-memory-{options.format}"
     backend = backends.load(options.format)
     path = out.with_suffix(backends.SUFFIXES[options.format])
     backend.package(piece.functions, path)

@@ -5,7 +5,7 @@ Writes seeded full-size checkpoints in the published layouts into a Hugging Face
 
 - ``prism-ml/Ternary-Bonsai-2-27B-mlx-2bit`` @3f926b4: the MLX 2-bit pack (``prism_hadamard_qwen35``, schema 2) of
   a Qwen3.5-27B vision-language model (text geometry from the recipe's contract; a small vision tower whose keys the
-  text model skips): every rotated matrix (``../shared/reference/hybrid-27b.md``: each Gated DeltaNet
+  text model skips): every rotated matrix (the pack's published layout: each Gated DeltaNet
   ``in_proj_qkv`` / ``in_proj_z`` / ``out_proj``, each attention ``q/k/v/o_proj``, each MLP ``gate/up/down_proj``,
   ``lm_head``, and ``embed_tokens`` inversely) as ternary codes (0, 1, 2 around zero point 1) packed 16 to a uint32
   word, the first in the lowest bits, an fp16 scale per 128 input columns, ``biases = -scales`` and its width's sign
@@ -14,7 +14,7 @@ Writes seeded full-size checkpoints in the published layouts into a Hugging Face
   (block 1024, one sign vector per input width); a tokenizer; in shards of about 4 GiB with an index.
 - ``ProCreations/Ternary-Bonsai-2-27B-DFlash2`` @4cfb6ad: z-lab's DFlash2 layout (``model.safetensors`` and the
   selector's codebooks in ``selector.safetensors``) with the published config fields
-  (``../shared/reference/turn3-anchors.md`` section 5: hidden 5120, intermediate 17408, 5 sliding layers of 32/8
+  (z-lab's published Qwen3.8-27B-DFlash2 config: hidden 5120, intermediate 17408, 5 sliding layers of 32/8
   heads, vocab 248320, the dflash_config), bf16, 1.92B parameters.
 
 The cache's snapshot directories are named by the pinned short revision padded with zeros (the real commits' full

@@ -1,8 +1,9 @@
-"""The ane layout's pieces, shared by every family that exports it (``layout: ane``, README "Layouts").
+"""The ane layout's pieces, shared by every family that exports it (``layout: ane``, docs/layouts.md).
 
 The Neural Engine runs a program whole only when every op in it is one it runs: anemll-forge's builder (the
-reference for what a fully placed program looks like, ``../shared/reference/turn3-anchors.md`` section 1) keeps
-activations channels first, ``(1, C, 1, T)``, makes every projection a 1x1 convolution, and keeps no states (a state
+reference for what a fully placed program looks like: ``coreai/qwen38_coreai_build.py`` of
+github.com/Anemll/anemll-forge) keeps activations channels first, ``(1, C, 1, T)``, makes every projection a
+1x1 convolution, and keeps no states (a state
 write lowers to a scatter, which runs on the GPU): the host owns every history buffer, passes it in, and writes the
 rows a call returns. These are the ops a family's ane forward is written with; everything here computes in the
 activations' dtype (fp16 in a package) and stays finite there.

@@ -1,7 +1,7 @@
 """Parts: a target split into packages a device can load, chained by the host.
 
 A 27B target is 54 GB in fp16 and about 14 GB at 4 bits; a device loads packages of about 1-2 GB
-(``../shared/reference/hybrid-27b.md``: forge keeps parts under 2 GB). When the whole target is over the recipe's
+(anemll-forge, github.com/Anemll/anemll-forge, keeps parts under 2 GB). When the whole target is over the recipe's
 ``target.max_part_mb``, it ships as parts, in this order:
 
 - the embedding lookup (``embed``), split along the vocabulary when the table is over the limit: each part looks up
@@ -14,7 +14,7 @@ A 27B target is 54 GB in fp16 and about 14 GB at 4 bits; a device loads packages
   part returns its rows' best id (``argmax_ids``, a vocabulary id) and logit (``max_logit``), and the host keeps the
   first part's id on ties, which is the whole head's argmax (the lowest id among equal maxima).
 
-In the ``ane`` layout (README "Layouts") the host looks the embedding rows up, so there is no embedding part: the first
+In the ``ane`` layout (docs/layouts.md) the host looks the embedding rows up, so there is no embedding part: the first
 layer chunk holds the table for the host's lookup (its package does not) and takes the rows as ``hidden_states``; a
 head part returns its logits, and the host takes the argmax over the split head's parts; a head part has at most
 65,536 rows (the ANE's largest dim: its logits have one per row; forge ships Qwen3.8's 248,320 in 8 parts).

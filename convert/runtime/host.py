@@ -124,7 +124,7 @@ class TargetDriver:
 
 
 class HostOwned:
-    """``Functions`` of a package whose states, lookups and argmax the host owns (the ane layout, README "Layouts"):
+    """``Functions`` of a package whose states, lookups and argmax the host owns (the ane layout, docs/layouts.md):
     each of the contract's ``buffers`` is passed to every call that takes it, and the call's rows for it (the output
     the contract names, taken out of what the call returns) are written into it at the call's positions; the inputs
     the host computes from the positions (``contract["positions"]``: RoPE's rows, the history mask) are passed in

@@ -2,7 +2,7 @@
 
 A drafter reads the target's tapped hidden states ("context") and drafts ``block_size - 1`` tokens after an anchor
 in one forward pass of a few layers over the block [anchor, mask x (B-1)]. The forward follows
-``../shared/reference/drafter-formats.md`` ("DFlash2 block forward, step by step"), which was checked against
+anemll-forge's plain-torch DFlash2 reference (github.com/Anemll/anemll-forge), which was checked against
 z-lab's ``DFlash2DraftModel``:
 
 * context: ``fused = hidden_norm(fc(concat(taps)))``; per draft layer K = rope(k_norm(k_proj(fused))) and

@@ -1,4 +1,4 @@
-"""DFlash2 in the ane layout (``convert/export/ane.py``, README "Layouts"), as anemll-forge's DFlash2 drafter: the
+"""DFlash2 in the ane layout (``convert/export/ane.py``, docs/layouts.md), as anemll-forge's DFlash2 drafter: the
 drafter's modules and weights as ``core.py``, channels first with 1x1 convolutions, over a context ring the host owns.
 
 ``context_update`` / ``context_append`` take the call's ``taps`` and RoPE's ``rope_cos`` / ``rope_sin`` and return

@@ -1,4 +1,4 @@
-"""MTP head in the ane layout (``convert/export/ane.py``, README "Layouts"): the head's modules and weights as
+"""MTP head in the ane layout (``convert/export/ane.py``, docs/layouts.md): the head's modules and weights as
 ``core.py``, channels first with 1x1 convolutions, over the host's KV history instead of states.
 
 ``accept`` and ``draft_step`` take the embedding rows of the call's tokens as ``token_embeddings`` (the host looks them

@@ -1,4 +1,4 @@
-"""Qwen3.5 (hybrid) in the ane layout (``convert/export/ane.py``, README "Layouts"): the same modules and weights as
+"""Qwen3.5 (hybrid) in the ane layout (``convert/export/ane.py``, docs/layouts.md): the same modules and weights as
 ``core.py``, channels first with 1x1 convolutions, over buffers the host owns instead of states.
 
 The attention layers read the host's ``key_history`` / ``value_history`` and return their ``key_rows`` /

@@ -101,7 +101,7 @@ def ane_tensors(args: Qwen35Args, target, part: Part, function: str, width: int,
 
 
 def host_contract(args: Qwen35Args, target) -> dict:
-    """What a runtime does between calls (README "Hybrid targets", docs/hybrid.md): the rows a call leaves pending
+    """What a runtime does between calls (docs/hybrid.md): the rows a call leaves pending
     are committed, or dropped, by the next call's ``accept``; in the ane layout the host also owns the buffers
     (``ane_contract``)."""
     contract = commit_contract(target)
@@ -110,7 +110,7 @@ def host_contract(args: Qwen35Args, target) -> dict:
 
 def ane_contract(args: Qwen35Args, target, contract: dict) -> dict:
     """The commit-next-call contract with the ane layout's host work: every buffer, the positions, the commit inputs,
-    the embedding lookup and the argmax (README "Layouts")."""
+    the embedding lookup and the argmax (docs/layouts.md)."""
     return {
         **contract,
         "name": ANE_HOST_CONTRACT_NAME,
