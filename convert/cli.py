@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -32,10 +33,18 @@ def user_errors(func):
             click.echo(f"error: {one_line(f'package check failed: {exc}')}", err=True)
             sys.exit(GateError.exit_code)
         except KeyboardInterrupt:
-            click.echo("interrupted: nothing was published", err=True)
-            sys.exit(130)
+            interrupted()
 
     return wrapper
+
+
+def interrupted() -> None:
+    """Exit 130 with the one line. A second Ctrl-C is ignored from here: a forked packaging worker hands its own
+    KeyboardInterrupt back through its future, and the signal that reached this process may be handled only after it,
+    during the exit, where it would end the process by the signal (-2) instead of exit 130."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    click.echo("interrupted: nothing was published", err=True)
+    sys.exit(130)
 
 
 class OneLineErrors(click.Group):
@@ -48,8 +57,7 @@ class OneLineErrors(click.Group):
         try:
             code = super().main(*args, standalone_mode=False, **kwargs)
         except click.exceptions.Abort:
-            click.echo("interrupted: nothing was published", err=True)
-            sys.exit(130)
+            interrupted()
         except click.exceptions.NoArgsIsHelpError as exc:  # the help, as click prints it
             exc.show()
             sys.exit(exc.exit_code)
