@@ -82,7 +82,9 @@ def _alive(pid: int) -> bool:
 
 
 def entries(cache: Path, stage: str) -> int:
-    return len(list((cache / stage).glob("*/*/entry.json")))
+    """The stage's finished entries (an entry is written into a hidden ``.KEY.tmp-PID`` folder, then renamed: one
+    being written is not counted, or a kill there would count an entry the resumed build cannot reuse)."""
+    return sum(not p.parent.name.startswith(".") for p in (cache / stage).glob("*/*/entry.json"))
 
 
 def comparable(bundle: Path) -> dict[str, bytes]:
