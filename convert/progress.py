@@ -183,6 +183,17 @@ def _where() -> str:
     return f"phase {at}/{len(names)} {names[at - 1]}" if names and at else ""
 
 
+def _overall() -> str:
+    """A terminal's overall ETA: the phase count and the time left of the running phase and the ones after it by the
+    plan's estimates (``phases``), where there are any."""
+    names, at, estimates = _phases["names"], _phases["at"], _phases["estimates"]
+    if not (names and at and estimates):
+        return _where()
+    current = estimates.get(names[at - 1], 0.0)
+    left = max(0.0, current - (time.time() - _phases["since"])) + sum(estimates.get(n, 0.0) for n in names[at:])
+    return _where() + (f", about {span(left)} left by the plan's estimate" if left >= 1 else "")
+
+
 @contextmanager
 def stage(title: str) -> Iterator[None]:
     start = time.perf_counter()
@@ -190,7 +201,8 @@ def stage(title: str) -> Iterator[None]:
     _begin(title)
     try:
         if not lines():
-            with console.status(f"[dim]\\[{where}][/dim] {title} ..." if where else f"{title} ...") as status:
+            overall = _overall()
+            with console.status(f"[dim]\\[{overall}][/dim] {title} ..." if overall else f"{title} ...") as status:
                 _status.append(status)
                 try:
                     yield
@@ -268,8 +280,9 @@ def units(total: int, what: str) -> Callable[[], None]:
         if lines():
             _unit(title, done[0], total, what, start)
         elif _status:
-            where = _where()
-            _status[-1].update((f"[dim]\\[{where}][/dim] " if where else "") + f"{title} ... {done[0]}/{total} {what}")
+            overall = _overall()
+            _status[-1].update((f"[dim]\\[{overall}][/dim] " if overall else "") + f"{title} ... {done[0]}/{total} "
+                               f"{what}")
 
     return advance
 
@@ -279,8 +292,8 @@ def bar(enabled: bool = True):
     log (``lines``) a start line and unit lines instead (``_Lines``)."""
     if enabled and lines():
         return _Lines()
-    where = _where()
-    description = f"[dim]\\[{where}][/dim] " + "{task.description}" if where else "{task.description}"
+    overall = _overall()
+    description = f"[dim]\\[{overall}][/dim] " + "{task.description}" if overall else "{task.description}"
     return Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("left"), TimeRemainingColumn(), console=console, transient=True,
                     disable=not (enabled and live))

@@ -101,8 +101,8 @@ def test_units_of_a_stage_name_it(monkeypatch, capsys):
 
 
 def test_a_terminal_keeps_the_live_display_and_prints_end_lines_only(monkeypatch):
-    """On a terminal: no start, unit or heartbeat lines (the spinner and the bar say it, with the phase k/n), only
-    the end lines."""
+    """On a terminal: no start, unit or heartbeat lines (the spinner and the bar say it, with the phase k/n and the
+    time left by the plan's estimates), only the end lines."""
     from io import StringIO
 
     from rich.console import Console
@@ -112,7 +112,7 @@ def test_a_terminal_keeps_the_live_display_and_prints_end_lines_only(monkeypatch
                                                           highlight=False))
     monkeypatch.setattr(progress, "UNIT_SECONDS", 0.0)
     assert not progress.lines()
-    with progress.phases(["sources", "weights"]):
+    with progress.phases(["sources", "weights"], {"weights": 3600.0}):
         progress.phase("weights")
         with progress.stage("load weights"):
             advance = progress.units(2, "parts")
@@ -124,7 +124,8 @@ def test_a_terminal_keeps_the_live_display_and_prints_end_lines_only(monkeypatch
     text = out.getvalue()
     assert "\u25b6" not in text and "still running" not in text
     assert "\u2713 load weights" in text and "\u2713 quantize: 2 units" in text
-    assert "phase 2/2 weights" in text  # on the spinner
+    # on the spinner: the phase count and the overall time left by the plan's estimates (an hour, less what ran)
+    assert re.search(r"phase 2/2 weights, about (1 h 00 min|59 min \d\d s) left by the plan's estimate", text), text
 
 
 @pytest.fixture(scope="module")
