@@ -62,11 +62,15 @@ EMBEDDINGS_FILE = "embeddings.safetensors"
 REPORT_FILE = "gate_report.json"  # the numeric gate's report: a target bundle's, hashed in its manifest's records
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, advance=None) -> str:
+    """The file's sha256, read a MiB at a time; ``advance(n)`` after each chunk of n bytes when given (a progress
+    bar)."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
+            if advance is not None:
+                advance(len(chunk))
     return digest.hexdigest()
 
 

@@ -293,15 +293,16 @@ def check_files(folder: Path, manifest: Manifest | DrafterManifest, run_formats:
             check_aimodel(folder / package.path)
 
 
-def check_aimodel(package: Path) -> None:
+def check_aimodel(package: Path, program_sha256: str | None = None) -> None:
     """A Core AI package's ``main.mlirb`` against the sha256 its ``main.hash`` holds (the runtime aborts the process
     on a damaged program instead of raising): a package damaged after the build, or one not from a spec-convert
-    bundle manifest's records, is refused before the runtime opens it."""
+    bundle manifest's records, is refused before the runtime opens it. ``program_sha256``: the program's, when the
+    caller has just hashed it (``verify``), not read again."""
     program, recorded = package / "main.mlirb", package / "main.hash"
     for path in (program, recorded):
         if not path.is_file():
             raise InputError(f"{path}: missing; not a complete Core AI package: copy the bundle again or rebuild it")
     digest = recorded.read_bytes()[:100]  # the 32 bytes of the digest (coreai-core 1.0 writes them raw)
-    if file_sha256(program) not in (digest.hex(), digest.decode("latin-1").strip().lower()):
+    if (program_sha256 or file_sha256(program)) not in (digest.hex(), digest.decode("latin-1").strip().lower()):
         raise GateError(f"{program}: its sha256 is not the one {recorded.name} records (truncated or changed after "
                         "the build); copy the bundle again or rebuild it")

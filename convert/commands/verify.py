@@ -10,7 +10,6 @@ no file but its manifest that the manifest does not hash.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,12 +19,12 @@ from convert.commands.inspect import check_aimodel, recorded_files
 from convert.errors import GateError, InputError, one_line
 from convert.pipeline.bundle import COMPILED, MANIFEST, parts, read_manifest
 from manifests import identity
+from manifests.identity import file_sha256
 from manifests.schema import DrafterManifest, FileEntry, Manifest
 
 AGAIN = "copy the bundle again or rebuild it"
 SHOWN_HASH = 12  # hex digits of a sha256 a difference shows
 LARGE_FILE = 256 * 2**20  # when stderr is not a terminal, a line is printed before hashing a file this large
-CHUNK = 1 << 20
 
 
 @dataclass
@@ -176,6 +175,7 @@ def _hash_all(bundle: Path, reports: list[PartReport], recorded: dict[Path, list
                                           f"(truncated or changed after the build); {AGAIN}")
             else:
                 todo.append((report, path, record, where))
+    digests = {}  # what each hashed file hashed to: a Core AI program's main.hash is checked against it
     total = sum(record.size for _, _, record, _ in todo)
     terminal = progress.console.is_terminal  # a bar there; in a log, progress lines and a line per large file
     with progress.bar() as bar:
@@ -184,7 +184,11 @@ def _hash_all(bundle: Path, reports: list[PartReport], recorded: dict[Path, list
             if not terminal and record.size >= LARGE_FILE:
                 progress.console.print(f"hashing {_shown(bundle, path)} ({record.size / 1e9:,.2f} GB)", markup=False,
                                        soft_wrap=True)
-            digest = _sha256(path, lambda n: bar.advance(task, n / 1e6))
+            try:
+                digest = file_sha256(path, lambda n: bar.advance(task, n / 1e6))
+            except OSError:
+                digest = None
+            digests[path] = digest
             report.hashed_bytes += record.size
             if digest is None:
                 report.differences.append(f"{_shown(bundle, path)}: cannot be read; {AGAIN}")
@@ -197,21 +201,10 @@ def _hash_all(bundle: Path, reports: list[PartReport], recorded: dict[Path, list
         for package in manifest.packages if manifest is not None else ():
             if package.format == "coreai" and not report.differences:
                 try:
-                    check_aimodel(report.folder / package.path)
+                    aimodel = report.folder / package.path
+                    check_aimodel(aimodel, digests.get(aimodel / "main.mlirb"))
                 except (InputError, GateError) as exc:
                     report.differences.append(str(exc).replace(str(bundle) + os.sep, "", 1))
-
-
-def _sha256(path: Path, advance) -> str | None:
-    digest = hashlib.sha256()
-    try:
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(CHUNK), b""):
-                digest.update(chunk)
-                advance(len(chunk))
-    except OSError:
-        return None
-    return digest.hexdigest()
 
 
 def _check_pair(bundle: Path, reports: list[PartReport]) -> None:

@@ -67,13 +67,11 @@ from convert.pipeline.partition import (
 )
 from convert.verify import placement
 from convert.weights.quantize import (
-    COST_MODEL,
-    MEASURED_WEIGHTS,
     check_group_size,
     check_group_widths,
     estimate_lines,
     kept_modules,
-    unit_weights,
+    quantize_seconds,
 )
 from convert.weights.target import function_specs
 
@@ -555,23 +553,6 @@ def time_lines(plan: Plan) -> list[str]:
     if plan.recipe.drafter is not None:
         lines.append("    drafter stages (calibration, quantize, acceptance A/B): not measured at this size")
     return lines
-
-
-def quantize_seconds(args, target) -> dict[str, float]:
-    """The quantize stage's seconds on each machine ``COST_MODEL`` measured the method on (``estimate_lines``'s
-    arithmetic: each unit's GPTQ solves by its weights, its calibration passes by weights x tokens)."""
-    quant = target.quantization
-    units = unit_weights(args, target)
-    estimates = {}
-    for measured in COST_MODEL:
-        costs = measured.seconds.get(quant.method)
-        if costs is None:
-            continue
-        tokens = quant.calibration.samples * quant.calibration.length / measured.tokens if quant.uses_gptq else 1
-        estimates[measured.device] = sum(
-            weights / MEASURED_WEIGHTS[kind] * (costs[kind][1] + (costs[kind][0] - costs[kind][1]) * tokens)
-            for kind, weights in units if kind in costs)
-    return estimates
 
 
 def _size(nbytes: float) -> str:

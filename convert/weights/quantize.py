@@ -171,8 +171,10 @@ MEASURED_WEIGHTS = {"linear_attention": 383_221_760, "full_attention": 372_244_4
                     "embed_tokens": 1_271_398_400}
 
 
-def estimate_lines(args, target) -> list[str]:
-    """The plan's line on the quantize stage's time on each machine the cost model measured the method on."""
+def _estimates(args, target) -> list[tuple[str, float, list[str]]]:
+    """(machine, the quantize stage's seconds there, the unit kinds not measured there) for each machine the cost model
+    measured the method on: each unit's GPTQ solves scaled by its weights, its calibration passes by weights x
+    tokens."""
     quant = target.quantization
     units = unit_weights(args, target)
     estimates = []
@@ -183,9 +185,21 @@ def estimate_lines(args, target) -> list[str]:
         tokens = quant.calibration.samples * quant.calibration.length / measured.tokens if quant.uses_gptq else 1
         seconds = sum(weights / MEASURED_WEIGHTS[kind] * (costs[kind][1] + (costs[kind][0] - costs[kind][1]) * tokens)
                       for kind, weights in units if kind in costs)
-        missing = sorted({kind for kind, _ in units if kind not in costs})
-        estimates.append(f"{_duration(seconds)} on {measured.device}" +
-                         (f" ({', '.join(missing)} not measured there)" if missing else ""))
+        estimates.append((measured.device, seconds, sorted({kind for kind, _ in units if kind not in costs})))
+    return estimates
+
+
+def quantize_seconds(args, target) -> dict[str, float]:
+    """The quantize stage's estimated seconds by machine (``_estimates``)."""
+    return {device: seconds for device, seconds, _ in _estimates(args, target)}
+
+
+def estimate_lines(args, target) -> list[str]:
+    """The plan's line on the quantize stage's time on each machine the cost model measured the method on."""
+    quant = target.quantization
+    estimates = [f"{_duration(seconds)} on {device}" + (f" ({', '.join(missing)} not measured there)"
+                                                        if missing else "")
+                 for device, seconds, missing in _estimates(args, target)]
     if not estimates:
         return []
     tokens = f", {quant.calibration.samples} x {quant.calibration.length} calibration tokens" if quant.uses_gptq \
