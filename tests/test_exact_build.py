@@ -33,12 +33,17 @@ backends: [coreai, coreml]
 """
 
 
+def _written(tmp_path_factory, name: str, dense_dtype: torch.dtype, recipe: str) -> Path:
+    """A folder holding the seed-3 pack (its dense tensors in ``dense_dtype``), its unfolded twin and ``recipe``."""
+    root = tmp_path_factory.mktemp(name)
+    write_pack(root / "pack", root / "unfolded", seed=3, dense_dtype=dense_dtype)
+    (root / "tiny-bonsai.yaml").write_text(recipe)
+    return root
+
+
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("bonsai")
-    write_pack(root / "pack", root / "unfolded", seed=3, dense_dtype=torch.bfloat16)
-    (root / "tiny-bonsai.yaml").write_text(RECIPE)
-    return root
+    return _written(tmp_path_factory, "bonsai", torch.bfloat16, RECIPE)
 
 
 @pytest.fixture(scope="module")
@@ -120,10 +125,7 @@ KEPT_FP32 = ("norm.weight", "A_log", "dt_bias")  # what ships in fp32 (convert/w
 
 @pytest.fixture(scope="module")
 def written_fp32(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("bonsai-fp32")
-    write_pack(root / "pack", root / "unfolded", seed=3, dense_dtype=torch.float32)
-    (root / "tiny-bonsai.yaml").write_text(FP32_RECIPE)
-    return root
+    return _written(tmp_path_factory, "bonsai-fp32", torch.float32, FP32_RECIPE)
 
 
 def _unfolded(written: Path) -> dict[str, torch.Tensor]:
