@@ -2,19 +2,19 @@
 either layout, beside the fp32 candidate: both passes' mean KL, top-1 and greedy match, the range verdict's tightest
 tensors and the time. A recipe for the fixture is written to a temporary folder and planned as ``build`` plans it
 (the layout's device: ``ane`` for ``layout: ane``, ``gpu`` for ``stateful``). ``--residual-scale B`` /
-``--mlp-scale B`` gate a function-preserving rescale of the fixture instead (``tests/rescaled.py``), whose range scales
-(``convert/weights/rescale.py``, measured on the first window) the build folds as ``shipped_modules`` does. Run from the
-repo root: ``.venv/bin/python -m bench.device_pass --fixture stdlib-qwen3 --layout ane [--method lut4]``."""
+``--mlp-scale B`` gate a function-preserving rescale of the fixture instead (``tests/helpers/rescaled.py``), whose
+range scales (``convert/weights/rescale.py``, measured on the first window) the build folds as ``shipped_modules``
+does. Run from the repo root:
+``.venv/bin/python -m bench.device_pass --fixture stdlib-qwen3 --layout ane [--method lut4]``."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.common import arguments, write_json
 from convert.pipeline.build import shipped_modules
 from convert.pipeline.plan import make_plan
 from convert.verify import gates
@@ -34,7 +34,7 @@ backends: [coreai]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, "also write the summary here")
     parser.add_argument("--fixture", choices=("stdlib-qwen3", "stdlib-qwen3_5"), default="stdlib-qwen3")
     parser.add_argument("--layout", choices=("stateful", "ane"), default="stateful")
     parser.add_argument("--method", choices=("none", "affine4", "lut4"), default="none")
@@ -42,13 +42,11 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--residual-scale", type=float, help="gate the fixture's residual stream times this")
     parser.add_argument("--mlp-scale", type=float, help="gate the fixture's MLP intermediates times this")
-    parser.add_argument("--json", type=Path, help="also write the summary here")
     options = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="spec-convert-bench-") as tmp:
         source = ROOT / "fixtures" / options.fixture
         if options.residual_scale or options.mlp_scale:
-            sys.path.insert(0, str(ROOT / "tests"))
-            from rescaled import mlp_rebalanced, residual_scaled
+            from tests.helpers.rescaled import mlp_rebalanced, residual_scaled
             source = (residual_scaled(source, Path(tmp) / "scaled", options.residual_scale) if options.residual_scale
                       else mlp_rebalanced(source, Path(tmp) / "scaled", options.mlp_scale))
         quantization = "" if options.method == "none" else f"  quantization: {{method: {options.method}}}\n"
@@ -79,8 +77,7 @@ def main() -> None:
             "tightest": [(e.tensor, e.kind, e.peak, e.scaled) for e in modules.rescale.tightest[:3]]},
     }
     print(json.dumps(summary, indent=1))
-    if options.json:
-        options.json.write_text(json.dumps(summary, indent=1) + "\n")
+    write_json(options.json, summary)
 
 
 if __name__ == "__main__":

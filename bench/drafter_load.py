@@ -13,23 +13,20 @@ the stage then replaces by the target's ``CodesLinear``.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 import torch
 
-from bench.part_memory import Sampler
+from bench.common import Sampler, arguments, machine
 from bench.release_rehearsal import write_drafter
-from bench.scale import _machine
 from convert.models import dflash2
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("--write", action="store_true", help="write the seeded checkpoint into --dir and exit")
-    parser.add_argument("--json", type=str, default=None)
     a = parser.parse_args()
     if a.write:
         print(f"{write_drafter(a.dir):,} parameters written to {a.dir}")
@@ -49,7 +46,7 @@ def main() -> None:
     own = sum(p.numel() for n, p in modules.core.named_parameters() if not n.startswith("lm_head"))
     held = sampler.phases[-1]["end_gib"] * 2**30 - sampler.base
     peak = max(p["peak_gib"] for p in sampler.phases) * 2**30 - sampler.base
-    record = {"machine": _machine("cpu"), "own_parameters": own, "seconds": round(seconds, 1),
+    record = {"machine": machine("cpu"), "own_parameters": own, "seconds": round(seconds, 1),
               "held_gib": round(held / 2**30, 2), "peak_gib": round(peak / 2**30, 2),
               "peak_bytes_per_own_parameter": round(peak / own, 2), "phases": sampler.phases,
               "base_gib": round(sampler.base / 2**30, 2)}

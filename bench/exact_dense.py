@@ -1,7 +1,7 @@
 """Benchmark: what fp16 costs an ``exact`` pack's gate where the pack stores its dense tensors above fp16.
 
-For each seed, a tiny Ternary Bonsai pack (``tests/prism_packs.py``: its 2-bit codes, fp16 scales and rotations, and
-its dense tensors, the norms, ``A_log``, ``dt_bias``, the conv and ``in_proj_a`` / ``in_proj_b``, in ``--dense``
+For each seed, a tiny Ternary Bonsai pack (``tests/helpers/prism_packs.py``: its 2-bit codes, fp16 scales and rotations,
+and its dense tensors, the norms, ``A_log``, ``dt_bias``, the conv and ``in_proj_a`` / ``in_proj_b``, in ``--dense``
 fp32 or bf16) is planned as ``build`` plans it (``method: exact``, the unfolded twin as the reference) and gated
 (``gates.gate_target``: the fp32 candidate and the device pass), in two forms: ``shipped`` (as the build ships it: the
 tensors ``convert/weights/precision.py`` names kept in fp32) and ``fp16`` (every dense tensor rounded to fp16, as
@@ -13,7 +13,6 @@ gap between its id and the candidate's, in logits (a near tie is under 0.25). Ru
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -48,8 +47,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--length", type=int, default=64)
     options = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "tests"))
-    from prism_packs import write_pack
+    from tests.helpers.prism_packs import write_pack
 
     gaps = []
     add = gates._Stats.add

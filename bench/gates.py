@@ -13,7 +13,6 @@ with ``default_thresholds(method)``. Run from the repo root: ``.venv/bin/python 
 
 from __future__ import annotations
 
-import argparse
 import platform
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from rich.console import Console
 from tokenizers import Tokenizer
 
+from bench.common import arguments
 from convert.export.quantized import apply_quantized
 from convert.inputs.recipe import Calibration, Graphs, Quantization, Target
 from convert.inputs.sources import load_tensors, read_json
@@ -36,7 +36,7 @@ TAPS = [3, 7]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, "also write the report here")
     parser.add_argument("--method", choices=("none", "affine4", "lut4", "affine4-gptq", "lut4-gptq"), default="none")
     parser.add_argument("--fixture", choices=("stdlib-qwen3", "stdlib-qwen3_5"), default="stdlib-qwen3")
     parser.add_argument("--n", type=int, default=32)
@@ -45,7 +45,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--calibration-samples", type=int, default=Calibration().samples)
     parser.add_argument("--calibration-length", type=int, default=Calibration().length)
-    parser.add_argument("--json", type=Path, help="also write the report here")
     options = parser.parse_args()
     if options.threads:
         torch.set_num_threads(options.threads)

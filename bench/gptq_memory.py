@@ -12,14 +12,12 @@ lut4 (groups of 16 rows, as the release recipe's drafter) and reports the peak a
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import time
 
 import torch
 
-from bench.part_memory import Sampler
-from bench.scale import _machine
+from bench.common import Sampler, arguments, machine
 from quant.gptq import gptq_quantize
 
 
@@ -33,10 +31,9 @@ def hessian_of(columns: int, samples: int, generator: torch.Generator) -> torch.
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--shapes", default="5120x25600,5120x17408")
     parser.add_argument("--samples", type=int, default=2048)
-    parser.add_argument("--json", type=str, default=None)
     a = parser.parse_args()
     sampler = Sampler()
     rows = {}
@@ -58,7 +55,7 @@ def main() -> None:
                       "codes_sha256": hashlib.sha256(result.codes.numpy().tobytes()).hexdigest()[:16]}
         del weight, hessian, result
     sampler.stop()
-    record = {"machine": _machine("cpu"), "threads": torch.get_num_threads(), "samples": a.samples, "shapes": rows,
+    record = {"machine": machine("cpu"), "threads": torch.get_num_threads(), "samples": a.samples, "shapes": rows,
               "phases": sampler.phases, "base_gib": round(sampler.base / 2**30, 2)}
     summary = "; ".join(f"[{k}]: peak {v['peak_above_inputs_gb']} GB above its weight and Hessian "
                         f"({v['peak_above_inputs_in_hessians']} Hessians of {v['hessian_gb']} GB), {v['seconds']} s"

@@ -10,10 +10,8 @@ torch threads on a shared 2-core machine runs up to 500x slower than with one (t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.common import arguments, write_json
 from convert.export.functions import compute_copy
 from convert.fp16 import device_arithmetic, true_fp16
 from convert.pipeline.build import shipped_modules
@@ -46,9 +45,8 @@ TRAINED = {"trained-dense": "stdlib-qwen3", "trained-hybrid": "stdlib-qwen3_5"} 
 
 def write_case(case: str, directory: Path) -> None:
     """The fixture of ``case``, as ``tests/test_fp16.py`` writes it."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from checkpoints import write_checkpoint
-    from qwen3_5_checkpoints import write_checkpoint as write_hybrid
+    from tests.helpers.checkpoints import write_checkpoint
+    from tests.helpers.qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
     if case == "dense":
         write_checkpoint(directory, hidden_size=128, intermediate_size=384, num_hidden_layers=4)
@@ -119,11 +117,10 @@ def measure(modules, mode: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--case", choices=(*CASES, *TRAINED), action="append")
     parser.add_argument("--layout", choices=("stateful", "ane"), action="append")
     parser.add_argument("--mode", choices=("true", "ane", "gpu", "torch", "layout"), action="append")
-    parser.add_argument("--json", type=Path, help="also write the results here")
     options = parser.parse_args()
     results = []
     for case in options.case or CASES:
@@ -140,8 +137,7 @@ def main() -> None:
                     result = {"case": case, "layout": layout, "mode": mode, **measure(modules, mode)}
                     print(json.dumps(result), flush=True)
                     results.append(result)
-    if options.json:
-        options.json.write_text(json.dumps(results, indent=1) + "\n")
+    write_json(options.json, results)
 
 
 if __name__ == "__main__":

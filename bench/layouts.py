@@ -22,7 +22,6 @@ at that geometry (nothing is built).
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import subprocess
@@ -31,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import arguments, write_json
 from convert import backends
 from convert.inputs.contract import as_config
 from convert.inputs.recipe import load_recipe
@@ -145,8 +145,7 @@ def mib(n: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser = arguments(__doc__)
     args = parser.parse_args()
     results = {"fixtures": {}, "drafters": {}, "release_target": {"recipe": str(RELEASE.relative_to(ROOT))}}
     with tempfile.TemporaryDirectory(prefix="bench-layouts-") as scratch:
@@ -199,8 +198,7 @@ def main() -> None:
                   f"{mib(got['call_output_bytes'])} (logits {mib(got['logits_bytes'])}), states "
                   f"{mib(got['state_bytes'])}, host buffers {mib(got['host_buffer_bytes'])}, host writes "
                   f"{mib(got['host_rows_written_bytes'])}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

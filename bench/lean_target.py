@@ -17,15 +17,15 @@ widths).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 
 import torch
 from torch import nn
 
-from bench.part_memory import KINDS, Sampler
-from bench.scale import GEOMETRY, _machine
+from bench.common import Sampler, arguments, machine
+from bench.part_memory import KINDS
+from bench.scale import GEOMETRY
 from convert.export.quantized import CodesLinear, embedding_rows
 from quant.types import QuantizedWeight, Rotation
 
@@ -74,10 +74,9 @@ def codes_layers(kinds: list[str], generator: torch.Generator) -> nn.ModuleList:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--layer-types", default="LLLF", help="L (Gated DeltaNet) / F (attention), cycled")
-    parser.add_argument("--json", type=str, default=None)
     a = parser.parse_args()
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
@@ -126,7 +125,7 @@ def main() -> None:
     per_layer = {w: timings[f"layers_width_{w}_s"] / a.layers for w in (1, 8)}
     call_64 = {w: 64 * per_layer[w] + timings[f"head_width_{w}_s"] for w in (1, 8)}
     record = {
-        "machine": _machine("cpu"), "threads": torch.get_num_threads(), "layer_types": [k[0].upper() for k in kinds],
+        "machine": machine("cpu"), "threads": torch.get_num_threads(), "layer_types": [k[0].upper() for k in kinds],
         "weights": weights, "layer_weights": layer_weights, "held_bytes_per_weight": round(held / weights, 4),
         "held_gib": round(held / 2**30, 2), "compute_copy_shares_codes": shared,
         "anchor_rows_gib": round(rows.nbytes / 2**30, 2),

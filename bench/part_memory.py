@@ -24,70 +24,17 @@ decode called once: the runtime's fp16 is emulated on Linux, and a 64-token pref
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import tempfile
-import threading
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from bench.scale import GEOMETRY, _machine
+from bench.common import Sampler, arguments, machine, write_json
+from bench.scale import GEOMETRY
 
 KINDS = {"L": "linear_attention", "F": "full_attention"}
-
-
-class Sampler:
-    """Samples this process's VmRSS; ``phase(name)`` records the peak while the block runs."""
-
-    def __init__(self, period: float = 0.02):
-        self.period, self.current, self.peak = period, 0, 0
-        self.phases: list[dict] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.base = self._rss()
-        self._thread.start()
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.current = self._rss()
-            self.peak = max(self.peak, self.current)
-            time.sleep(self.period)
-
-    @contextmanager
-    def phase(self, name: str):
-        self.peak = start = self._rss()
-        began = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.peak = max(self.peak, self._rss())
-            self.phases.append({"phase": name, "seconds": round(time.perf_counter() - began, 1),
-                                "start_gib": round(start / 2**30, 2), "peak_gib": round(self.peak / 2**30, 2),
-                                "end_gib": round(self._rss() / 2**30, 2)})
-
-    def report(self, summary: str, record: dict, path: str | None) -> None:
-        """Print each phase and ``summary``; write ``record`` as JSON to ``path`` when given."""
-        for phase in self.phases:
-            print(f"  {phase['seconds']:7.1f} s  peak {phase['peak_gib']:6.2f} GiB  end {phase['end_gib']:6.2f} GiB  "
-                  f"{phase['phase']}")
-        print(summary)
-        if path:
-            with open(path, "w") as f:
-                json.dump(record, f, indent=2)
-                f.write("\n")
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def _wrap(owner, attribute: str, sampler: Sampler, name) -> None:
@@ -171,7 +118,7 @@ def part_modules(layer_types: list[str], table: str | None, rows: int, method: s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--format", choices=["coreml", "coreai"], default="coreml")
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--layer-types", default="L", help="one letter a layer, repeated: L (Gated DeltaNet), F")
@@ -179,7 +126,6 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=62080, help="the table part's vocabulary rows")
     parser.add_argument("--method", choices=["affine4", "lut4"], default="affine4")
     parser.add_argument("--keep-dense", action="store_true", help="package with the fp16 dense weights held")
-    parser.add_argument("--json", type=Path)
     options = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     pattern = (options.layer_types * options.layers)[: options.layers]
@@ -215,12 +161,12 @@ def main() -> None:
         with sampler.phase("check: read the constants back"):
             checks.check_package("coreml", path, piece, None, True)
     else:  # the check replays recorded calls on the runtime: here the package loaded and decode called once
-        from convert.export import quantized as compress
+        from convert.export import quantized
         from convert.export.spec import TORCH_DTYPES
         from convert.verify import checks
 
         with sampler.phase("check: the quantized constants read back"):
-            checks.quantized_constants("coreai", path, compress.quantized_weights(piece.core))
+            checks.quantized_constants("coreai", path, quantized.quantized_weights(piece.core))
             gc.collect()
         with sampler.phase("check: the package loaded on the Core AI runtime, decode called once"):
             with coreai.open_session(path) as session:
@@ -233,12 +179,11 @@ def main() -> None:
     rows = [{**p, "above_base_bytes_per_weight": round((p["peak_gib"] * 2**30 - base) / weights, 2),
              "above_modules_bytes_per_weight": round((p["peak_gib"] * 2**30 - built) / weights, 2)}
             for p in sampler.phases]
-    result = {"machine": _machine("cpu"), "format": options.format, "method": options.method,
+    result = {"machine": machine("cpu"), "format": options.format, "method": options.method,
               "part": options.table or pattern, "rows": options.rows if options.table else None, "weights": weights,
               "base_gib": round(base / 2**30, 2), "phases": rows}
     print(json.dumps(result, indent=1))
-    if options.json:
-        options.json.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(options.json, result)
 
 
 if __name__ == "__main__":

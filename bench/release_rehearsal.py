@@ -34,7 +34,6 @@ sha256): run it from a copy of one commit, e.g. ``git archive COMMIT | tar -x -C
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -45,6 +44,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from bench.common import arguments, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "bonsai2_27b_dflash2.yaml"
@@ -266,11 +267,10 @@ def du(path: Path) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--workdir", type=Path, required=True, help="the HF cache, build cache and bundle go here")
     parser.add_argument("--write-only", action="store_true", help="write the checkpoints and stop")
     parser.add_argument("--dry-run", action="store_true", help="write the checkpoints, then only plan the build")
-    parser.add_argument("--json", type=Path)
     options = parser.parse_args()
     work = options.workdir.resolve()
     cache = work / "hf-cache"
@@ -312,8 +312,7 @@ def main() -> None:
             result["target_parts"] = len({p.get("part") for p in packages})
             result["package_bytes"] = {p["path"]: sum(f["size"] for f in p["files"]) for p in packages}
     result["disk"] = {"hf_cache": du(cache), "build_cache": du(work / "cache"), "bundle": du(bundle)}
-    if options.json:
-        options.json.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(options.json, result)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from bench.common import arguments, machine, write_json
 
 GEOMETRY = dict(hidden_size=5120, intermediate_size=17408, vocab_size=248320, num_attention_heads=24,
                 num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
@@ -187,14 +188,13 @@ def compare(directory: Path, tf32: dict, fp32: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--methods", default="affine4-gptq,lut4-gptq")
     parser.add_argument("--layers", default="linear_attention,full_attention")
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workdir", type=Path, help="where the synthetic checkpoint goes (default: a temp dir)")
-    parser.add_argument("--json", type=Path)
     parser.add_argument("--keep-fp16", default="", help="comma-separated weights left unquantized (e.g. lm_head: "
                         "its GPTQ solve holds the whole 248320-row table, ~50 GiB, more than a 24 GB CPU machine)")
     parser.add_argument("--compare-tf32", action="store_true",
@@ -212,7 +212,7 @@ def main() -> None:
         size = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
         print(f"synthetic checkpoint: {options.layers}, {size / 2**30:.2f} GiB bf16, written in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
-        report = {"machine": _machine(options.device), "layers": options.layers.split(","),
+        report = {"machine": machine(options.device), "layers": options.layers.split(","),
                   "checkpoint_gib": round(size / 2**30, 2), "samples": options.samples, "length": options.length,
                   "runs": []}
         weights = {}
@@ -250,8 +250,7 @@ def main() -> None:
         kept = f" (kept fp16: {', '.join(r['kept_fp16'])})" if r["kept_fp16"] else ""
         print(f"{r['method']}: per layer {r['seconds_per_layer']} s, {tables} -> whole 64-layer model "
               f"{r['whole_model_seconds']} s{kept}")
-    if options.json:
-        options.json.write_text(json.dumps(report, indent=1))
+    write_json(options.json, report)
 
 
 def _identical(a, b) -> bool:
@@ -261,11 +260,6 @@ def _identical(a, b) -> bool:
     tensors = [("codes", a.codes, b.codes), *((n, getattr(a, n), getattr(b, n)) for n in GROUP_TENSORS)]
     return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
                for _, x, y in tensors)
-
-
-def _machine(device: str) -> str:
-    name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
-    return f"{name}, torch {torch.__version__}, python {platform.python_version()}"
 
 
 if __name__ == "__main__":

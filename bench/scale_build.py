@@ -20,7 +20,6 @@ time with one format).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -31,7 +30,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.scale import _corpus, _machine, write_checkpoint
+from bench.common import arguments, machine, write_json
+from bench.scale import _corpus, write_checkpoint
 
 STAGE_LINE = re.compile(r"\u2713 (?P<title>.+?) \((?P<seconds>[0-9.]+) s\)\s*$")
 
@@ -136,7 +136,7 @@ def run_build(recipe: Path, output: Path, log: Path, cached: bool = False) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--method", default="affine4")
     parser.add_argument("--max-part-mb", type=float, help="target.max_part_mb (default: the recipe's)")
@@ -145,7 +145,6 @@ def main() -> None:
     parser.add_argument("--greedy", type=int, default=4)
     parser.add_argument("--backends", default="coreml")
     parser.add_argument("--workdir", type=Path, help="where the checkpoint and the bundle go (default: a temp dir)")
-    parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, help="the build's output (default: build.log in the work dir)")
     options = parser.parse_args()
 
@@ -167,7 +166,7 @@ def main() -> None:
         result = run_build(recipe, root / "bundle", log)
         bundle = root / "bundle"
         files = [p for p in bundle.rglob("*") if p.is_file()] if bundle.exists() else []
-        report = {"machine": _machine("cpu"), "memory_gib": round(os.sysconf("SC_PHYS_PAGES") *
+        report = {"machine": machine("cpu"), "memory_gib": round(os.sysconf("SC_PHYS_PAGES") *
                                                                   os.sysconf("SC_PAGE_SIZE") / 2**30, 1),
                   "layers": options.layers, "checkpoint_gib": round(size / 2**30, 2),
                   "checkpoint_seconds": round(written, 1), "method": options.method,
@@ -184,8 +183,7 @@ def main() -> None:
     for s in report["stages"]:
         print(f"  {s['seconds']:8.1f} s  peak {s['peak_rss_gib']:6.2f} GiB (anonymous {s['peak_anon_gib']:6.2f})  "
               f"{s['stage']}")
-    if options.json:
-        options.json.write_text(json.dumps(report, indent=1))
+    write_json(options.json, report)
 
 
 if __name__ == "__main__":

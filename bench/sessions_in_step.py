@@ -13,7 +13,6 @@ target call by weights, and checks every session's outputs against the same call
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import time
@@ -21,9 +20,10 @@ import time
 import torch
 from torch import nn
 
+from bench.common import Sampler, arguments, machine
 from bench.lean_target import codes_layers, ternary
-from bench.part_memory import KINDS, Sampler
-from bench.scale import GEOMETRY, _machine
+from bench.part_memory import KINDS
+from bench.scale import GEOMETRY
 from convert.export.lockstep import StepRecord, in_step
 from convert.export.quantized import CodesLinear
 
@@ -40,13 +40,12 @@ def call_every_matrix(target: nn.Module, width: int, seed: int) -> list[torch.Te
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--layer-types", default="LLLF", help="L (Gated DeltaNet) / F (attention), cycled")
     parser.add_argument("--sessions", default="1,2,4,8")
     parser.add_argument("--widths", default="1,8")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", type=str, default=None)
     a = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     g = GEOMETRY
@@ -85,7 +84,7 @@ def main() -> None:
     head_weights = g["vocab_size"] * g["hidden_size"]
     scale = (64 * layer_weights / a.layers + head_weights) / (layer_weights + head_weights)
     per_call_64 = {key: round(row["seconds_per_call"] * scale, 1) for key, row in results.items()}
-    record = {"machine": _machine("cpu"), "threads": torch.get_num_threads(),
+    record = {"machine": machine("cpu"), "threads": torch.get_num_threads(),
               "layer_types": [k[0].upper() for k in kinds], "layer_weights": layer_weights, "results": results,
               "estimated_call_s_at_64_layers": per_call_64, "identical_to_alone": identical,
               "phases": sampler.phases, "base_gib": round(sampler.base / 2**30, 2)}

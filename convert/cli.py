@@ -104,8 +104,9 @@ def build(recipe: Path, output: Path | None, dry_run: bool, cache_dir: Path | No
     """Build the bundle a recipe describes. Expensive stages are cached: an interrupted build resumes."""
     from convert.cache import BuildCache
     from convert.pipeline.build import build as run_build
-    from convert.pipeline.plan import describe_plan, make_plan
-    from convert.pipeline.plan import dry_run as plan_dry_run
+    from convert.pipeline.plan import make_plan
+    from convert.pipeline.plan_text import describe_plan
+    from convert.pipeline.plan_text import dry_run as plan_dry_run
 
     if dry_run:
         click.echo("\n".join(plan_dry_run(recipe, output, cache_dir)))

@@ -317,28 +317,7 @@ class DeviceArithmetic(TorchDispatchMode):
         return out
 
     def _product(self, packet, func, args, kwargs):
-        bias, alpha, beta = None, 1, 1
-        if packet in (aten.addmm, aten.baddbmm):
-            bias, a, b = args[:3]
-            beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
-            operands, back = (a, b), None
-        elif packet is aten.mv:
-            operands, back = (args[0], args[1][:, None]), lambda out: out[..., 0]
-        elif packet is aten.dot:
-            operands, back = (args[0][None], args[1][:, None]), lambda out: out[0, 0]
-        elif packet is aten.convolution:
-            x, weight, bias = args[:3]
-            if self.device is None or not _fp16(x, weight):
-                return self._torch_product(func, args, kwargs, x)
-            formed = _pointwise_conv(x, weight, *args[3:6], args[6], args[8])
-            if formed is None:
-                raise NotImplementedError(f"device arithmetic: a convolution of weight {list(weight.shape)}, "
-                                          f"groups {args[8]}, is not modelled")
-            *operands, back = formed
-            if bias is not None:
-                bias = bias.reshape(-1, *[1] * (x.dim() - 2)) if packet is aten.convolution else bias
-        else:
-            operands, back = tuple(args[:2]), None
+        operands, back, bias, alpha, beta = self._operands(packet, args, kwargs)
         if self.device is None or not _fp16(*operands):
             return self._torch_product(func, args, kwargs, operands[0])
         if self.peaks is not None:
@@ -355,6 +334,33 @@ class DeviceArithmetic(TorchDispatchMode):
             out = out + (bias if beta == 1 else bias * beta).to(out.dtype)
         return out
 
+    def _operands(self, packet, args, kwargs):
+        """A product op's (matmul operands, what turns the matmul's output back into the op's or None, bias, alpha,
+        beta)."""
+        if packet in (aten.addmm, aten.baddbmm):
+            bias, a, b = args[:3]
+            return (a, b), None, bias, kwargs.get("alpha", 1), kwargs.get("beta", 1)
+        if packet is aten.mv:
+            return (args[0], args[1][:, None]), lambda out: out[..., 0], None, 1, 1
+        if packet is aten.dot:
+            return (args[0][None], args[1][:, None]), lambda out: out[0, 0], None, 1, 1
+        if packet is aten.convolution:
+            return self._convolution_operands(args)
+        return tuple(args[:2]), None, None, 1, 1
+
+    def _convolution_operands(self, args):
+        """A convolution's, as a matmul where the device computes it (a pointwise one); its own where not."""
+        x, weight, bias = args[:3]
+        if self.device is None or not _fp16(x, weight):
+            return (x, weight), None, bias, 1, 1
+        formed = _pointwise_conv(x, weight, *args[3:6], args[6], args[8])
+        if formed is None:
+            raise NotImplementedError(f"device arithmetic: a convolution of weight {list(weight.shape)}, "
+                                      f"groups {args[8]}, is not modelled")
+        *operands, back = formed
+        if bias is not None:
+            bias = bias.reshape(-1, *[1] * (x.dim() - 2))
+        return tuple(operands), back, bias, 1, 1
 
     def _torch_product(self, func, args, kwargs, operand):
         """A product torch computes itself (no device, or not fp16: the range of an fp32 run), its activations

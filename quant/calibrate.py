@@ -30,6 +30,7 @@ import hashlib
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -225,45 +226,57 @@ def capture_hessians(layer: torch.nn.Module, names: tuple[str, ...], x: torch.Te
     read one normed input), they share one Hessian: later samples stop at the first of them, before its matmul, and
     one sum is accumulated instead of one per linear (the same sums). Each of the ``caches`` keeps its last linear's
     inputs in this pass or puts its block's stand-in in (``BlockCache``)."""
-    accumulators, hooks, seen = {}, [], {}
-    shared = False
-
-    def hook(name: str, acc: HessianAccumulator):
-        def add(_module, args):
-            if shared:
-                accumulators[names[0]].add(args[0])
-                raise _Captured
-            acc.add(args[0])
-            seen[name] = args[0]
-            if len(seen) == len(names):
-                raise _Captured
-
-        return add
-
-    for name in names:
-        linear = layer.get_submodule(name)
-        accumulators[name] = HessianAccumulator(linear.in_features, linear.weight.device)
-        hooks.append(linear.register_forward_pre_hook(hook(name, accumulators[name])))
+    capture = _Capture(layer, names)
     try:
         with ExitStack() as stack:
             for cache in caches:
                 stack.enter_context(cache.around(names))
             for i in range(x.shape[0]):
-                seen.clear()
                 for cache in caches:
                     cache.sample = i
-                try:
-                    runner(layer, x[i : i + 1])
-                except _Captured:
-                    pass
+                capture.run(layer, x[i : i + 1], runner)
                 if i == 0 and len(names) > 1:
-                    shared = all(seen[n] is seen[names[0]] for n in names)
+                    capture.shared = all(capture.seen[n] is capture.seen[names[0]] for n in names)
     finally:
-        for h in hooks:
-            h.remove()
-    if shared:
-        accumulators.update({name: accumulators[names[0]] for name in names[1:]})
-    return accumulators
+        capture.remove()
+    return capture.result()
+
+
+class _Capture:
+    """``capture_hessians``' hooks on the linears ``names``: each adds its input to its accumulator (to the first
+    one's alone once ``shared``) and stops the sample once every one has seen its input."""
+
+    def __init__(self, layer: torch.nn.Module, names: tuple[str, ...]):
+        self.names, self.seen, self.shared, self.accumulators, self.hooks = names, {}, False, {}, []
+        for name in names:
+            linear = layer.get_submodule(name)
+            self.accumulators[name] = HessianAccumulator(linear.in_features, linear.weight.device)
+            self.hooks.append(linear.register_forward_pre_hook(partial(self.add, name)))
+
+    def add(self, name: str, _module, args) -> None:
+        if self.shared:
+            self.accumulators[self.names[0]].add(args[0])
+            raise _Captured
+        self.accumulators[name].add(args[0])
+        self.seen[name] = args[0]
+        if len(self.seen) == len(self.names):
+            raise _Captured
+
+    def run(self, layer: torch.nn.Module, sample: torch.Tensor, runner: Callable) -> None:
+        self.seen.clear()
+        try:
+            runner(layer, sample)
+        except _Captured:
+            pass
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+    def result(self) -> dict[str, HessianAccumulator]:
+        if self.shared:
+            self.accumulators.update({name: self.accumulators[self.names[0]] for name in self.names[1:]})
+        return self.accumulators
 
 
 def layer_outputs(layer: torch.nn.Module, x: torch.Tensor, runner: Callable,

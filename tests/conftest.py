@@ -1,13 +1,10 @@
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from checkpoints import write_checkpoint  # noqa: E402
+from tests.helpers.checkpoints import write_checkpoint
 
 
 def pytest_configure(config):

@@ -10,9 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from checkpoints import write_checkpoint
-from dflash2_checkpoints import target_tensors, tiny_config, write_drafter
-from mtp_checkpoints import head_tensors, qwen35_text_config, write_head_only, write_target_with_head
 from rich.console import Console
 
 from convert.commands.inspect import _print_contract
@@ -20,13 +17,17 @@ from convert.export.ane import MASKED, history_mask_row, pointwise, rows_of
 from convert.export.quantized import QuantizedLinear, apply_quantized
 from convert.inputs.sources import load_tensors, read_json
 from convert.models import dflash2, mtp
-from convert.pipeline.drafter import Recording
+from convert.models.dflash2.driver import DFlash2Driver
+from convert.models.mtp.driver import MTPDriver
+from convert.pipeline.drafter_calibration import Recording
 from convert.pipeline.packaging import package_formats
 from convert.runtime.host import HostOwned, ModuleFunctions
-from convert.runtime.speculative import DFlash2Driver, MTPDriver
 from convert.verify import checks, placement
 from convert.weights.quantize import round_to_nearest
 from manifests.schema import HostContract
+from tests.helpers.checkpoints import write_checkpoint
+from tests.helpers.dflash2_checkpoints import target_tensors, tiny_config, write_drafter
+from tests.helpers.mtp_checkpoints import head_tensors, qwen35_text_config, write_head_only, write_target_with_head
 
 RING, MAX_POSITIONS, CONTEXT = 64, 256, 64
 ROOT = Path(__file__).resolve().parents[1]
@@ -259,9 +260,10 @@ def test_the_drafter_stage_borrows_the_targets_head_in_row_parts(tmp_path):
     never quantized as the drafter's own linears; the parts' logits side by side are the whole head's."""
     from dataclasses import replace
 
+    from convert.backends.stored import fingerprint
     from convert.export.ane import even_ranges
-    from convert.export.quantized import CodesLinear, fingerprint
-    from convert.pipeline import drafter
+    from convert.export.quantized import CodesLinear
+    from convert.pipeline import drafter, drafter_memory
     from convert.pipeline.build import shipped_modules
     from convert.pipeline.plan import make_plan
 
@@ -277,8 +279,8 @@ def test_the_drafter_stage_borrows_the_targets_head_in_row_parts(tmp_path):
     split = replace(plan.drafter, head_ranges=ranges)
     whole = drafter.build_modules(plan.drafter, plan.recipe, target, torch.float32)
     parted = drafter.build_modules(split, plan.recipe, target, torch.float32)
-    assert [name for name, _ in drafter.own_linears(parted.core)] == [name for name, _ in
-                                                                      drafter.own_linears(whole.core)]
+    assert [name for name, _ in drafter_memory.own_linears(parted.core)] == [name for name, _ in
+                                                                      drafter_memory.own_linears(whole.core)]
     assert [t.name for t in parted.functions["draft"][1].outputs][:3] == ["logits_0", "logits_1", "logits_2"]
     hidden = torch.randn(1, plan.drafter.args.hidden_size, 1, 7, generator=torch.Generator().manual_seed(2))
     side_by_side = torch.cat([rows_of(pointwise(part, hidden)) for part in parted.core.lm_head.parts], dim=-1)

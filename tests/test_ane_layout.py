@@ -4,7 +4,6 @@
 import numpy as np
 import pytest
 import torch
-from checkpoints import write_checkpoint
 
 from convert.export.ane import rms_norm
 from convert.export.spec import FunctionSpec, TensorSpec
@@ -15,6 +14,7 @@ from convert.models.qwen3.core import RMSNorm
 from convert.runtime.host import HostOwned, ModuleFunctions, TargetDriver, host_owned, table_lookup
 from convert.weights.target import build_modules
 from manifests.schema import HostContract
+from tests.helpers.checkpoints import write_checkpoint
 
 
 def _modules(tmp_path, layout: str, dtype=torch.float32, **variant):
@@ -140,9 +140,8 @@ def test_the_host_writes_leading_rows_whole_buffers_and_commit_inputs():
 def test_hybrid_ane_functions_match_the_stateful_ones(tmp_path):
     """The hybrid target in both layouts through the host (prefill chunks, decodes, verifies kept 3, 0 and all 8 by
     the next call): the same ids, logits within fp32 rounding, and the host's buffers equal to the stateful states."""
-    from qwen3_5_checkpoints import write_checkpoint as write_hybrid
-
     from convert.models import read_args
+    from tests.helpers.qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
     write_hybrid(tmp_path / "ckpt")
     args = read_args(read_json(tmp_path / "ckpt" / "config.json"))
@@ -178,9 +177,8 @@ def test_hybrid_ane_functions_match_the_stateful_ones(tmp_path):
 def test_a_ladder_entry_computes_what_the_full_context_computes(tmp_path, kind):
     """``ladder: [32]`` under context 64: the host calls the 32-row entries while a call's rows fit them (passing the
     buffers' leading rows) and the full ones after; logits and the host's buffers equal the single-context modules'."""
-    from qwen3_5_checkpoints import write_checkpoint as write_hybrid
-
     from convert.models import read_args
+    from tests.helpers.qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
     (write_checkpoint if kind == "dense" else write_hybrid)(tmp_path / "ckpt")
     args = read_args(read_json(tmp_path / "ckpt" / "config.json"))

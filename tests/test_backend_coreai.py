@@ -15,7 +15,7 @@ from torch import nn
 from convert.backends import coreai
 from convert.errors import PackageError
 from convert.export.spec import TensorSpec
-from tests.toymodel import HIDDEN, toy_functions
+from tests.helpers.toymodel import HIDDEN, toy_functions
 
 REPO = Path(__file__).resolve().parents[1]
 # Measured (see convert/backends/coreai.py): fp32 2.9e-6 on logits up to ~11, fp16 0.039 (~5 ulps).
@@ -23,7 +23,7 @@ FP32_LOGITS_BOUND = 1e-5
 FP16_LOGITS_BOUND = 0.08
 BUILD_IN_SUBPROCESS = (
     "import sys; from pathlib import Path; from convert.backends import coreai; "
-    "from tests.toymodel import toy_functions; coreai.package(toy_functions(), Path(sys.argv[1]))"
+    "from tests.helpers.toymodel import toy_functions; coreai.package(toy_functions(), Path(sys.argv[1]))"
 )
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from dflash2_checkpoints import tiny_config as dflash2_config
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from test_inputs import GOOD, assert_refused
@@ -24,6 +23,7 @@ from convert.errors import InputError
 from convert.inputs.sources import MAX_HEADER_BYTES, check_safetensors, weight_files
 from convert.models.dflash2 import DFlash2Args
 from convert.models.mtp import MTPArgs
+from tests.helpers.dflash2_checkpoints import tiny_config as dflash2_config
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -268,7 +268,7 @@ def test_unreadable_config(workdir, text, needle):
 
 @pytest.fixture(scope="module")
 def hybrid_checkpoint(tmp_path_factory) -> Path:
-    from qwen3_5_checkpoints import write_checkpoint as write_hybrid
+    from tests.helpers.qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
     directory = tmp_path_factory.mktemp("hybrid") / "ckpt"
     write_hybrid(directory)

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from manifest_samples import drafter_manifest, target_manifest, write_bundle
 from test_inputs import GOOD
 
 from convert.cli import main
 from manifests.schema import DrafterManifest, Manifest
+from tests.helpers.manifest_samples import drafter_manifest, target_manifest, write_bundle
+from tests.helpers.recipes import gate, recipe, tiny_target
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 LINE_LIMIT = 300  # characters of an error line beside the paths it names
@@ -368,30 +369,17 @@ def test_usage_errors_are_one_line():
 
 # --- a built target bundle -------------------------------------------------------------------------------------------
 
-TARGET = """\
-name: tgt
-target:
-  source: path:{source}
-  graphs: {{prefill: 16, decode: 1, verify: 8}}
-  context: 128
-  taps: [0, 2, 3]
-  gate:  # random weights have near-flat logits: fp16 rounding flips a few argmax ids
-    data: {{samples: 2, length: 48}}
-    greedy_tokens: 8
-    thresholds: {{top1_min: 0.95, greedy_match_min: 0.5}}
-backends: [coreai]
-"""
-
-
 @pytest.fixture(scope="module")
 def target_bundle(tmp_path_factory):
     """A tiny target built the normal way, with the drafter interface (taps): .aimodel, tokenizer, embeddings."""
-    from checkpoints import write_checkpoint
+    from tests.helpers.checkpoints import write_checkpoint
 
     tmp = tmp_path_factory.mktemp("bad-bundles")
     write_checkpoint(tmp / "ckpt", hidden_size=64, num_hidden_layers=4)
-    (tmp / "tgt.yaml").write_text(TARGET.format(source=tmp / "ckpt"))
-    result = run("build", tmp / "tgt.yaml", "--output", tmp / "tgt")
+    # random weights have near-flat logits: fp16 rounding flips a few argmax ids
+    bars = gate(2, 48, greedy_tokens=8, top1_min=0.95, greedy_match_min=0.5)
+    path = recipe(tmp, "tgt", target=tiny_target(tmp / "ckpt", taps=[0, 2, 3], gate=bars), backends=["coreai"])
+    result = run("build", path, "--output", tmp / "tgt")
     assert result.exit_code == 0, result.output
     return tmp / "tgt"
 

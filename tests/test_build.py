@@ -171,7 +171,7 @@ def test_inspect_and_compile(built):
 
 
 def test_tied_head_hashes_the_shared_tensor(tmp_path):
-    from checkpoints import write_checkpoint
+    from tests.helpers.checkpoints import write_checkpoint
 
     write_checkpoint(tmp_path / "tied", tie_word_embeddings=True)
     code, output = build(tmp_path, tmp_path / "tied", "t", "backends: [coreml]\n")

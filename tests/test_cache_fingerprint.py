@@ -3,7 +3,6 @@ a change to the Hadamard rotation or to the Qwen3 layers a hybrid computes with 
 
 import pytest
 import torch
-from qwen3_5_checkpoints import write_checkpoint
 
 from convert import cache
 from convert.inputs.recipe import Graphs, Target
@@ -11,6 +10,7 @@ from convert.inputs.sources import load_tensors, read_json
 from convert.models.qwen3_5 import Qwen35Args
 from convert.pipeline import packaging
 from convert.weights.target import build_modules
+from tests.helpers.qwen3_5_checkpoints import write_checkpoint
 
 
 @pytest.fixture(scope="module")

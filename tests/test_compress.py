@@ -1,6 +1,6 @@
 """Quantized weights into both packages, compressed and bit-exact (convert/export/quantized.py).
 
-``LinearToyCore`` is the toy of tests/toymodel.py with ``nn.Linear`` projections, an MLP and the scatter KV
+``LinearToyCore`` is the toy of tests/helpers/toymodel.py with ``nn.Linear`` projections, an MLP and the scatter KV
 write that both backends convert, sized so that its linears hold 315,392 of its 319,616 parameters. Its linears
 get random ``QuantizedWeight``s: lut4 (groups of 16 rows) for k_proj, up_proj and lm_head, affine4 (groups of
 64 columns) for v_proj, o_proj and down_proj.
@@ -26,11 +26,17 @@ import pytest
 import torch
 from torch import nn
 
-from convert.backends import coreai, coreml
+from convert.backends import coreai, coreml, mlir_bytecode
+from convert.backends.stored import difference
 from convert.errors import PackageError
-from convert.export import quantized as compress
 from convert.export.functions import FunctionModule
-from convert.export.quantized import QuantizedLinear, apply_quantized
+from convert.export.quantized import (
+    QuantizedLinear,
+    apply_quantized,
+    quantized_weights,
+    release_dense_weights,
+    shipped_nbytes,
+)
 from convert.export.spec import FunctionSpec, TensorSpec
 from convert.inputs.recipe import Graphs, Target
 from convert.inputs.sources import load_tensors
@@ -137,8 +143,8 @@ def built(tmp_path_factory):
 
 
 def resource_bytes(asset) -> int:
-    _, sections = coreai._bytecode_sections((asset / "main.mlirb").read_bytes())
-    return sum(len(data) for section, data, _ in sections if section == coreai._RESOURCE)
+    _, sections = mlir_bytecode.bytecode_sections((asset / "main.mlirb").read_bytes())
+    return sum(len(data) for section, data, _ in sections if section == mlir_bytecode.RESOURCE)
 
 
 def test_quantized_linear_computes_with_the_dequantized_weight_bit_for_bit():
@@ -171,7 +177,7 @@ def test_apply_quantized_swaps_a_shared_linear_under_every_name():
     quantized = random_quantized((32, 128), "affine4", seed=3)
     apply_quantized(core, {"b": quantized})
     assert isinstance(core.a, QuantizedLinear) and core.a is core.b
-    assert compress.quantized_weights(core).keys() == {"a"}
+    assert quantized_weights(core).keys() == {"a"}
 
 
 @pytest.mark.parametrize(
@@ -221,7 +227,7 @@ def test_core_ml_ships_codes_at_a_later_equal_lut_entry_as_they_are(tmp_path):
     coreml.package({"main": (core, spec)}, tmp_path / "equal.mlpackage")
     (shipped,) = coreml.compressed_weights(tmp_path / "equal.mlpackage")["main"]
     assert int(shipped.weight.codes[3, 5]) == 9
-    assert compress.difference(quantized, shipped) is None
+    assert difference(quantized, shipped) is None
 
 
 def test_released_dense_weights_change_no_output_and_no_package_byte(built, tmp_path):
@@ -230,7 +236,7 @@ def test_released_dense_weights_change_no_output_and_no_package_byte(built, tmp_
     apply_quantized(core, toy_weights(core))
     x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(3)).half()
     before = core.layers[0].k_proj(x)
-    compress.release_dense_weights(core)
+    release_dense_weights(core)
     layers = [m for m in core.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 11 and all(m.weight.untyped_storage().nbytes() == 2 for m in layers)  # one fp16 zero each
     assert torch.equal(core.layers[0].k_proj(x).view(torch.int16), before.view(torch.int16))
@@ -262,7 +268,7 @@ def test_core_ai_constants_are_the_quantizers_bit_for_bit_in_every_function(buil
 
 def test_quantized_weights_are_stored_once_and_under_0_3x_fp16(built):
     """Against the fp16 bytes of the same weights, which is what the fp16 packages store (measured: see above)."""
-    shipped = compress.shipped_nbytes(built.functions["decode"][0], skip={"key_cache", "value_cache"})
+    shipped = shipped_nbytes(built.functions["decode"][0], skip={"key_cache", "value_cache"})
     fp16 = 2 * sum(p.numel() for p in built.core.parameters())
     q4_coreai = resource_bytes(built.out / "q4.aimodel")
     q4_coreml = (built.out / "q4.mlpackage" / WEIGHT_BIN).stat().st_size

@@ -12,29 +12,24 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from rescaled import mlp_rebalanced, residual_scaled
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from convert.cli import main
+from tests.helpers.recipes import gate, recipe, tiny_target
+from tests.helpers.rescaled import mlp_rebalanced, residual_scaled
 
 pytestmark = pytest.mark.slow
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "stdlib-qwen3"
 HYBRID = FIXTURE.parent / "stdlib-qwen3_5"
 PROMPT = "class Stack:\n    def __init__(self):\n        self."  # no near tie: fp32 top-2 margins >= 0.5
 
-RECIPE = """\
-name: scaled
-target:
-  source: path:{source}
-  graphs: {{prefill: 32, decode: 1, verify: 8}}
-  context: 128
-  layout: {layout}
-  rescale: {rescale}{parts}
-  gate:
-    data: {{samples: 2, length: 64}}
-    greedy_tokens: 8
-backends: [{backends}]
-"""
+
+def tiny_recipe(path: Path, source: Path, layout: str, rescale: bool = True, backends: str = "coreai",
+                parted: bool = False, length: int = 64) -> Path:
+    parts = {"max_part_mb": 8} if parted else {}
+    target = tiny_target(source, graphs={"prefill": 32, "decode": 1, "verify": 8}, layout=layout, rescale=rescale,
+                         **parts, gate=gate(2, length, greedy_tokens=8))
+    return recipe(path, "scaled", target=target, backends=backends.split(", "))
 
 
 def build(tmp: Path, source: Path, layout: str, rescale: bool = True, backends: str = "coreai",
@@ -42,11 +37,9 @@ def build(tmp: Path, source: Path, layout: str, rescale: bool = True, backends: 
     """``parted``: the target ships as parts of at most 8 MB (stateful: the embedding, 3 + 3 + 2 layers, the head; ane:
     4 parts), gated one piece at a time."""
     name = f"{source.name}-{layout}-{'scaled' if rescale else 'raw'}{'-parted' if parted else ''}"
-    recipe = tmp / f"{name}.yaml"
-    recipe.write_text(RECIPE.format(source=source, layout=layout, rescale=str(rescale).lower(), backends=backends,
-                                    parts="\n  max_part_mb: 8" if parted else ""))
+    path = tiny_recipe(tmp / f"{name}.yaml", source, layout, rescale, backends, parted)
     out = tmp / f"{name}-bundle"
-    result = CliRunner().invoke(main, ["build", str(recipe), "--output", str(out)])
+    result = CliRunner().invoke(main, ["build", str(path), "--output", str(out)])
     return result.exit_code, result.output, out
 
 
@@ -152,7 +145,8 @@ def test_the_artifact_check_holds_the_package_to_the_fp32_reference():
     """A package's greedy ids, held against the fp32 reference fed the same ids: its own continuation passes with
     every id compared; one id the reference ranks far below its top fails, naming the step, even where the torch
     modules would have agreed with the package."""
-    from convert.verify.gates import ArtifactResult, artifact_against_reference, load_reference
+    from convert.verify.gates import artifact_against_reference, load_reference
+    from convert.verify.report import ArtifactResult
 
     reference = load_reference(FIXTURE)
     prompt = AutoTokenizer.from_pretrained(str(FIXTURE)).encode(PROMPT)
@@ -208,10 +202,8 @@ def test_without_the_rescale_a_parted_gate_fails_naming_the_tensor(tmp_path, sca
 def test_gate_windows_too_short_for_the_probes_are_refused_before_the_range_stage(tmp_path):
     """A hybrid's probe is four verify blocks after half a window: a 48-token window cannot hold them, and the range
     stage (the first to run the gate's schedule) refuses it by the quantity, exit 2, where it raised an IndexError."""
-    recipe = tmp_path / "short.yaml"
-    recipe.write_text(RECIPE.format(source=HYBRID, layout="stateful", rescale="true", backends="coreai", parts="")
-                      .replace("length: 64", "length: 48"))
-    result = CliRunner().invoke(main, ["build", str(recipe), "--output", str(tmp_path / "out")])
+    path = tiny_recipe(tmp_path / "short.yaml", HYBRID, "stateful", length=48)
+    result = CliRunner().invoke(main, ["build", str(path), "--output", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
     assert "evaluation length 48 is too short for 4 probe block(s) of 8 after a prefill of 24" in result.output
     assert not (tmp_path / "out").exists()

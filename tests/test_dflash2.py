@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dflash2_checkpoints import LAYOUTS, target_tensors, tiny_config, write_drafter
 from safetensors.torch import load_file, save_file
 
 from convert.backends import coreai, coreml
 from convert.errors import InputError
 from convert.models import dflash2 as D
+from tests.helpers.dflash2_checkpoints import LAYOUTS, target_tensors, tiny_config, write_drafter
 
 RING, MAX_POSITIONS, UPDATE, APPEND = 64, 256, 64, 8
 FP32_LOGITS_BOUND = 1e-4

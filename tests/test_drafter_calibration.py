@@ -16,8 +16,9 @@ from convert.cache import BuildCache
 from convert.export.functions import compute_copy
 from convert.export.quantized import CodesLinear, HalfLinear, packaged_from_codes, quantized_weights
 from convert.inputs.recipe import DrafterQuantization
-from convert.pipeline import drafter, drafter_build
+from convert.pipeline import drafter, drafter_accept, drafter_build, drafter_calibration, drafter_memory
 from convert.pipeline.build import shipped_modules
+from convert.pipeline.drafter_calibration import calibration_hessians
 from convert.pipeline.packaging import weights_digest
 from convert.pipeline.partition import held_target_bytes
 from convert.pipeline.plan import make_plan
@@ -44,13 +45,13 @@ def pair(tmp_path_factory):
 
 def _hessians(pair, monkeypatch, budget: int) -> list[dict[str, torch.Tensor]]:
     target32, modules, prompts, anchors = pair
-    monkeypatch.setattr(drafter, "HESSIAN_GROUP_BYTES", budget)
-    return list(drafter.calibration_hessians("dflash2", target32, compute_copy(modules, torch.float32), prompts, 12,
+    monkeypatch.setattr(drafter_memory, "HESSIAN_GROUP_BYTES", budget)
+    return list(calibration_hessians("dflash2", target32, compute_copy(modules, torch.float32), prompts, 12,
                                              anchors))
 
 
 def test_hessians_taken_a_linear_at_a_time_by_replay_equal_one_pass_bit_for_bit(pair, monkeypatch):
-    linears = [name for name, _ in drafter.own_linears(pair[1].core)]
+    linears = [name for name, _ in drafter_memory.own_linears(pair[1].core)]
     one_pass = _hessians(pair, monkeypatch, 1 << 40)
     replayed = _hessians(pair, monkeypatch, 1)  # every linear a group of its own: all but the first replayed
     assert len(one_pass) == 1 and len(replayed) == len(linears) > 10
@@ -61,16 +62,16 @@ def test_hessians_taken_a_linear_at_a_time_by_replay_equal_one_pass_bit_for_bit(
 
 def test_hessian_groups_stay_within_the_budget_and_a_larger_linear_is_alone(pair):
     core = pair[1].core
-    sizes = {name: 4 * module.in_features**2 for name, module in drafter.own_linears(core)}
+    sizes = {name: 4 * module.in_features**2 for name, module in drafter_memory.own_linears(core)}
     budget = 2 * max(sizes.values()) - 1  # two of the largest do not fit together
-    groups = drafter.hessian_groups(core, budget)
+    groups = drafter_memory.hessian_groups(core, budget)
     widest = [name for name, size in sizes.items() if size == max(sizes.values())]
     in_order = [name for name in sizes if name not in widest] + widest  # the widest last, the rest in module order
     assert 0 < len(widest) < len(sizes) and list(sizes)[-1] not in widest
     assert [name for group in groups for name in group] == in_order
     assert all(sum(sizes[n] for n in group) <= budget for group in groups)
-    assert drafter.hessian_groups(core, 1) == [[name] for name in in_order]
-    assert len(drafter.hessian_groups(core)) == 1  # the fixture's Hessians fit the default budget at once
+    assert drafter_memory.hessian_groups(core, 1) == [[name] for name in in_order]
+    assert len(drafter_memory.hessian_groups(core)) == 1  # the fixture's Hessians fit the default budget at once
 
 
 def test_the_last_groups_hessians_come_after_the_replays_compute_copy_is_let_go(pair, monkeypatch):
@@ -80,12 +81,12 @@ def test_the_last_groups_hessians_come_after_the_replays_compute_copy_is_let_go(
     import weakref
 
     target32, modules, prompts, anchors = pair
-    monkeypatch.setattr(drafter, "HESSIAN_GROUP_BYTES", 1)
+    monkeypatch.setattr(drafter_memory, "HESSIAN_GROUP_BYTES", 1)
     copy32 = compute_copy(modules, torch.float32, share_weights=True)
     alive = weakref.ref(copy32.core)
-    groups = drafter.calibration_hessians("dflash2", target32, copy32, prompts, 8, anchors)
+    groups = calibration_hessians("dflash2", target32, copy32, prompts, 8, anchors)
     del copy32
-    count = len(drafter.hessian_groups(modules.core, 1))
+    count = len(drafter_memory.hessian_groups(modules.core, 1))
     for index, _ in enumerate(groups):
         gc.collect()
         assert (alive() is None) == (index == count - 1), index
@@ -94,8 +95,8 @@ def test_the_last_groups_hessians_come_after_the_replays_compute_copy_is_let_go(
 def _recorded_run(pair, modules, outputs: bool = True) -> list:
     target32, _, prompts, anchors = pair
     target, driver = drafter.drivers("dflash2", target32, modules, anchors)
-    driver.functions = drafter.Recording(driver.functions, outputs)
-    speculative.speculate("dflash2", target, driver, prompts[0], 12)
+    driver.functions = drafter_calibration.Recording(driver.functions, outputs)
+    speculative.speculate(target, driver, prompts[0], 12)
     return driver.functions.calls
 
 
@@ -111,8 +112,8 @@ def test_a_calibrations_recording_keeps_the_inputs_and_not_the_outputs(pair):
 def test_a_weight_sharing_compute_copy_holds_no_second_weight_and_computes_the_copys_outputs(pair):
     modules = pair[1]
     shared = compute_copy(modules, torch.float32, share_weights=True)
-    originals = dict(drafter.own_linears(modules.core))
-    linears = drafter.own_linears(shared.core)
+    originals = dict(drafter_memory.own_linears(modules.core))
+    linears = drafter_memory.own_linears(shared.core)
     assert [name for name, _ in linears] == list(originals) and all(
         isinstance(m, HalfLinear) and m.weight.dtype == torch.float16
         and m.weight.data_ptr() == originals[name].weight.data_ptr() for name, m in linears)
@@ -128,8 +129,8 @@ def test_a_weight_sharing_compute_copy_holds_no_second_weight_and_computes_the_c
 def test_a_quantized_drafter_runs_from_its_codes_as_its_packaged_layers_do(pair):
     target32, modules, _, _ = pair
     lean = copy.deepcopy(modules)
-    record = drafter.quantize(lean, DrafterQuantization(method="lut4"))
-    own = [name for name, _ in drafter.own_linears(modules.core)]
+    record = drafter_calibration.quantize(lean, DrafterQuantization(method="lut4"))
+    own = [name for name, _ in drafter_memory.own_linears(modules.core)]
     codes = {name: m for name, m in lean.core.named_modules() if isinstance(m, CodesLinear)}
     assert list(codes) == own and 4.0 < record["bits_per_weight"] < 16.0
     assert sum(m.words.nbytes for m in codes.values()) * 2 == sum(m.shape[0] * m.shape[1] for m in codes.values())
@@ -174,12 +175,12 @@ def test_a_linear_that_saw_no_calibration_input_is_refused_by_name(pair):
     from convert.errors import InputError
 
     lean = copy.deepcopy(pair[1])
-    linears = drafter.own_linears(lean.core)
+    linears = drafter_memory.own_linears(lean.core)
     hessians = [{name: torch.eye(m.in_features) for name, m in linears[:3]},
                 {name: torch.eye(m.in_features) for name, m in linears[4:]}]
     with pytest.raises(InputError, match=rf"drafter.quantization.calibration: linear {linears[3][0]} saw no "
                        "calibration input"):
-        drafter.quantize(lean, DrafterQuantization(method="lut4-gptq"), iter(hessians))
+        drafter_calibration.quantize(lean, DrafterQuantization(method="lut4-gptq"), iter(hessians))
 
 
 @pytest.mark.parametrize("method", ["none", "affine4"])
@@ -213,18 +214,18 @@ def test_prompts_run_in_sessions_give_the_runs_and_hessians_of_one_prompt_at_a_t
     prompts = [*prompts, prompts[0][5:29]]
     target = compute_copy(target32, torch.float32, share_weights=True)
     drafter32 = compute_copy(modules, torch.float32, share_weights=True)
-    one = drafter.greedy_references(target, prompts, 10)
-    two = drafter.greedy_references(target, prompts, 10, sessions=2)
+    one = drafter_accept.greedy_references(target, prompts, 10)
+    two = drafter_accept.greedy_references(target, prompts, 10, sessions=2)
     assert [ids for ids, _ in one] == [ids for ids, _ in two]
     assert all(np.array_equal(a, b) for (_, la), (_, lb) in zip(one, two, strict=True)
                for a, b in zip(la, lb, strict=True))
-    stats1, runs1 = drafter.accept("dflash2", target, drafter32, prompts, 10, anchors, one)
-    stats2, runs2 = drafter.accept("dflash2", target, drafter32, prompts, 10, anchors, one, sessions=2)
+    stats1, runs1 = drafter_accept.accept("dflash2", target, drafter32, prompts, 10, anchors, one)
+    stats2, runs2 = drafter_accept.accept("dflash2", target, drafter32, prompts, 10, anchors, one, sessions=2)
     assert stats1 == stats2 and stats1["rounds"] >= 6
     assert [(r.output, r.rounds) for r in runs1] == [(r.output, r.rounds) for r in runs2]
-    monkeypatch.setattr(drafter, "HESSIAN_GROUP_BYTES", 1 << 40)  # one group: taken live in one session
-    live = list(drafter.calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors))
-    replayed = list(drafter.calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors, sessions=2))
+    monkeypatch.setattr(drafter_memory, "HESSIAN_GROUP_BYTES", 1 << 40)  # one group: taken live in one session
+    live = list(calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors))
+    replayed = list(calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors, sessions=2))
     assert len(live) == len(replayed) == 1 and list(live[0]) == list(replayed[0])
     assert all(torch.equal(live[0][name], replayed[0][name]) for name in live[0])
 
@@ -237,23 +238,23 @@ def test_a_calibration_stopped_part_way_runs_only_the_prompts_its_journal_lacks(
     prompts = [*prompts, prompts[0][5:29]]
     target = compute_copy(target32, torch.float32, share_weights=True)
     drafter32 = compute_copy(modules, torch.float32, share_weights=True)
-    want = list(drafter.calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors, sessions=2))
+    want = list(calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors, sessions=2))
     journal = drafter.PromptJournal(BuildCache(tmp_path / "cache"), "calibration of this test")
     speculate, ran = speculative.speculate, []
 
-    def counted(kind, target_driver, drafter_driver, prompt, tokens, stop_at=None):
+    def counted(target_driver, drafter_driver, prompt, tokens, stop_at=None):
         if prompt == stop_at:
             raise RuntimeError("stopped")
         ran.append(prompt)
-        return speculate(kind, target_driver, drafter_driver, prompt, tokens)
+        return speculate(target_driver, drafter_driver, prompt, tokens)
 
     monkeypatch.setattr(speculative, "speculate", lambda *a: counted(*a, stop_at=prompts[2]))
     with pytest.raises(RuntimeError, match="stopped"):
-        drafter.calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors, sessions=2, journal=journal)
+        calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors, sessions=2, journal=journal)
     assert sorted(ran) == sorted(prompts[:2])
     ran.clear()
     monkeypatch.setattr(speculative, "speculate", counted)
-    got = list(drafter.calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors, sessions=2,
+    got = list(calibration_hessians("dflash2", target, drafter32, prompts, 10, anchors, sessions=2,
                                             journal=journal))
     assert ran == [prompts[2]]
     assert [list(g) for g in got] == [list(w) for w in want]
@@ -275,8 +276,8 @@ def test_a_drafter_gptqd_once_is_restored_from_the_build_cache_without_calibrati
     def refused(*_args, **_kwargs):
         raise AssertionError("calibrated or quantized again")
 
-    monkeypatch.setattr(drafter, "calibration_hessians", refused)
-    monkeypatch.setattr(drafter, "gptq_quantize", refused)
+    monkeypatch.setattr(drafter_calibration, "calibration_hessians", refused)
+    monkeypatch.setattr(drafter_calibration, "gptq_quantize", refused)
     again, fp16, restored = drafter_build.shipped_drafter(plan, target, compute_copy(target, torch.float32), keys=keys)
     assert restored == record and record["layers"]
     assert weights_digest(again) == weights_digest(first)  # every code, table and other parameter
@@ -295,10 +296,10 @@ def test_the_ab_reference_is_the_fp16_drafter_loaded_again_not_held_through_quan
     before = drafter.build_modules(plan.drafter, plan.recipe, target, torch.float16)
     modules, fp16, record = drafter_build.shipped_drafter(plan, target, compute_copy(target, torch.float32))
     assert record["method"] == "lut4"
-    own = drafter.own_linears(fp16.core)
-    assert [n for n, _ in own] == [n for n, _ in drafter.own_linears(before.core)]
+    own = drafter_memory.own_linears(fp16.core)
+    assert [n for n, _ in own] == [n for n, _ in drafter_memory.own_linears(before.core)]
     assert all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float16 for _, m in own)
-    assert all(torch.equal(m.weight, dict(drafter.own_linears(before.core))[n].weight) for n, m in own)
+    assert all(torch.equal(m.weight, dict(drafter_memory.own_linears(before.core))[n].weight) for n, m in own)
     quantized = {t.untyped_storage().data_ptr() for m in modules.core.modules() if isinstance(m, CodesLinear)
                  for t in m.buffers()}
     assert not quantized & {t.untyped_storage().data_ptr() for t in fp16.core.parameters()}
@@ -336,7 +337,7 @@ def test_the_drafter_stages_prompts_run_on_states_of_the_positions_they_reach(tm
 
     modules = drafter.build_modules(plan.drafter, plan.recipe, target, torch.float16)
     drafter32, anchors = compute_copy(modules, torch.float32, share_weights=True), drafter.anchor_table(target)
-    costs = {name: drafter.economics("dflash2", target, copy, modules, drafter32, prompt, 64, anchors, 3.0)
+    costs = {name: drafter_accept.economics("dflash2", target, copy, modules, drafter32, prompt, 64, anchors, 3.0)
              for name, copy in (("staged", staged), ("whole", whole))}
     assert costs["staged"] == costs["whole"]
     if layout == "ane":  # every call of the run is within 256 positions: the host passes the 256 entry its rows

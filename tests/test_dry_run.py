@@ -15,9 +15,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 from huggingface_hub.utils import SafetensorsFileMetadata, TensorInfo
-from prism_packs import write_pack
 
 from convert.cli import main
+from tests.helpers.prism_packs import write_pack
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-from qwen3_5_checkpoints import write_small_target
 
 from convert.export.functions import compute_copy
 from convert.export.quantized import apply_quantized, shipped_nbytes
@@ -23,6 +22,7 @@ from convert.runtime.economics import (
 from convert.runtime.host import TargetDriver
 from convert.weights.quantize import round_to_nearest
 from convert.weights.target import build_modules
+from tests.helpers.qwen3_5_checkpoints import write_small_target
 
 STATE_BYTES = {"float16": 2, "float32": 4}
 

@@ -27,12 +27,25 @@ import torch
 from coremltools.converters.mil.mil import types as mil_types
 from torch import nn
 
-from convert.backends import coreai, coreml
+from convert.backends import coreai, coreml, mlir_bytecode
+from convert.backends.stored import difference, fingerprint
 from convert.errors import PackageError
-from convert.export import quantized as compress
 from convert.export.functions import FunctionModule
 from convert.export.hadamard import SignedHadamard
-from convert.export.quantized import CodesLinear, HalfLinear, QuantizedEmbedding, QuantizedLinear, apply_quantized
+from convert.export.quantized import (
+    CodesLinear,
+    HalfLinear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    RowParts,
+    apply_quantized,
+    embedding_rows,
+    exact2_parameters,
+    exact2_tables,
+    packaged_from_codes,
+    row_blocks,
+    shipped_nbytes,
+)
 from convert.export.spec import FunctionSpec, TensorSpec
 from convert.verify import checks
 from quant.types import QuantizedWeight, Rotation
@@ -120,17 +133,17 @@ def test_dequantize_is_one_rounding_of_scale_times_code_minus_zero_point():
 
 def test_tables_hold_each_codes_weight_and_give_back_scale_and_zero_point():
     quantized = seeded_exact2((16, 3 * GROUP), 5, varied_zero_points=True)
-    tables = compress.exact2_tables(quantized.scale, quantized.zero_point)
+    tables = exact2_tables(quantized.scale, quantized.zero_point)
     assert tables.shape == (16, 3, 4)
     for code in range(4):  # entry k is the weight of a code k, bit for bit
         constant = replace(quantized, codes=torch.full_like(quantized.codes, code))
         assert torch.equal(as_bits(tables[:, :, code].repeat_interleave(GROUP, 1)), as_bits(constant.dequantize()))
-    scale, zero_point = compress.exact2_parameters(tables)
+    scale, zero_point = exact2_parameters(tables)
     assert torch.equal(as_bits(scale), as_bits(quantized.scale)) and torch.equal(zero_point, quantized.zero_point)
     nudged = tables.clone()
     nudged.view(torch.int16)[3, 1, (int(zero_point[3, 1]) + 2) % 4] += 1  # one ulp off, not the zero entry
-    assert compress.exact2_parameters(nudged) is None  # not scale * (k - z) for any scale
-    assert compress.exact2_parameters(tables * 0) is None  # no single zero entry
+    assert exact2_parameters(nudged) is None  # not scale * (k - z) for any scale
+    assert exact2_parameters(tables * 0) is None  # no single zero entry
 
 
 def test_layers_compute_with_the_dequantized_weight_bit_for_bit():
@@ -144,7 +157,7 @@ def test_layers_compute_with_the_dequantized_weight_bit_for_bit():
     assert torch.equal(layer(x), nn.functional.linear(x, dense, bias))
     shipped = layer.quantized_weight()
     assert shipped.method == "exact2" and shipped.codes is layer.packed.quantized_data
-    assert compress.fingerprint(shipped) == compress.fingerprint(quantized)
+    assert fingerprint(shipped) == fingerprint(quantized)
     groups = INNER * HIDDEN // GROUP
     assert layer.shipped_nbytes() == INNER * HIDDEN // 4 + 2 * groups + groups // 4 + 2 * INNER
     table = QuantizedEmbedding("embed", quantized)
@@ -161,14 +174,14 @@ def test_packages_read_back_codes_scales_and_dense_weights_bit_for_bit_in_every_
         by_fingerprint = {s.fingerprint: s for s in found}
         assert len(found) == 3
         for expected in built.weights.values():
-            stored = by_fingerprint[compress.fingerprint(expected)]
+            stored = by_fingerprint[fingerprint(expected)]
             weight = stored.weight
             assert (weight.method, weight.group_size, weight.shape) == ("exact2", GROUP, expected.shape)
             assert torch.equal(weight.codes, expected.codes)
             assert torch.equal(as_bits(weight.scale), as_bits(expected.scale))
             assert torch.equal(weight.zero_point, expected.zero_point)
             assert torch.equal(as_bits(torch.from_numpy(stored.dense)), as_bits(expected.dequantize()))
-            assert compress.difference(expected, stored) is None
+            assert difference(expected, stored) is None
     result = checks.quantized_constants(name, built.paths[name], built.weights)
     assert result == {"quantized_weights_compared": 6, "quantized_bit_exact": True}
 
@@ -200,10 +213,10 @@ def test_packages_take_at_most_0_2x_the_fp16_bytes_and_store_the_weights_once_at
     fp16 = 2 * sum(p.numel() for p in built.core.parameters())
     whole = {name: sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) for name, path in built.paths.items()}
     assert fp16 == 279_040 and all(size <= FP16_SHARE_BOUND * fp16 for size in whole.values()), whole
-    _, sections = coreai._bytecode_sections((built.paths["coreai"] / "main.mlirb").read_bytes())
-    weights = {"coreai": sum(len(data) for section, data, _ in sections if section == coreai._RESOURCE),
+    _, sections = mlir_bytecode.bytecode_sections((built.paths["coreai"] / "main.mlirb").read_bytes())
+    weights = {"coreai": sum(len(data) for section, data, _ in sections if section == mlir_bytecode.RESOURCE),
                "coreml": (built.paths["coreml"] / WEIGHT_BIN).stat().st_size}
-    shipped = compress.shipped_nbytes(built.functions["one"][0], skip=set())  # codes at 2 bits, for one function
+    shipped = shipped_nbytes(built.functions["one"][0], skip=set())  # codes at 2 bits, for one function
     assert all(size < 1.02 * shipped for size in weights.values()), (weights, shipped)
 
 
@@ -328,17 +341,17 @@ def test_a_codes_linears_row_parts_are_views_computing_its_rows_bit_for_bit(meth
     quantized = _seeded_codes(method, rows, columns, generator)
     lean = CodesLinear("lm_head", quantized)
     ranges = [(0, 400), (400, 800), (800, 1024)]
-    parts = compress.RowParts.split(lean, ranges)
+    parts = RowParts.split(lean, ranges)
     assert all(part.words.untyped_storage().data_ptr() == lean.words.untyped_storage().data_ptr()
                for part in parts.parts)
     x = torch.randn(1, 8, columns, generator=generator)
     assert torch.equal(parts(x), lean(x))
     holder = nn.Module()
     holder.lm_head = parts
-    compress.packaged_from_codes(holder)
+    packaged_from_codes(holder)
     for (lo, hi), part in zip(ranges, holder.lm_head.parts, strict=True):
         assert type(part) is QuantizedLinear and part.name == f"lm_head[{lo}:{hi}]"
-        assert compress.fingerprint(part.quantized_weight()) == compress.fingerprint(quantized.rows(lo, hi))
+        assert fingerprint(part.quantized_weight()) == fingerprint(quantized.rows(lo, hi))
     if method == "lut4":
         with pytest.raises(ValueError, match="lut4 rows 8..400 split a table of 16 rows"):
             lean.rows(8, 400)
@@ -353,7 +366,7 @@ def test_a_half_linear_computes_the_fp32_linears_outputs_bit_for_bit():
     lean = HalfLinear(weight, bias)
     dense = nn.Linear(columns, rows)
     dense.weight.data, dense.bias.data = weight.float(), bias.data
-    assert len(compress.row_blocks(rows, columns)) == 5
+    assert len(row_blocks(rows, columns)) == 5
     for width in (1, 8, 64):
         x = torch.randn(1, width, columns, generator=generator)
         assert torch.equal(lean(x), dense(x)), width
@@ -364,8 +377,8 @@ def test_a_codes_tables_rows_are_the_quantized_tables_rows_after_their_rotation(
     # embedding_rows: each row S H W' computed in fp32 and rounded once, from the codes or from the dense table
     quantized = replace(seeded_exact2((4096, HIDDEN), 13), rotation=Rotation(
         torch.where(torch.rand(HIDDEN, generator=torch.Generator().manual_seed(14)) < 0.5, -1.0, 1.0), 128))
-    from_codes = compress.embedding_rows(CodesLinear("embed", quantized, embedding=True))
-    from_table = compress.embedding_rows(QuantizedEmbedding("embed", quantized))
+    from_codes = embedding_rows(CodesLinear("embed", quantized, embedding=True))
+    from_table = embedding_rows(QuantizedEmbedding("embed", quantized))
     assert torch.equal(as_bits(from_codes), as_bits(from_table))
     stored = quantized.dequantize()
     rotated = SignedHadamard(quantized.rotation.signs, 128, inverse=True)(stored[:3].float()).half()

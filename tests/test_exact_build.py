@@ -1,5 +1,5 @@
-"""``target.quantization.method: exact`` end to end on a tiny Ternary Bonsai 2 pack (tests/prism_packs.py writes it
-from the published layout, with its unfolded Hugging Face checkpoint): both formats ship the pack's own 2-bit codes
+"""``target.quantization.method: exact`` end to end on a tiny Ternary Bonsai 2 pack (tests/helpers/prism_packs.py writes
+it from the published layout, with its unfolded Hugging Face checkpoint): both formats ship the pack's own 2-bit codes
 and scales with the Hadamard rotation in the graph; the gate against stock transformers on the unfolded weights is at
 fp32 rounding level; ``generate`` gives transformers' greedy ids on the torch modules and the Core AI runtime; a
 pack whose dense tensors are fp32 ships its norms and decay gate in fp32 and passes its gate; a malformed pack exits 2
@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from prism_packs import edit_json, edit_tensors, write_pack
 
-from convert.backends import coreai, coreml
+from convert.backends import coreai, coreml, mlir_bytecode
 from convert.cli import main
 from convert.verify import gates
+from tests.helpers.prism_packs import edit_json, edit_tensors, write_pack
+from tests.helpers.recipes import gate, tiny_dflash2, tiny_target
+from tests.helpers.recipes import recipe as write_recipe
 
 NEW_TOKENS = 8
 MIN_GAP = 0.1  # the prompt's greedy steps have no near tie: the two best logits at least this far apart
@@ -214,7 +216,7 @@ def _coreai_constants(path: Path) -> dict[str, list[np.ndarray]]:
     from convert.errors import PackageError
 
     module = coreai._mlir_module(coreai.AIModelAsset.load(path).program)
-    blobs = coreai._resource_blobs((path / "main.mlirb").read_bytes())
+    blobs = mlir_bytecode.resource_blobs((path / "main.mlirb").read_bytes())
     found, decoded = {}, {}
     with module.context:
         for graph in module.body.operations:
@@ -341,7 +343,7 @@ def test_a_drafter_reads_the_rotated_tables_embedding_rows_not_its_stored_rows(w
     from convert.pipeline.build import shipped_modules
     from convert.pipeline.drafter import anchor_table
     from convert.pipeline.plan import make_plan
-    from convert.pipeline.record import _write_drafter_interface
+    from convert.pipeline.record import write_drafter_interface as _write_drafter_interface
 
     (tmp_path / "r.yaml").write_text(RECIPE.replace("source: path:pack", f"source: path:{written / 'pack'}"))
     plan = make_plan(tmp_path / "r.yaml", cache_root=tmp_path / "cache")
@@ -367,28 +369,14 @@ def test_a_drafter_reads_the_rotated_tables_embedding_rows_not_its_stored_rows(w
     assert torch.equal(load_file(tmp_path / "embeddings.safetensors")["weight"], rows)
 
 
-PAIR_RECIPE = """name: tiny-bonsai-pair
-target:
-  source: path:{pack}
-  graphs: {{prefill: 16, decode: 1, verify: 8}}
-  context: 128
-  taps: [0, 1]
-  quantization: {{method: exact}}
-  gate:
-    data: {{samples: 4, length: 64}}
-    greedy_tokens: 4
-drafter:
-  kind: dflash2
-  source: path:{drafter}
-  context_update: 16
-  ring: 64
-  mask_scale: 0.7
-  quantization:
-    method: lut4-gptq
-    calibration: {{samples: 2, length: 24, tokens: 16}}
-  accept: {{samples: 2, length: 24, tokens: 16}}
-backends: [coreai, coreml]
-"""
+def pair_recipe(path: Path, pack: Path, drafter: Path, **target_fields) -> Path:
+    """The Bonsai release pair's shape at a tiny size: the exact pack's target, a DFlash2 drafter quantized
+    lut4-gptq, both formats."""
+    target = tiny_target(pack, taps=[0, 1], quantization={"method": "exact"}, gate=gate(4, 64, greedy_tokens=4),
+                         **target_fields)
+    calibrated = {"method": "lut4-gptq", "calibration": {"samples": 2, "length": 24, "tokens": 16}}
+    return write_recipe(path, "tiny-bonsai-pair", target=target, backends=["coreai", "coreml"],
+                        drafter=tiny_dflash2(drafter, mask_scale=0.7, quantization=calibrated))
 
 
 @pytest.mark.heavy  # minutes on 2 cores: `make test-heavy` (the suite's 15-minute budget, docs/development.md)
@@ -397,19 +385,17 @@ def test_the_release_pairs_shape_builds_on_a_tiny_pack(written, tmp_path, monkey
     quantized lut4-gptq, both formats. The build exits 0 (the lossless acceptance and the pair check inside it; the
     drafter stage on the target's packed codes, its package borrowing the head from them), ``check-pair`` passes, and
     the drafter binds to the target's embedding rows as its lookups return them (the rotated table's)."""
-    from dflash2_checkpoints import tiny_config, write_drafter
     from safetensors.torch import load_file
 
     from convert.pipeline import build, drafter_build
     from convert.pipeline.drafter_build import build_drafter, package_formats
     from manifests import identity
+    from tests.helpers.dflash2_checkpoints import tiny_config, write_drafter
 
     draft = {"target_layer_ids": [0, 1], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
              "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
     write_drafter(tmp_path / "drafter", config=tiny_config(hidden_size=128, vocab_size=320, dflash_config=draft))
-    recipe = tmp_path / "pair.yaml"
-    recipe.write_text(PAIR_RECIPE.format(pack=written / "pack", drafter=tmp_path / "drafter").replace(
-        "  context: 128\n", "  context: 128\n  max_part_mb: 0.06\n"))
+    recipe = pair_recipe(tmp_path / "pair.yaml", written / "pack", tmp_path / "drafter", max_part_mb=0.06)
     # a tiny pack's packages are mostly their fixed overhead (0.2 MB each), over any limit that parts its 118 KB of
     # weights: the size check is not what this test is about
     monkeypatch.setattr(build, "_check_part_size", lambda entry, max_part_mb: None)
@@ -458,20 +444,19 @@ def test_a_lean_target_gives_the_drafter_stage_the_dense_targets_results(written
     quantized linear a ``CodesLinear``): the quantized drafter, its acceptance and A/B, the bytes each call reads and
     the calls its package check replays are the dense target's, bit for bit, and the lean target holds its quantized
     weights at their shipped bits (2 a weight and the scales here), the fp32 compute copy sharing them."""
-    from dflash2_checkpoints import tiny_config, write_drafter
-
     from convert.export.functions import compute_copy
     from convert.export.quantized import CodesLinear, packaged_from_codes, quantized_weights
     from convert.models.part import Part
-    from convert.pipeline import drafter, drafter_build
+    from convert.pipeline import drafter, drafter_build, drafter_calibration
     from convert.pipeline.build import exact_result, shipped_modules
     from convert.pipeline.plan import make_plan
     from convert.weights.shipped import PartLoader
+    from tests.helpers.dflash2_checkpoints import tiny_config, write_drafter
 
     draft = {"target_layer_ids": [0, 1], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
              "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
     write_drafter(tmp_path / "drafter", config=tiny_config(hidden_size=128, vocab_size=320, dflash_config=draft))
-    (tmp_path / "pair.yaml").write_text(PAIR_RECIPE.format(pack=written / "pack", drafter=tmp_path / "drafter"))
+    pair_recipe(tmp_path / "pair.yaml", written / "pack", tmp_path / "drafter")
     plan = make_plan(tmp_path / "pair.yaml", cache_root=tmp_path / "cache")
     dense, _ = shipped_modules(plan)
     lean = PartLoader(plan, exact_result(plan)).load([Part.whole(plan.args)], lean=True)[0]
@@ -496,7 +481,7 @@ def test_a_lean_target_gives_the_drafter_stage_the_dense_targets_results(written
         acceptance, ab = drafter_build.measure_held_out(plan, target, target32, modules, fp16,
                                                         drafter_build.held_out_prompts(plan))
         prompt = drafter_build.held_out_prompts(plan)[0][0][:24]
-        calls = drafter.recorded_calls("dflash2", target, modules, prompt, 4, drafter.anchor_table(target))
+        calls = drafter_calibration.recorded_calls("dflash2", target, modules, prompt, 4, drafter.anchor_table(target))
         packaged_from_codes(modules.core)
         results.append((modules, record, acceptance, ab, calls))
     assert layers_in_gptq == [0] and len(lean.core.layers) == len(dense.core.layers) == 2
@@ -523,7 +508,7 @@ def _residual_scaled_pack(root: Path, out: Path, factor: float) -> Path:
     does to a dense checkpoint; the unfolded twin scaled the same way beside it (the reference of the ids)."""
     import shutil
 
-    from rescaled import RESIDUAL_WRITERS, residual_scaled
+    from tests.helpers.rescaled import RESIDUAL_WRITERS, residual_scaled
 
     shutil.copytree(root / "pack", out / "pack")
     writers = tuple(w.removesuffix(".weight") + ".scales" for w in RESIDUAL_WRITERS) + ("embed_tokens.scales",)

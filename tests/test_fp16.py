@@ -9,11 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from checkpoints import write_checkpoint
-from dflash2_checkpoints import tiny_config as drafter_config
-from dflash2_checkpoints import write_drafter
-from mtp_checkpoints import write_target_with_head
-from qwen3_5_checkpoints import write_checkpoint as write_hybrid
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -24,12 +19,17 @@ from convert.fp16 import device_arithmetic, matmul, true_fp16
 from convert.inputs.recipe import Graphs, Target
 from convert.inputs.sources import load_tensors, read_json
 from convert.models.qwen3 import Qwen3Args
-from convert.pipeline import drafter, drafter_build
+from convert.pipeline import drafter, drafter_build, drafter_calibration
 from convert.pipeline.build import shipped_modules
 from convert.pipeline.plan import make_plan
 from convert.runtime.host import ModuleFunctions
 from convert.verify import checks, gates
 from convert.weights.target import build_modules
+from tests.helpers.checkpoints import write_checkpoint
+from tests.helpers.dflash2_checkpoints import tiny_config as drafter_config
+from tests.helpers.dflash2_checkpoints import write_drafter
+from tests.helpers.mtp_checkpoints import write_target_with_head
+from tests.helpers.qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -262,7 +262,7 @@ def test_drafters_in_true_fp16_are_within_the_checks_bounds(tmp_path, kind):
     target32 = compute_copy(target, torch.float32)
     modules, _, _ = drafter_build.shipped_drafter(plan, target, target32)
     prompt = drafter_build.held_out_prompts(plan)[0][0][:drafter_build.CHECK_PROMPT_TOKENS]
-    calls = drafter.recorded_calls(kind, target32, compute_copy(modules, torch.float32), prompt,
+    calls = drafter_calibration.recorded_calls(kind, target32, compute_copy(modules, torch.float32), prompt,
                                    drafter_build.CHECK_GENERATED, drafter.anchor_table(target32))
     stats = checks.replay_coreai(_computing(modules, true_fp16, returned=("logits",)), calls)
     assert stats["ids_compared"] >= 20

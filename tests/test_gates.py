@@ -18,6 +18,7 @@ from convert.inputs.recipe import Graphs, Target
 from convert.inputs.sources import load_tensors, read_json
 from convert.models.qwen3 import Qwen3Args
 from convert.verify import checks, gates
+from convert.verify.report import ArtifactResult, GateReport
 from convert.weights.target import build_modules
 from quant.calibrate import fixture_corpus_text
 
@@ -57,12 +58,12 @@ def data(tokenizer) -> gates.EvalData:
 
 
 @pytest.fixture(scope="module")
-def fp16_report(reference, args, tensors, data) -> gates.GateReport:
+def fp16_report(reference, args, tensors, data) -> GateReport:
     modules = build_modules(args, TARGET, tensors, torch.float16)
     return gates.run_gates(reference, modules, data, gates.default_thresholds("none"), progress=False)
 
 
-def failed(report: gates.GateReport) -> set[str]:
+def failed(report: GateReport) -> set[str]:
     return {m.name for m in report.metrics if not m.passed}
 
 
@@ -99,7 +100,7 @@ def test_gate_passes_on_fp16_fixture_and_reports(fp16_report, data, tmp_path):
 
     written = json.loads(fp16_report.write_json(tmp_path / gates.REPORT_FILE).read_text())
     assert written["passed"] is True and written["data"] == data.identity.model_dump()
-    assert gates.GateReport.model_validate(written).metrics == fp16_report.metrics
+    assert GateReport.model_validate(written).metrics == fp16_report.metrics
     entry = fp16_report.manifest_entry()
     assert entry["data"]["corpus_sha256"] == data.identity.corpus_sha256 and entry["metrics"]["top1"] == values["top1"]
     console = Console(record=True, width=120)
@@ -107,7 +108,7 @@ def test_gate_passes_on_fp16_fixture_and_reports(fp16_report, data, tmp_path):
     text = console.export_text()
     assert "PASS" in text and "kl_mean" in text and "<= 0.0001" in text and "not run" in text
 
-    broken = gates.ArtifactResult(package="x.aimodel", passed=False, error="decode at position 3 differs", seconds=0)
+    broken = ArtifactResult(package="x.aimodel", passed=False, error="decode at position 3 differs", seconds=0)
     with_artifact = fp16_report.model_copy(update={"artifact": broken})
     assert not with_artifact.passed
     with pytest.raises(GateError, match="x.aimodel: decode at position 3"):

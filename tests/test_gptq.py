@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from quant.affine import fit_affine, quantize_affine, round_affine
-from quant.gptq import GPTQError, HessianAccumulator, LutRounder, gptq_quantize, inverse_factor, output_error
+from quant.gptq import (
+    GPTQError,
+    HessianAccumulator,
+    LutRounder,
+    gptq_quantize,
+    gptq_quantize_shared,
+    inverse_factor,
+    output_error,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -211,3 +219,27 @@ def test_the_inverse_factor_arranged_in_place_is_the_plain_ones_bit_for_bit(act_
     plain, plain_damping, plain_retries = _plain_inverse_factor(arranged, 0.01)
     assert retries == plain_retries >= 1 and damping == plain_damping
     assert torch.equal(factor, plain)
+
+
+@pytest.mark.parametrize("method, group_size, act_order, lut_refits", [
+    ("affine4", 32, True, 0), ("affine4", 32, False, 0), ("lut4", 16, True, 0), ("lut4", 16, True, 2)])
+def test_the_stacked_sweep_gives_each_weight_its_own_sweeps_codes(method, group_size, act_order, lut_refits):
+    """``gptq_quantize_shared`` (the linears that read one input, stacked into one sweep) gives each weight exactly
+    what ``gptq_quantize`` gives it alone: codes, scales and zero points or tables, bit for bit; across several
+    blocks (their lazy updates), with a dead column, lut4 refits decided per weight. (bench/gptq_stacked.py checks
+    the same at the 27B widths on a GPU.)"""
+    x = correlated_inputs(96, 512, seed=20)
+    x[:, 5] = 0  # a dead column
+    hessian = hessian_of(x)
+    weights = [weight(rows, 96, seed=21 + k) for k, rows in enumerate((48, 16, 32))]
+    options = {"block_size": 32, "act_order": act_order, "lut_refits": lut_refits}
+    stacked = gptq_quantize_shared(weights, hessian, method, group_size, **options)
+    assert len(stacked) == len(weights)
+    for w, shared in zip(weights, stacked, strict=True):
+        alone = gptq_quantize(w, hessian, method, group_size, **options)
+        for field in ("codes", "scale", "zero_point", "lut"):
+            a, b = getattr(alone, field), getattr(shared, field)
+            assert (a is None) == (b is None), field
+            assert a is None or torch.equal(a, b), field
+        assert shared.codes.shape == w.shape
+        assert shared.stats["lut_refits_kept"] == alone.stats["lut_refits_kept"]

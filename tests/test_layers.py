@@ -3,8 +3,9 @@
 A module imports only its own package or a lower layer (``LAYERS``, lowest first; docs/development.md's layers say
 the same), there are no import circles, and project imports sit at the top of their module: the CLI alone imports
 the commands inside its functions (so that ``--help`` stays fast). Model families are leaves: a family imports the
-primitives, the export specs, the inputs, the registry's shared pieces (``models/part.py``, ``models/layout.py``)
-and a family it derives from, never the registry or a layer above. ``quant/`` imports nothing of ``convert``.
+primitives, the export specs, the inputs, the registry's shared pieces (``models/part.py``, ``models/layout.py``,
+``models/drafting.py``), the manifest schema and a family it derives from, never the registry or a layer above.
+``quant/`` imports nothing of ``convert``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ LAYERS = (
 # what a family may import besides its own folder's pieces: (family, the families it derives from)
 FAMILY_BASES = {"qwen3": (), "qwen3_5": ("qwen3",), "mtp": ("qwen3", "qwen3_5"), "dflash2": ("qwen3",)}
 FAMILY_MAY_IMPORT = ("convert.errors", "convert.fields", "convert.fp16", "convert.export", "convert.inputs",
-                     "convert.models.part", "convert.models.layout")
+                     "convert.models.part", "convert.models.layout", "convert.models.drafting", "manifests.schema")
 LAZY_ALLOWED = ("convert.cli",)
 
 

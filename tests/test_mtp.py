@@ -8,8 +8,6 @@ import copy
 import numpy as np
 import pytest
 import torch
-from checkpoints import tiny_config, write_checkpoint
-from mtp_checkpoints import head_tensors, qwen35_text_config, write_head_only, write_target_with_head
 
 from convert.backends import coreai, coreml
 from convert.errors import InputError
@@ -18,6 +16,8 @@ from convert.models import mtp, qwen3
 from convert.models.mtp import MTPArgs
 from convert.models.qwen3.core import RMSNorm
 from convert.models.qwen3_5.core import ZeroCentredRMSNorm
+from tests.helpers.checkpoints import tiny_config, write_checkpoint
+from tests.helpers.mtp_checkpoints import head_tensors, qwen35_text_config, write_head_only, write_target_with_head
 
 S = mtp.DRAFT_STEPS + 1
 CONTEXT = 64

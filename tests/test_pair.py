@@ -11,54 +11,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import write_checkpoint
 from click.testing import CliRunner
-from dflash2_checkpoints import tiny_config, write_drafter
 from safetensors.torch import load_file, save_file
 
 from convert.cli import main
+from tests.helpers.checkpoints import write_checkpoint
+from tests.helpers.dflash2_checkpoints import tiny_config, write_drafter
+from tests.helpers.recipes import FLAT_LOGITS, gate, recipe, tiny_dflash2, tiny_target
 
 pytestmark = pytest.mark.slow
 
 TAPS = [0, 2, 3]
-TARGET = """\
-name: {name}
-target:
-  source: path:{source}
-  graphs: {{prefill: 16, decode: 1, verify: 8}}
-  context: 128
-  taps: {taps}
-  gate:  # random weights have near-flat logits: fp16 rounding flips a few argmax ids
-    data: {{samples: 2, length: {length}}}
-    greedy_tokens: 8
-    thresholds: {{device_top1_min: 0.95, top1_min: 0.95, greedy_match_min: 0.5}}
-backends: [{backends}]
-"""
-DRAFTER = """\
-drafter:
-  kind: dflash2
-  source: path:{source}
-  context_update: 16
-  ring: 64
-  quantization: {{method: lut4}}
-  accept: {{samples: 2, length: 24, tokens: 16}}
-"""
 
 
 def run(*args: str):
     return CliRunner().invoke(main, list(args))
 
 
-def build(tmp: Path, name: str, source: Path, taps=TAPS, drafter: Path | None = None, backends="coreml",
+def build(tmp: Path, name: str, source: Path, taps=TAPS, drafter: Path | None = None, backends=("coreml",),
           length: int = 48, layout: str = "stateful") -> Path:
-    recipe = tmp / f"{name}.yaml"
-    text = TARGET.format(name=name, source=source, taps=taps, backends=backends, length=length)
-    text += DRAFTER.format(source=drafter) if drafter else ""
-    if layout == "ane":  # target and drafter
-        text = text.replace("  context: 128\n", "  context: 128\n  layout: ane\n").replace(
-            "  kind: dflash2\n", "  kind: dflash2\n  layout: ane\n")
-    recipe.write_text(text)
-    result = run("build", str(recipe), "--output", str(tmp / name))
+    ane = {"layout": "ane"} if layout == "ane" else {}  # target and drafter
+    recipe_path = recipe(tmp, name, target=tiny_target(source, taps=list(taps), **ane,
+                                                       gate=gate(2, length, greedy_tokens=8, **FLAT_LOGITS)),
+                         backends=backends, drafter=tiny_dflash2(drafter, **ane) if drafter else None)
+    result = run("build", str(recipe_path), "--output", str(tmp / name))
     assert result.exit_code == 0, result.output
     return tmp / name
 
@@ -71,7 +47,7 @@ def pair(tmp_path_factory):
              "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
     write_drafter(tmp / "drafter", config=tiny_config(vocab_size=4096, dflash_config=draft))
     (tmp / "drafter" / "LICENSE").write_text("Apache-2.0 drafter test license\n")
-    bundle = build(tmp, "pair", tmp / "target", drafter=tmp / "drafter", backends="coreai, coreml")
+    bundle = build(tmp, "pair", tmp / "target", drafter=tmp / "drafter", backends=("coreai", "coreml"))
     return tmp, bundle
 
 
@@ -138,9 +114,9 @@ def test_a_rebuild_restores_the_gate_and_every_drafter_phase_from_the_build_cach
     and each prompt of the drafter stage's phases (plain greedy, acceptance, the n-gram baseline, the A/B's fp16
     drafter) come from the cache, none run again, and the drafter's acceptance record is the first build's."""
     tmp, bundle = pair
-    recipe = tmp / "pair-again.yaml"
-    recipe.write_text((tmp / "pair.yaml").read_text().replace("name: pair", "name: pair-again"))
-    result = run("build", str(recipe), "--output", str(tmp / "pair-again"))
+    renamed = tmp / "pair-again.yaml"
+    renamed.write_text((tmp / "pair.yaml").read_text().replace("name: pair", "name: pair-again"))
+    result = run("build", str(renamed), "--output", str(tmp / "pair-again"))
     assert result.exit_code == 0, result.output
     assert result.output.count("\u2713 numeric gate: restored from the cache") == 1  # its end line
     assert result.output.count("2 of 2 prompts restored from the build cache\n") == 4
@@ -298,7 +274,7 @@ def test_every_field_of_every_bound_record_is_checked(pair, tmp_path):
 def hybrid_pair(tmp_path_factory):
     """A seeded tiny hybrid (Gated DeltaNet + attention) target and a random DFlash2 drafter tapping both layer
     kinds, built the normal way, both in the ane layout."""
-    from qwen3_5_checkpoints import write_checkpoint as write_hybrid
+    from tests.helpers.qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
     tmp = tmp_path_factory.mktemp("hybrid-pair")
     write_hybrid(tmp / "target", hidden_size=64, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16)

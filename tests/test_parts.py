@@ -8,8 +8,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from checkpoints import write_checkpoint as write_dense
-from qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
 from convert.errors import InputError
 from convert.export.functions import compute_copy
@@ -26,6 +24,8 @@ from convert.weights.shipped import part_modules
 from convert.weights.target import build_modules
 from quant.affine import quantize_affine
 from quant.lut import quantize_lut
+from tests.helpers.checkpoints import write_checkpoint as write_dense
+from tests.helpers.qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
 FP32_BOUND = 1e-5
 GROUPS = {"lut4": 8, "affine4": 32}  # divide every width of the tiny models (the hybrid's in_proj_qkv has 136 rows)
@@ -133,9 +133,8 @@ def test_the_chained_parts_compute_what_the_whole_target_computes(tmp_path, kind
 def test_an_ane_head_part_has_at_most_65536_rows():
     """The ane head returns logits, a dim per vocabulary row: past the ANE's 65,536 the head is split even when the
     whole target fits the part limit (the stateful one ships whole)."""
-    from checkpoints import tiny_config
-
     from convert.models.qwen3 import Qwen3Args
+    from tests.helpers.checkpoints import tiny_config
 
     args = Qwen3Args.from_config(tiny_config(vocab_size=150_000).to_dict())
     assert plan_parts(args, _target(2000, None)) == [Part.whole(args)]

@@ -1,6 +1,6 @@
-"""convert/inputs/prism.py against a tiny pack that tests/prism_packs.py writes from the published layout with its own
-packing code: the reader gives back the writer's codes, scales and signs; the unfolded weights equal the writer's
-logical weights and compute what mlx-vlm's formulas (dequantize, then rotate the activations) compute; and each
+"""convert/inputs/prism.py against a tiny pack that tests/helpers/prism_packs.py writes from the published layout with
+its own packing code: the reader gives back the writer's codes, scales and signs; the unfolded weights equal the
+writer's logical weights and compute what mlx-vlm's formulas (dequantize, then rotate the activations) compute; and each
 malformed pack is refused with one line naming the file and the tensor."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from prism_packs import edit_json, edit_tensors, write_pack
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from convert.errors import InputError
 from convert.inputs import prism
 from quant.types import hadamard, walsh_hadamard
+from tests.helpers.prism_packs import edit_json, edit_tensors, write_pack
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -18,10 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from dflash2_checkpoints import tiny_config as dflash2_config
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from qwen3_5_checkpoints import text_config as qwen3_5_config
 from safetensors import safe_open
 from test_inputs import GOOD
 
@@ -31,6 +29,10 @@ from convert.inputs.sources import check_safetensors, read_json, weight_files
 from convert.models import family_for
 from convert.models.dflash2 import DFlash2Args
 from convert.models.mtp import MTPArgs
+from convert.models.qwen3 import Qwen3Args
+from convert.models.qwen3_5 import Qwen35Args
+from tests.helpers.dflash2_checkpoints import tiny_config as dflash2_config
+from tests.helpers.qwen3_5_checkpoints import text_config as qwen3_5_config
 
 SETTINGS = settings(max_examples=80, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -236,6 +238,22 @@ QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_si
          "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
 QWEN3_5 = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", **qwen3_5_config()}
 MTP = {**QWEN3, "mtp_num_hidden_layers": 1}
+# what the unedited configs give: each property test checks it first, so that a reader refusing every config fails
+DECODER = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24, intermediate_size=96,
+               vocab_size=4096, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+               max_position_embeddings=512, attention_bias=False)
+QWEN3_ARGS = Qwen3Args(**DECODER, num_hidden_layers=3, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+QWEN3_5_ARGS = Qwen35Args(**DECODER, num_hidden_layers=4, layer_types=("linear_attention",) * 3 + ("full_attention",),
+                          rotary_dim=6, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
+                          linear_value_head_dim=12, linear_conv_kernel_dim=4, bos_token_id=0, eos_token_id=1,
+                          pad_token_id=2)
+DFLASH2_ARGS = DFlash2Args(architecture="DFlash2DraftModel", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                           rms_norm_eps=1e-6, rope_theta=10000.0, layer_windows=(48, 48), target_layer_ids=(0, 2, 3),
+                           block_size=8, mask_token_id=3, conv_kernel_size=2, conv_group_size=16, selector_rank=16,
+                           selector_top_k=8)
+MTP_ARGS = MTPArgs(**DECODER, num_hidden_layers=3, mtp_layers=1, zero_centred_norm=False, model_type="qwen3",
+                   attn_output_gate=False, rotary_dim=24)
 # what the args keep: sizes (positive ints), numbers (finite floats), flags (bools)
 SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
          "intermediate_size", "vocab_size", "max_position_embeddings")
@@ -276,6 +294,12 @@ def check_args(args) -> None:
         assert isinstance(getattr(args, name, False), bool), name
 
 
+def nested(config: dict) -> dict:
+    """A Qwen3.5 text config as Qwen3_5ForConditionalGeneration nests it (its tying at the top level)."""
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+            "tie_word_embeddings": config.pop("tie_word_embeddings", False), "text_config": config}
+
+
 def read_config(reader, config: dict, where: str = "ckpt/config.json"):
     try:
         check_args(reader(config, where))
@@ -288,22 +312,23 @@ def read_config(reader, config: dict, where: str = "ckpt/config.json"):
 @SETTINGS
 @given(changes=edits(QWEN3))
 def test_qwen3_config_gives_sound_args_or_refuses(changes):
+    assert family_for(QWEN3).Args.from_config(QWEN3, "ckpt/config.json") == QWEN3_ARGS
     read_config(lambda c, w: family_for(c, w).Args.from_config(c, w), apply(QWEN3, changes))
 
 
 @SETTINGS
-@given(changes=edits(QWEN3_5), nested=st.booleans())
-def test_qwen3_5_config_gives_sound_args_or_refuses(changes, nested):
-    config = apply(QWEN3_5, changes)
-    if nested:
-        config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-                  "tie_word_embeddings": config.pop("tie_word_embeddings", False), "text_config": config}
+@given(changes=edits(QWEN3_5), nest=st.booleans())
+def test_qwen3_5_config_gives_sound_args_or_refuses(changes, nest):
+    unedited = nested(apply(QWEN3_5, [])) if nest else QWEN3_5
+    assert family_for(unedited).Args.from_config(unedited, "ckpt/config.json") == QWEN3_5_ARGS
+    config = nested(apply(QWEN3_5, changes)) if nest else apply(QWEN3_5, changes)
     read_config(lambda c, w: family_for(c, w).Args.from_config(c, w), config)
 
 
 @SETTINGS
 @given(changes=edits(dflash2_config()), inner=edits(dflash2_config()["dflash_config"]))
 def test_dflash2_config_gives_sound_args_or_refuses(changes, inner):
+    assert DFlash2Args.from_config(dflash2_config(), "ckpt/config.json") == DFLASH2_ARGS
     config = apply(dflash2_config(), changes)
     if isinstance(config.get("dflash_config"), dict):
         config["dflash_config"] = apply(config["dflash_config"], inner)
@@ -313,6 +338,7 @@ def test_dflash2_config_gives_sound_args_or_refuses(changes, inner):
 @SETTINGS
 @given(changes=edits(MTP))
 def test_mtp_config_gives_sound_args_or_refuses(changes):
+    assert MTPArgs.from_config(MTP, "ckpt/config.json") == MTP_ARGS
     read_config(MTPArgs.from_config, apply(MTP, changes))
 
 

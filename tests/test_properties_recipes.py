@@ -20,13 +20,13 @@ import yaml
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from manifest_samples import drafter_manifest, target_manifest, write_bundle
 from test_inputs import GOOD
 
 from convert.cli import main
 from convert.errors import InputError
 from convert.inputs.recipe import load_recipe
 from convert.pipeline.bundle import read_manifest
+from tests.helpers.manifest_samples import drafter_manifest, target_manifest, write_bundle
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -8,20 +8,18 @@ import pytest
 from click.testing import CliRunner
 
 from convert.cli import main
+from tests.helpers.recipes import recipe, tiny_target
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
-RECIPE = """\
-name: fx
-target:
-  source: path:{source}
-  graphs: {{prefill: 64, decode: 1, verify: 8}}
-  context: 512
-  quantization:
-    method: {method}
-    calibration: {{samples: 8, length: 256}}
-  gate: {{data: {{samples: 8, length: 256}}}}
-backends: {backends}
-"""
+
+
+def fixture_recipe(path: Path, source: Path, method: str, backends: list[str]) -> Path:
+    """A fixture's recipe: 8 windows of 256 tokens to calibrate on and to gate."""
+    target = tiny_target(source, graphs={"prefill": 64, "decode": 1, "verify": 8}, context=512,
+                         quantization={"method": method, "calibration": {"samples": 8, "length": 256}},
+                         gate={"data": {"samples": 8, "length": 256}})
+    return recipe(path, "fx", target=target, backends=backends)
+
 
 pytestmark = pytest.mark.heavy
 
@@ -39,9 +37,8 @@ def _quantized_linears(config: dict) -> tuple[int, list[str]]:
                                                        ("stdlib-qwen3", "affine4-gptq", "[coreml]"),
                                                        ("stdlib-qwen3_5", "lut4-gptq", "[coreai, coreml]")])
 def test_fixture_builds_quantized(tmp_path, fixture, method, backends):
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(RECIPE.format(source=FIXTURES / fixture, method=method, backends=backends))
-    result = CliRunner().invoke(main, ["build", str(recipe), "--output", str(tmp_path / "b")])
+    path = fixture_recipe(tmp_path / "r.yaml", FIXTURES / fixture, method, backends.strip("[]").split(", "))
+    result = CliRunner().invoke(main, ["build", str(path), "--output", str(tmp_path / "b")])
     assert result.exit_code == 0, result.output
     m = json.loads((tmp_path / "b" / "manifest.json").read_text())
     q = m["quantization"]

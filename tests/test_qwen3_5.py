@@ -7,15 +7,15 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from qwen3_5_checkpoints import F as FULL
-from qwen3_5_checkpoints import L as LINEAR
-from qwen3_5_checkpoints import rewrite_config, write_checkpoint
 
 from convert.inputs.recipe import Graphs, Target
 from convert.inputs.sources import load_tensors, read_json
 from convert.models import qwen3_5, read_args
 from convert.models.layout import Layout
 from convert.runtime.host import HostContractError, module_driver
+from tests.helpers.qwen3_5_checkpoints import F as FULL
+from tests.helpers.qwen3_5_checkpoints import L as LINEAR
+from tests.helpers.qwen3_5_checkpoints import rewrite_config, write_checkpoint
 
 PREFILL, VERIFY, CONTEXT = 16, 8, 160
 TOLERANCE = 1e-4

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from qwen3_5_checkpoints import rewrite_config, write_checkpoint
 from safetensors.torch import load_file, save_file
 from test_inputs import GOOD as RECIPE
 from test_inputs import assert_refused
 
 from convert.cli import main
+from tests.helpers.qwen3_5_checkpoints import rewrite_config, write_checkpoint
 
 QKV = "model.layers.0.linear_attn.in_proj_qkv.weight"
 

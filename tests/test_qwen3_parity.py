@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 import torch
-from checkpoints import write_checkpoint
 
 from convert.inputs.recipe import Graphs, Target
 from convert.inputs.sources import load_tensors, read_json
 from convert.models.qwen3 import Qwen3Args
 from convert.runtime.host import ModuleFunctions
 from convert.weights.target import build_modules
+from tests.helpers.checkpoints import write_checkpoint
 
 PREFILL, VERIFY, CONTEXT = 16, 8, 128
 TAPS = (1, 0)  # recipe order, deliberately not sorted

@@ -207,7 +207,7 @@ def test_taps_must_match_the_drafter(tmp_path):
 
 
 def test_a_drafter_of_another_width_is_refused(tmp_path):
-    from dflash2_checkpoints import tiny_config, write_drafter
+    from tests.helpers.dflash2_checkpoints import tiny_config, write_drafter
 
     draft = {"target_layer_ids": [1, 2, 4, 5, 6], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
              "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}

@@ -20,18 +20,19 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from dflash2_checkpoints import tiny_config, write_drafter
-from mtp_checkpoints import head_tensors, write_index
-from qwen3_5_checkpoints import write_checkpoint
 from safetensors.torch import load_file
 
 from convert.cli import main
 from convert.inputs.sources import load_tensors
+from convert.models.dflash2.driver import DFlash2Driver
+from convert.models.mtp.driver import MTPDriver
 from convert.pipeline.drafter import build_modules as build_drafter_modules
 from convert.pipeline.plan import make_plan
-from convert.runtime import speculative
 from convert.runtime.host import ModuleFunctions, module_driver
 from convert.weights.target import build_modules
+from tests.helpers.dflash2_checkpoints import tiny_config, write_drafter
+from tests.helpers.mtp_checkpoints import head_tensors, write_index
+from tests.helpers.qwen3_5_checkpoints import write_checkpoint
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 VOCAB, MASK_ID = 4096, 4086  # the mask row near the end of the vocabulary, as 248070 of 248320
@@ -152,7 +153,7 @@ def test_the_keys_map_and_the_functions_run(release):
     drafter = build_drafter_modules(plan.drafter, plan.recipe, target, torch.float32)
     functions = ModuleFunctions(drafter)
     if plan.drafter.kind == "dflash2":
-        d = speculative.DFlash2Driver(functions, drafter.widths, target.core.embed_tokens.weight.detach().numpy())
+        d = DFlash2Driver(functions, drafter.widths, target.core.embed_tokens.weight.detach().numpy())
         d.add_context(out["taps"], 0, "context_update")
         assert out["taps"].shape[-1] == 5 * 64  # the five published taps
         proposal = d.draft(bonus, len(prompt))
@@ -161,7 +162,7 @@ def test_the_keys_map_and_the_functions_run(release):
         loaded = dict(drafter.core.named_parameters())
         assert len(codebooks) == 2 and all(torch.equal(loaded[name], v) for name, v in codebooks.items())
     else:
-        d = speculative.MTPDriver(functions, drafter.widths)
+        d = MTPDriver(functions, drafter.widths)
         draft, hidden = d.accept(prompt[1:] + [bonus], out["hidden"], 1)
         assert 0 <= draft < VOCAB and hidden.shape == (64,)
         written = load_file(str(plan.snapshot.directory / "model-00002-of-00002.safetensors"))

@@ -12,29 +12,23 @@ import time
 from pathlib import Path
 
 import pytest
-from checkpoints import TOKENIZER_TEXT, write_checkpoint
+
+from tests.helpers.checkpoints import TOKENIZER_TEXT, write_checkpoint
+from tests.helpers.recipes import recipe, tiny_target
 
 pytestmark = pytest.mark.heavy
 
-RECIPE = """\
-name: resume
-target:
-  source: path:ckpt
-  graphs: {prefill: 16, decode: 1, verify: 4}
-  context: 64
-  quantization:
-    method: lut4-gptq
-    calibration: {corpus: "path:corpus.txt", samples: 4, length: 32}
-  gate:
-    data: {corpus: "path:corpus.txt", samples: 2, length: 32}
-    greedy_tokens: 4
-    # the seeded random checkpoint in 4 bits is far from its fp32 self: what is tested here is the resume, so every
-    # bar that compares it with fp32 (the device pass's, the artifact check's near-tie margin too) lets it through
-    thresholds: {mean_kl_max: 1.0, p99_kl_max: 5.0, max_kl_max: 20.0, top1_min: 0.0, cosine_min: 0.0,
-                 greedy_match_min: 0.0, block_chain_real_flips_max: 1000, device_mean_kl_max: 10.0,
-                 device_top1_min: 0.0, device_greedy_match_min: 0.0, near_tie_margin: 1000.0}
-backends: [coreai, coreml]
-"""
+CORPUS = "path:corpus.txt"
+# the seeded random checkpoint in 4 bits is far from its fp32 self: what is tested here is the resume, so every bar
+# that compares it with fp32 (the device pass's, the artifact check's near-tie margin too) lets it through
+BARS = {"mean_kl_max": 1.0, "p99_kl_max": 5.0, "max_kl_max": 20.0, "top1_min": 0.0, "cosine_min": 0.0,
+        "greedy_match_min": 0.0, "block_chain_real_flips_max": 1000, "device_mean_kl_max": 10.0,
+        "device_top1_min": 0.0, "device_greedy_match_min": 0.0, "near_tie_margin": 1000.0}
+CALIBRATION = {"corpus": CORPUS, "samples": 4, "length": 32}
+TARGET = tiny_target("ckpt", graphs={"prefill": 16, "decode": 1, "verify": 4}, context=64,
+                     quantization={"method": "lut4-gptq", "calibration": CALIBRATION},
+                     gate={"data": {"corpus": CORPUS, "samples": 2, "length": 32}, "greedy_tokens": 4,
+                           "thresholds": BARS})
 ROOT = Path(__file__).resolve().parent.parent
 UNSTABLE = ".odix"  # coreai-core's ODIX lowering orders a table differently run to run (docs/bundle.md)
 
@@ -126,7 +120,7 @@ def _without_seconds(value):
 def test_a_build_killed_twice_resumes_to_the_same_bundle(tmp_path):
     write_checkpoint(tmp_path / "ckpt", hidden_size=64, num_hidden_layers=6)
     (tmp_path / "corpus.txt").write_text("".join(TOKENIZER_TEXT) * 40)
-    (tmp_path / "r.yaml").write_text(RECIPE)
+    recipe(tmp_path / "r.yaml", "resume", target=TARGET, backends=["coreai", "coreml"])
     cache, fresh = tmp_path / "cache", tmp_path / "fresh-cache"
 
     reference = start(tmp_path, "reference", fresh)

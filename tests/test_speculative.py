@@ -3,16 +3,18 @@
 import numpy as np
 import pytest
 import torch
-from checkpoints import write_checkpoint
-from qwen3_5_checkpoints import write_small_target
 
 from convert.inputs.recipe import Graphs, Target
 from convert.inputs.sources import load_tensors, read_json
 from convert.models import read_args
+from convert.models.dflash2.driver import DFlash2Driver
+from convert.models.mtp.driver import MTPDriver
 from convert.models.qwen3 import Qwen3Args
 from convert.runtime import speculative
 from convert.runtime.host import ModuleFunctions, module_driver
 from convert.weights.target import build_modules
+from tests.helpers.checkpoints import write_checkpoint
+from tests.helpers.qwen3_5_checkpoints import write_small_target
 
 WIDTH = 5
 
@@ -32,9 +34,9 @@ def target(request, tmp_path_factory):
     return driver
 
 
-class ScriptedDrafter:
-    """A DFlash2-shaped drafter proposing from a script: ``truth`` (the target's greedy continuation) with
-    ``wrong_at`` positions of each block replaced by a wrong id."""
+class ScriptedDrafter(DFlash2Driver):
+    """A DFlash2-shaped drafter (its driver's begin / propose / observe) proposing from a script: ``truth`` (the
+    target's greedy continuation) with ``wrong_at`` positions of each block replaced by a wrong id."""
 
     def __init__(self, truth: list[int], prompt_len: int, wrong_at: set[int]):
         self.truth, self.n, self.wrong_at = truth, prompt_len, wrong_at
@@ -64,7 +66,7 @@ def test_perfect_drafter_accepts_every_draft(target):
     tokens = 23
     truth, _ = target.greedy(prompt(), tokens + WIDTH)
     drafter = ScriptedDrafter(truth, len(prompt()), wrong_at=set())
-    run, logits = speculative.speculate("dflash2", target, drafter, prompt(), tokens)
+    run, logits = speculative.speculate(target, drafter, prompt(), tokens)
     assert run.output == truth[:tokens]
     assert [r.accepted for r in run.rounds[:-1]] == [WIDTH - 1] * (len(run.rounds) - 1)
     stats = speculative.acceptance_stats([run], WIDTH)
@@ -76,7 +78,7 @@ def test_perfect_drafter_accepts_every_draft(target):
 def test_first_wrong_draft_ends_the_round(target, wrong_at, accepted):
     tokens = 20
     truth, _ = target.greedy(prompt(), tokens + WIDTH)
-    run, _ = speculative.speculate("dflash2", target, ScriptedDrafter(truth, len(prompt()), wrong_at), prompt(),
+    run, _ = speculative.speculate(target, ScriptedDrafter(truth, len(prompt()), wrong_at), prompt(),
                                    tokens)
     assert run.output == truth[:tokens]  # lossless whatever the drafter proposes
     assert {r.accepted for r in run.rounds[:-1]} == {accepted}
@@ -103,7 +105,7 @@ def test_partial_accepts_of_every_length_keep_the_target_exact(target):
     greedy decoding's (fp32): the rejected rows left no trace in its KV cache or recurrent state."""
     tokens = 40
     truth, greedy_logits = target.greedy(prompt(), tokens + WIDTH)
-    run, logits = speculative.speculate("dflash2", target, CyclingDrafter(truth, len(prompt())), prompt(), tokens)
+    run, logits = speculative.speculate(target, CyclingDrafter(truth, len(prompt())), prompt(), tokens)
     assert run.output == truth[:tokens]
     assert {r.accepted for r in run.rounds} == set(range(WIDTH))
     worst = max(float(np.abs(a - b).max()) for a, b in zip(logits, greedy_logits[:tokens], strict=True))
@@ -112,10 +114,13 @@ def test_partial_accepts_of_every_length_keep_the_target_exact(target):
 
 def test_ngram_drafter_proposes_the_continuation_of_the_latest_earlier_match():
     drafter = speculative.NGramDrafter(max_order=3)
-    assert drafter.propose([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3], 2) == [8, 5]  # order 3, the latest occurrence
-    assert drafter.propose([4, 7, 1, 6, 7], 3) == [1, 6, 7]  # no order 3 or 2 match: order 1
-    assert drafter.propose([5, 6, 5], 4) == [6, 5]  # the continuation stops at the end of the text
-    assert drafter.propose([1, 2, 3], 4) == []
+    def propose(text: list[int], count: int) -> list[int]:
+        return drafter.propose(text, len(text) - 1, count)  # the anchor, the text's last id, at its position
+
+    assert propose([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3], 2) == [8, 5]  # order 3, the latest occurrence
+    assert propose([4, 7, 1, 6, 7], 3) == [1, 6, 7]  # no order 3 or 2 match: order 1
+    assert propose([5, 6, 5], 4) == [6, 5]  # the continuation stops at the end of the text
+    assert propose([1, 2, 3], 4) == []
 
 
 def test_ngram_drafting_is_lossless_and_counts_its_calls(target):
@@ -124,7 +129,7 @@ def test_ngram_drafting_is_lossless_and_counts_its_calls(target):
     tokens = 30
     repeated = prompt() + prompt()
     truth, _ = target.greedy(repeated, tokens)
-    run, _ = speculative.speculate("ngram", target, speculative.NGramDrafter(), repeated, tokens)
+    run, _ = speculative.speculate(target, speculative.NGramDrafter(), repeated, tokens)
     assert run.output == truth
     stats = speculative.ngram_stats([run], WIDTH)
     assert stats["verify_calls"] + stats["decode_calls"] == stats["rounds"] == len(run.rounds)
@@ -159,8 +164,9 @@ def test_paired_ab_and_sign_test():
     assert speculative.sign_test(27, 32) == pytest.approx(0.603, abs=1e-3)  # seed 003's paired A/B
 
 
-class ScriptedHead:
-    """An MTP-shaped drafter that checks the rows the loop commits and proposes ``truth``."""
+class ScriptedHead(MTPDriver):
+    """An MTP-shaped drafter (its driver's begin / propose / observe) that checks the rows the loop commits and
+    proposes ``truth``."""
 
     def __init__(self, truth: list[int], prompt_ids: list[int]):
         self.truth, self.committed = truth, list(prompt_ids[:1])  # row p holds the token at position p (p >= 1)
@@ -187,7 +193,7 @@ def test_mtp_loop_commits_rows_in_order(target):
     ids = prompt()
     truth, _ = target.greedy(ids, tokens + WIDTH)
     head = ScriptedHead(truth, ids)
-    run, _ = speculative.speculate("mtp", target, head, ids, tokens)
+    run, _ = speculative.speculate(target, head, ids, tokens)
     assert run.output == truth[:tokens]
     assert {r.accepted for r in run.rounds} == {WIDTH - 1}
 
@@ -196,10 +202,10 @@ def test_target_taps_feed_the_dflash2_drafter_as_the_runtime_does(tmp_path):
     """The target's export modules produce the taps (equal to transformers' hidden_states[i+1]), the speculative
     driver writes them into the drafter's ring in runtime-sized fp16 chunks; the draft equals the eager reference
     fed the same fp16 rows (fp32 arithmetic)."""
-    from dflash2_checkpoints import random_reference, tiny_config
     from transformers import Qwen3ForCausalLM
 
     from convert.models import dflash2
+    from tests.helpers.dflash2_checkpoints import random_reference, tiny_config
 
     taps = [2, 0, 1]  # not sorted: the concatenation follows this order (the last layer, 3, would be HF's normed one)
     write_checkpoint(tmp_path / "t", hidden_size=64, num_hidden_layers=4)
@@ -223,7 +229,7 @@ def test_target_taps_feed_the_dflash2_drafter_as_the_runtime_does(tmp_path):
     embed, lm_head = hf.model.embed_tokens.weight.detach(), hf.lm_head.weight.detach()
     drafter_modules = dflash2.build_modules(drafter_args, reference.drafter_state(), lm_head, embed[3], torch.float32,
                                             max_positions=96, ring_rows=64, update_width=16, append_width=8)
-    drafter = speculative.DFlash2Driver(ModuleFunctions(drafter_modules), drafter_modules.widths,
+    drafter = DFlash2Driver(ModuleFunctions(drafter_modules), drafter_modules.widths,
                                         embed.numpy())
     drafter.add_context(out["taps"], 0, "context_update")  # 37 rows: chunks of 16, the last one padded
     anchor = int(out["argmax_ids"][-1])
@@ -238,7 +244,7 @@ def test_target_taps_feed_the_dflash2_drafter_as_the_runtime_does(tmp_path):
 
 def test_a_quantized_drafter_that_loses_acceptance_is_refused():
     from convert.errors import GateError
-    from convert.pipeline.drafter import ab_verdict, raise_if_lossy
+    from convert.pipeline.drafter_accept import ab_verdict, raise_if_lossy
 
     base = [speculative.PromptRun([0], [], [speculative.Round(i, (1,), 1) for i in range(0, 20, 2)])]
     worse = [speculative.PromptRun([0], [], [speculative.Round(i, (2,), 0) for i in range(0, 20, 2)])]
@@ -256,9 +262,8 @@ def test_an_ane_target_decodes_speculatively_as_the_stateful_one(tmp_path):
     """A DFlash2 drafter (stateful) and prompt lookup with the target in either layout: the ane target's taps, ids and
     rollbacks through the host give the same rounds, the same accepted drafts and the same output, which equals plain
     greedy decoding."""
-    from dflash2_checkpoints import random_reference, tiny_config
-
     from convert.models import dflash2
+    from tests.helpers.dflash2_checkpoints import random_reference, tiny_config
 
     taps = [2, 0, 1]
     write_checkpoint(tmp_path / "t", hidden_size=64, num_hidden_layers=4)
@@ -277,9 +282,9 @@ def test_an_ane_target_decodes_speculatively_as_the_stateful_one(tmp_path):
         drafter_modules = dflash2.build_modules(dflash2.DFlash2Args.from_config(config), reference.drafter_state(),
                                                 lm_head, embed[3], torch.float32, max_positions=96, ring_rows=64,
                                                 update_width=16, append_width=8)
-        drafter = speculative.DFlash2Driver(ModuleFunctions(drafter_modules), drafter_modules.widths, embed.numpy())
-        run, _ = speculative.speculate("dflash2", driver, drafter, prompt, 40)
-        lookup, _ = speculative.speculate("ngram", driver, speculative.NGramDrafter(), prompt, 60)
+        drafter = DFlash2Driver(ModuleFunctions(drafter_modules), drafter_modules.widths, embed.numpy())
+        run, _ = speculative.speculate(driver, drafter, prompt, 40)
+        lookup, _ = speculative.speculate(driver, speculative.NGramDrafter(), prompt, 60)
         runs[layout] = (run, lookup, driver.greedy(prompt, 60)[0])
     (stateful, stateful_lookup, greedy), (ane, ane_lookup, ane_greedy) = runs["stateful"], runs["ane"]
     assert ane.output == stateful.output == greedy[:40] and ane_lookup.output == stateful_lookup.output == greedy

@@ -16,7 +16,8 @@ from convert.cache import BuildCache
 from convert.errors import InputError
 from convert.export.functions import compute_copy
 from convert.fp16 import Peaks
-from convert.pipeline import build, partition
+from convert.models import family_of
+from convert.pipeline import build, gate_cache, partition
 from convert.pipeline import plan as planning
 from convert.pipeline.build import shipped_modules
 from convert.pipeline.drafter import stage_target
@@ -155,16 +156,17 @@ def test_the_streamed_gate_reports_what_the_gate_reports(built):
 
 @pytest.mark.parametrize("built", ["hybrid"], indirect=True)
 def test_a_streamed_gate_stopped_in_its_reference_resumes_with_the_candidate_it_kept(built, tmp_path, monkeypatch):
-    """``build.GatePasses``: the candidate's windows are a cache entry as soon as they are computed. A gate stopped in
-    its reference runs again without the candidate (refused): its windows restored are the ones computed, bit for
-    bit; a third run restores the reference too and reports the second's values; ``discard`` removes both entries."""
+    """``gate_cache.GatePasses``: the candidate's windows are a cache entry as soon as they are computed. A gate
+    stopped in its reference runs again without the candidate (refused): its windows restored are the ones computed,
+    bit for bit; a third run restores the reference too and reports the second's values; ``discard`` removes both
+    entries."""
     plan, _, loader, *_ = built
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(plan.snapshot.directory / "tokenizer.json"))
     data = gates.EvalData.fixture(tokenizer, n=2, length=80)  # four probe blocks of 8 after a prefill of 40
     thresholds = gates.default_thresholds(plan.recipe.target.quantization.method)
-    passes = build.GatePasses(tmp_path / "cache", "the gate of this test")
+    passes = gate_cache.GatePasses(tmp_path / "cache", "the gate of this test")
     candidate, reference, computed = gates.streamed_candidate, gates.streamed_reference, []
 
     def run(**refused):
@@ -194,7 +196,7 @@ def test_the_manifest_records_of_a_streamed_build_are_the_whole_targets(built):
     plan, modules, loader, result, returned = built
     tables = loader.load([build.tables_part(plan.args)])[0]
     quant = plan.recipe.target.quantization
-    assert build._quantization_record(quant, result, tables) == build._quantization_record(quant, returned, modules)
+    assert build.quantization_record(quant, result, tables) == build.quantization_record(quant, returned, modules)
     for name in ("embed_tokens", "lm_head"):
         assert torch.equal(getattr(tables.core, name).weight, getattr(modules.core, name).weight)
     assert sum(p.numel() for p in tables.core.parameters()) == sum(p.numel() for p in modules.core.parameters())
@@ -239,7 +241,7 @@ def test_a_drafter_stage_over_the_host_memory_budget_is_refused_by_name(tmp_path
     assert phases["load"]["target"] == phases["calibrate"]["target"] == phases["accept"]["target"] == lean
     assert phases["quantize"]["target"] == phases["package"]["target"] < lean / 2
     # the target's states at the 144 positions the stage's prompts reach (64 + 64 tokens, two verifies of 8)
-    states = [*planning.family_of(plan.args).function_specs(plan.args, stage_target(plan.recipe))[0].states,
+    states = [*family_of(plan.args).function_specs(plan.args, stage_target(plan.recipe))[0].states,
               *plan.drafter.specs[0].states]
     assert {s.shape[2] for s in states if s.name == "key_cache"} == {144}
     assert plan.drafter_session_bytes == sum(4 * math.prod(s.shape) for s in states)
@@ -255,6 +257,6 @@ def test_a_drafter_stage_over_the_host_memory_budget_is_refused_by_name(tmp_path
                        r"positions\))?\), over target.max_host_memory_gb .*; build the target alone here") as refused:
         make_plan(recipe)
     named = re.search(r"largest phase, (\w+):", str(refused.value)).group(1)
-    monkeypatch.setattr(planning, "_check_host_memory", lambda plan: None)
+    monkeypatch.setattr(planning, "check_host_memory", lambda plan: None)
     phases = make_plan(recipe).drafter_phases  # the refused plan's, one session
     assert named == max(phases, key=lambda phase: sum(phases[phase].values()))

@@ -15,9 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import TOKENIZER_TEXT
-from checkpoints import write_checkpoint as write_dense
-from qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
 from convert.cache import BuildCache
 from convert.inputs.recipe import Calibration, Graphs, Quantization, Target
@@ -30,6 +27,9 @@ from quant import calibrate
 from quant.calibrate import each_linear, quantize_layer
 from quant.gptq import HessianAccumulator, gptq_quantize
 from quant.lut import quantize_lut
+from tests.helpers.checkpoints import TOKENIZER_TEXT
+from tests.helpers.checkpoints import write_checkpoint as write_dense
+from tests.helpers.qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -251,10 +251,8 @@ def test_the_cache_reuses_units_recomputes_corrupt_ones_and_can_be_off(tmp_path)
 
 
 KILLED = """
-import sys
 import torch
-sys.path.insert(0, {tests!r})
-from test_streamed_quantize import quantization, streamed
+from tests.test_streamed_quantize import quantization, streamed
 from convert.cache import BuildCache
 from pathlib import Path
 torch.set_num_threads(1)
@@ -270,7 +268,7 @@ def finished_entries(cache_dir: Path) -> list[Path]:
 def test_a_killed_run_resumes_redoing_at_most_the_unit_in_flight(tmp_path):
     directory = write(tmp_path / "ckpt", "dense")
     cache_dir = tmp_path / "cache"
-    script = KILLED.format(tests=str(Path(__file__).parent), directory=str(directory), cache=str(cache_dir))
+    script = KILLED.format(directory=str(directory), cache=str(cache_dir))
     process = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parent.parent,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -294,9 +292,8 @@ def test_a_killed_run_resumes_redoing_at_most_the_unit_in_flight(tmp_path):
 
 
 MEMORY = """
-import sys, torch
-sys.path.insert(0, {tests!r})
-from test_streamed_quantize import quantization, streamed
+import torch
+from tests.test_streamed_quantize import quantization, streamed
 from pathlib import Path
 torch.set_num_threads(1)
 def status(field):
@@ -326,7 +323,7 @@ def test_streamed_quantization_peak_memory_is_bounded_by_one_layer(tmp_path):
     write_dense(directory, dtype=torch.float16, **SHAPE)
     (directory.parent / "corpus.txt").write_text("".join(TOKENIZER_TEXT) * 40)
     small = write(tmp_path / "small" / "ckpt", "dense")
-    script = MEMORY.format(tests=str(Path(__file__).parent), small=str(small), directory=str(directory))
+    script = MEMORY.format(small=str(small), directory=str(directory))
     out = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent, capture_output=True,
                          text=True, timeout=600, env={**os.environ, "SPEC_CONVERT_CACHE": str(tmp_path / "c")})
     assert out.returncode == 0, out.stderr[-2000:]

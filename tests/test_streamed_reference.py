@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from checkpoints import write_checkpoint as write_dense
-from qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
 from convert.inputs.sources import read_json
 from convert.models import read_args
 from convert.verify import gates, reference
+from tests.helpers.checkpoints import write_checkpoint as write_dense
+from tests.helpers.qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 GREEDY = 4

@@ -9,42 +9,19 @@ import shutil
 from pathlib import Path
 
 import pytest
-from checkpoints import write_checkpoint
 from click.testing import CliRunner
-from dflash2_checkpoints import tiny_config, write_drafter
-from manifest_samples import recorded_paths
 
 from convert.cli import main
 from convert.commands import verify as verify_command
 from manifests.identity import REPORT_FILE
+from tests.helpers.checkpoints import write_checkpoint
+from tests.helpers.dflash2_checkpoints import tiny_config, write_drafter
+from tests.helpers.manifest_samples import recorded_paths
+from tests.helpers.recipes import gate, recipe, tiny_dflash2, tiny_target
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 TAPS = [0, 2, 3]
-# random weights quantized to 4 bits agree with their fp32 selves on few argmax ids: the bars are set out of the way
-RECIPE = """\
-name: vb
-target:
-  source: path:{target}
-  graphs: {{prefill: 16, decode: 1, verify: 8}}
-  context: 128
-  taps: {taps}
-  quantization: {{method: affine4, group_size: 32}}
-  gate:
-    data: {{samples: 2, length: 48}}
-    greedy_tokens: 8
-    thresholds: {{top1_min: 0, greedy_match_min: 0, cosine_min: 0, tap_cosine_min: 0, mean_kl_max: 10,
-                  p99_kl_max: 50, max_kl_max: 100, device_top1_min: 0, device_greedy_match_min: 0,
-                  device_mean_kl_max: 10}}
-backends: [coreai, coreml]
-drafter:
-  kind: dflash2
-  source: path:{drafter}
-  context_update: 16
-  ring: 64
-  quantization: {{method: lut4}}
-  accept: {{samples: 2, length: 24, tokens: 16}}
-"""
 
 
 def run(*args):
@@ -58,8 +35,12 @@ def built(tmp_path_factory) -> Path:
     draft = {"target_layer_ids": TAPS, "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
              "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
     write_drafter(tmp / "drafter", config=tiny_config(vocab_size=4096, dflash_config=draft))
-    (tmp / "vb.yaml").write_text(RECIPE.format(target=tmp / "target", drafter=tmp / "drafter", taps=TAPS))
-    result = run("build", tmp / "vb.yaml", "--output", tmp / "vb")
+    # random weights quantized to 4 bits agree with their fp32 selves on few argmax ids: the bars are set out of the way
+    bars = gate(2, 48, greedy_tokens=8, top1_min=0, greedy_match_min=0, cosine_min=0, tap_cosine_min=0, mean_kl_max=10,
+                p99_kl_max=50, max_kl_max=100, device_top1_min=0, device_greedy_match_min=0, device_mean_kl_max=10)
+    target = tiny_target(tmp / "target", taps=TAPS, quantization={"method": "affine4", "group_size": 32}, gate=bars)
+    path = recipe(tmp, "vb", target=target, backends=["coreai", "coreml"], drafter=tiny_dflash2(tmp / "drafter"))
+    result = run("build", path, "--output", tmp / "vb")
     assert result.exit_code == 0, result.output
     (tmp / "build-output.txt").write_text(result.output)
     return tmp / "vb"
@@ -359,7 +340,7 @@ def test_inspect_json_is_the_manifest(built):
 
 def test_inspect_states_what_the_lint_means_in_the_ane_layout(tmp_path):
     """A sample manifest edited to the ane layout (no states) with one finding: it matters, not expected."""
-    from manifest_samples import target_manifest, write_bundle
+    from tests.helpers.manifest_samples import target_manifest, write_bundle
 
     m = target_manifest()
     for function in m["functions"]:

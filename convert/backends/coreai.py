@@ -16,11 +16,11 @@ processes differ in exactly two places, both fixed here, so rebuilds are byte-id
   each ``dense_resource`` blob by an LLVM hash of its payload whose seed is per process (an ASLR address:
   two builds in one process, or under ``setarch -R``, are identical) and the bytecode keeps the name, so
   the program and weights are equal but the names are not. No option of the converter or serializer sets
-  the seed, so ``_canonicalize_resource_names`` renames the blobs ``resource_0``, ``resource_1`` ... in
+  the seed, so ``mlir_bytecode.canonicalize_resource_names`` renames the blobs ``resource_0``, ``resource_1`` ... in
   their (deterministic) order of use, rewrites the string section and ``main.hash``.
   ``TorchConverter.Mode.RELEASE`` is used: DEBUG mode embeds torch stack traces, i.e. checkout paths.
 
-Measured on the toy of ``tests/toymodel.py`` (2 CPU cores, Linux reference runtime): prefill S=8, three
+Measured on the toy of ``tests/helpers/toymodel.py`` (2 CPU cores, Linux reference runtime): prefill S=8, three
 decodes, verify S=4 at positions 11..14, then a rollback verify at 9..12 on the same states, against the
 torch modules carrying their own KV buffers. Argmax ids were identical in every call.
 
@@ -70,9 +70,13 @@ from coreai_torch._compression import custom_layers
 from torch import nn
 
 from convert.backends.base import CompileRecord
+from convert.backends.mlir_bytecode import RESOURCE, bytecode_sections, canonicalize_resource_names, resource_blobs
+from convert.backends.stored import ShippedWeight, fingerprint, from_blockwise_shift_scale, from_lut_to_dense
 from convert.errors import PackageError
-from convert.export import quantized as compress
+from convert.export.quantized import shipped_nbytes
 from convert.export.spec import TORCH_DTYPES, FunctionSpec, TensorSpec
+
+RUNS_HERE = True  # the Core AI runtime's Linux CPU reference runs its packages here
 
 STABLE_HASH_SCOPE = "every file of the .aimodel, byte for byte (weight blob names and creationDate made stable)"
 WEIGHT_SHARING_BOUND = 1.2  # stored blob bytes / one function's weight bytes
@@ -101,7 +105,7 @@ def package(functions: dict[str, tuple[nn.Module, FunctionSpec]], path: Path) ->
     except Exception as error:
         raise PackageError(f"Core AI conversion of functions {list(functions)} failed: {error}") from error
     program.save_asset(path)
-    _canonicalize_resource_names(path / "main.mlirb")
+    canonicalize_resource_names(path / "main.mlirb")
     (path / "main.hash").write_bytes(hashlib.sha256((path / "main.mlirb").read_bytes()).digest())
     AIModelAsset.load(path).update_metadata(_stamp_creation_date)
     _sort_metadata_keys(path / "metadata.json")
@@ -125,7 +129,7 @@ def read_back(path: Path) -> dict[str, FunctionSpec]:
         return session.specs()
 
 
-def compressed_weights(path: Path) -> dict[str, list[compress.ShippedWeight]]:
+def compressed_weights(path: Path) -> dict[str, list[ShippedWeight]]:
     """Every compressed weight (lut_to_dense, blockwise_shift_scale) of every function, by function: its codes and
     tables read back from main.mlirb, and the dense weight coreai-torch's reference ops make of them.
 
@@ -135,7 +139,7 @@ def compressed_weights(path: Path) -> dict[str, list[compress.ShippedWeight]]:
     the process.
     """
     module = _mlir_module(AIModelAsset.load(path).program)
-    blobs = _resource_blobs((path / "main.mlirb").read_bytes())
+    blobs = resource_blobs((path / "main.mlirb").read_bytes())
     decoded: dict = {}  # the functions share the resources: each one decoded once, not once a function
     shipped = {}
     with module.context:
@@ -180,19 +184,19 @@ _NUMPY_ELEMENTS = {"f16": np.float16, "f32": np.float32, "ui8": np.uint8, "si8":
                    "si32": np.int32}
 
 
-def _shipped(where: str, op, blobs: dict[str, bytes], decoded: dict) -> compress.ShippedWeight:
+def _shipped(where: str, op, blobs: dict[str, bytes], decoded: dict) -> ShippedWeight:
     """One compressed-weight op: its operands as stored, and coreai-torch's reference decompression of them."""
     operands = [_constant(where, value, blobs, decoded) for value in op.operands]
     if op.name == "coreai.lut_to_dense":
         indices, lut, axis = operands
-        weight = compress.from_lut_to_dense(where, indices, lut)
+        weight = from_lut_to_dense(where, indices, lut)
         group = weight.group_size
 
         def decompress(a: int, b: int) -> np.ndarray:
             table = torch.from_numpy(lut[a // group : b // group])
             return custom_layers.lut_to_dense(torch.from_numpy(indices[a:b]), table, int(axis)).numpy()
 
-        return compress.ShippedWeight(where, weight, decompress, group, compress.fingerprint(weight))
+        return ShippedWeight(where, weight, decompress, group, fingerprint(weight))
     data, scale, offset, shift = operands
     element = str(ir.RankedTensorType(op.operands[0].type).element_type)
     if element not in _SHIFT_SCALE_METHODS:
@@ -200,13 +204,13 @@ def _shipped(where: str, op, blobs: dict[str, bytes], decoded: dict) -> compress
     method = _SHIFT_SCALE_METHODS[element]
     if np.any(shift != 0):
         raise PackageError(f"{where}: a non-zero second offset (minval); not an {method} weight")
-    weight = compress.from_blockwise_shift_scale(where, data, scale, offset, method)
+    weight = from_blockwise_shift_scale(where, data, scale, offset, method)
 
     def dequantize(a: int, b: int) -> np.ndarray:
         blocks = (torch.from_numpy(data[a:b]), torch.from_numpy(scale[a:b]), torch.from_numpy(offset[a:b]))
         return custom_layers.constexpr_blockwise_shift_scale(blocks[0], blocks[1], zero_point=blocks[2]).numpy()
 
-    return compress.ShippedWeight(where, weight, dequantize, 1, compress.fingerprint(weight))
+    return ShippedWeight(where, weight, dequantize, 1, fingerprint(weight))
 
 
 def _constant(where: str, value, blobs: dict[str, bytes], decoded: dict) -> np.ndarray:
@@ -493,147 +497,13 @@ def _check_weights_stored_once(path: Path, functions: dict[str, tuple[nn.Module,
 
 def stored_weight_bytes(path: Path) -> int:
     """Bytes of the weight blobs a package stores (its bytecode's resource section: every constant, once)."""
-    _, sections = _bytecode_sections((path / "main.mlirb").read_bytes())
-    return sum(len(data) for section, data, _ in sections if section == _RESOURCE)
+    _, sections = bytecode_sections((path / "main.mlirb").read_bytes())
+    return sum(len(data) for section, data, _ in sections if section == RESOURCE)
 
 
 def _weight_bytes(module: nn.Module, spec: FunctionSpec) -> int:
     """What one function's weights should take in the asset: quantized linears packed, the rest dense."""
-    return compress.shipped_nbytes(module, skip={s.name for s in spec.states})
-
-
-# MLIR bytecode (https://mlir.llvm.org/docs/BytecodeFormat/): magic, version, producer, then sections of
-# [id | 0x80 if aligned, varint length, (varint alignment, 0xCB padding), data].
-_MAGIC = b"ML\xefR"
-_STRINGS, _RESOURCE, _RESOURCE_OFFSETS = 0, 5, 6
-_ALIGNED = 0x80
-_PADDING = b"\xcb"
-_BLOB = 0  # resource entry kind
-
-
-def _canonicalize_resource_names(mlirb: Path) -> None:
-    """Rename the bytecode's resource blobs ``resource_<i>`` in order of use (see the module docstring)."""
-    header, sections = _bytecode_sections(mlirb.read_bytes())
-    offsets = next((data for section, data, _ in sections if section == _RESOURCE_OFFSETS), b"")
-    keys = _resource_keys(offsets)
-    rebuilt = []
-    for section, data, alignment in sections:
-        if section == _STRINGS:
-            strings = _read_strings(data)
-            for index, key in enumerate(keys):
-                strings[key] = f"resource_{index}".encode()
-            data = _write_strings(strings)
-        rebuilt.append((section, data, alignment))
-    mlirb.write_bytes(_write_sections(header, rebuilt))
-
-
-def _bytecode_sections(content: bytes) -> tuple[bytes, list[tuple[int, bytes, int]]]:
-    """Split bytecode into its header (magic, version, producer) and (id, data, alignment) sections."""
-    if not content.startswith(_MAGIC):
-        raise PackageError("main.mlirb is not MLIR bytecode; coreai-core changed its format, update this backend")
-    _, pos = _read_varint(content, len(_MAGIC))
-    pos = content.index(b"\0", pos) + 1
-    header, sections = content[:pos], []
-    while pos < len(content):
-        code = content[pos]
-        length, pos = _read_varint(content, pos + 1)
-        alignment = 1
-        if code & _ALIGNED:
-            alignment, pos = _read_varint(content, pos)
-            pos += -pos % alignment
-        sections.append((code & ~_ALIGNED, content[pos : pos + length], alignment))
-        pos += length
-    return header, sections
-
-
-def _write_sections(header: bytes, sections: list[tuple[int, bytes, int]]) -> bytes:
-    out = bytearray(header)
-    for section, data, alignment in sections:
-        out += bytes([section | (_ALIGNED if alignment > 1 else 0)]) + _encode_varint(len(data))
-        if alignment > 1:
-            out += _encode_varint(alignment)
-            out += _PADDING * (-len(out) % alignment)
-        out += data
-    return bytes(out)
-
-
-def _resource_keys(offsets: bytes) -> list[int]:
-    """String-table indices of every resource key, in order, from the resource offset section."""
-    return list(dict.fromkeys(key for key, _, _ in _resource_entries(offsets)))
-
-
-def _resource_entries(offsets: bytes) -> list[tuple[int, int, int]]:
-    """(key string index, size, kind) of every resource entry, in the order of their data.
-
-    The section is a count of external groups, then groups (external, then dialect) until its end, each a
-    group key, an entry count and entries of (key string index, size, kind byte).
-    """
-    entries = []
-    _, pos = _read_varint(offsets, 0)
-    while pos < len(offsets):
-        _, pos = _read_varint(offsets, pos)
-        count, pos = _read_varint(offsets, pos)
-        for _ in range(count):
-            key, pos = _read_varint(offsets, pos)
-            size, pos = _read_varint(offsets, pos)
-            entries.append((key, size, offsets[pos]))
-            pos += 1
-    return entries
-
-
-def _resource_blobs(content: bytes) -> dict[str, bytes]:
-    """Every blob resource of the bytecode by its name.
-
-    The resource section holds the entries back to back; a blob entry is its alignment (varint), its size
-    (varint), padding to that alignment (the section itself starts aligned to the largest) and the bytes.
-    """
-    _, sections = _bytecode_sections(content)
-    data = {section: payload for section, payload, _ in sections}
-    strings = _read_strings(data[_STRINGS])
-    resources, blobs, start = data.get(_RESOURCE, b""), {}, 0
-    for key, size, kind in _resource_entries(data.get(_RESOURCE_OFFSETS, b"")):
-        if kind == _BLOB:
-            alignment, pos = _read_varint(resources, start)
-            length, pos = _read_varint(resources, pos)
-            pos += -pos % alignment
-            blobs[strings[key].decode()] = resources[pos : pos + length]
-        start += size
-    return blobs
-
-
-def _read_strings(data: bytes) -> list[bytes]:
-    """The string section: a count, the sizes (with NUL) in reverse order, then the NUL-terminated strings."""
-    count, pos = _read_varint(data, 0)
-    sizes = []
-    for _ in range(count):
-        size, pos = _read_varint(data, pos)
-        sizes.append(size)
-    strings = []
-    for size in reversed(sizes):
-        strings.append(data[pos : pos + size - 1])
-        pos += size
-    return strings
-
-
-def _write_strings(strings: list[bytes]) -> bytes:
-    sizes = b"".join(_encode_varint(len(s) + 1) for s in reversed(strings))
-    return _encode_varint(len(strings)) + sizes + b"".join(s + b"\0" for s in strings)
-
-
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    """MLIR's prefix varint: the trailing zeros of the first byte count the extra bytes (0: 8 raw bytes)."""
-    first = data[pos]
-    if first == 0:
-        return int.from_bytes(data[pos + 1 : pos + 9], "little"), pos + 9
-    size = (first & -first).bit_length()
-    return int.from_bytes(data[pos : pos + size], "little") >> size, pos + size
-
-
-def _encode_varint(value: int) -> bytes:
-    for size in range(1, 9):
-        if value < 1 << (7 * size):
-            return (((value << 1) | 1) << (size - 1)).to_bytes(size, "little")
-    return b"\0" + value.to_bytes(8, "little")
+    return shipped_nbytes(module, skip={s.name for s in spec.states})
 
 
 def _function_spec(desc) -> FunctionSpec:

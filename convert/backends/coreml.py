@@ -20,7 +20,7 @@ Why these choices:
   conversion hold the codes once, as views (docs/benchmarks.md, "Where a part's packaging memory goes"). An exact2
   weight arrives as a 2-bit palettization with a table per group; the conversion's last pass
   (``Exact2CodesThenScales``) ships it as its codes through one int8 table into ``constexpr_blockwise_shift_scale``
-  (compress.py says why). ``compressed_weights`` reads them back for the build's bit-exact check.
+  (``convert/export/quantized.py`` says why). ``compressed_weights`` reads them back for the build's bit-exact check.
 - KV writes must be an ``index_put_`` on the whole state with an index tensor for every dim (scatter_nd).
   coremltools 9 has no ``index_copy``; ``cache[l].index_copy_(1, pos, k)`` and ``cache[l, :, pos] = k``
   both reach its ``index_put`` with a whole-slice index, which fails ("Input squeeze_0 has rank 1 != other
@@ -29,7 +29,7 @@ Why these choices:
   the program's function map in an order that changes from process to process. After saving, the
   program is re-serialized deterministically and the manifest ids are derived from the items' contents.
 
-Measured on 2 busy CPU cores with the fp16 toy of tests/test_backend_coreml.py (tests/toymodel.py with
+Measured on 2 busy CPU cores with the fp16 toy of tests/test_backend_coreml.py (tests/helpers/toymodel.py with
 that write; prefill 8, decode 1, verify 4; 20,480 bytes of fp16 parameters): packaging all 3 functions
 takes 2.4-3.8 s (about 0.8 s per function), plus about 2 s to import torch and coremltools; read_back
 takes 0.06 s. weight.bin is 23,744 bytes merged against 21,824-22,848 bytes for one function alone
@@ -58,9 +58,17 @@ import torch
 from torch import nn
 
 from convert import progress
+from convert.backends import stored
 from convert.backends.base import CompileRecord
 from convert.errors import PackageError
-from convert.export import quantized as compress
+from convert.export.quantized import (
+    ENTRIES,
+    EXACT2_ENTRIES,
+    QuantizedLinear,
+    add_coreml_compression,
+    exact2_parameters,
+    exact2_tables,
+)
 from convert.export.spec import DTYPES, FunctionSpec, TensorSpec
 from quant.types import QuantizedWeight
 
@@ -99,6 +107,8 @@ from coremltools.converters.mil.mil.types import np_uint2_dtype, np_uint4_dtype 
 from coremltools.proto import Model_pb2  # noqa: E402
 
 from convert.export.spec import TORCH_DTYPES  # noqa: E402
+
+RUNS_HERE = False  # Core ML runs on Apple devices alone: its packages are checked by reading them back
 
 _NUMPY_DTYPES = {"int32": np.int32, "float16": np.float16, "float32": np.float32}
 _FROM_MIL_DTYPES = {"int32": "int32", "fp16": "float16", "fp32": "float32"}
@@ -188,10 +198,10 @@ def convert_function(name: str, module: nn.Module, spec: FunctionSpec) -> ct.mod
 def _weights_from_codes(module: nn.Module):
     """While it is open, coremltools' torch frontend builds each quantized linear's compressed weight from the
     ``QuantizedWeight`` of ``module`` under that parameter's name (``_constexpr_weight``) instead of deriving codes
-    from a dense weight. The tracing copy marks those parameters (``compress.add_coreml_compression``) and holds
+    from a dense weight. The tracing copy marks those parameters (``add_coreml_compression``) and holds
     them as placeholders, so no dense copy of a quantized weight exists during a conversion."""
     weights = {f"{path}.weight": layer.quantized_weight() for path, layer in module.named_modules(
-        remove_duplicate=False) if isinstance(layer, compress.QuantizedLinear)}
+        remove_duplicate=False) if isinstance(layer, QuantizedLinear)}
     derive = TorchConverter._construct_compression_op
 
     def construct(converter, value, param_name):
@@ -245,7 +255,7 @@ def _constexpr_weight(name: str, weight: QuantizedWeight) -> Var:
     ``_construct_palettization_op``, ``_construct_quantization_op``), made from the codes and tables themselves:
     lut4 as ``constexpr_lut_to_dense`` of uint4 codes by its fp16 tables [O/G, 1, 16, 1]; affine4 as
     ``constexpr_blockwise_shift_scale`` of uint4 codes, fp16 scales and uint4 zero points (no offset when all are 0);
-    exact2 as ``constexpr_lut_to_dense`` of uint2 codes by a 4-entry fp16 table per group (``compress.exact2_tables``),
+    exact2 as ``constexpr_lut_to_dense`` of uint2 codes by a 4-entry fp16 table per group (``exact2_tables``),
     which ``Exact2CodesThenScales`` ships as codes then scales. The codes are views of the module's, not copies."""
     codes = weight.codes.contiguous().numpy()
     if weight.method == "affine4":
@@ -254,9 +264,9 @@ def _constexpr_weight(name: str, weight: QuantizedWeight) -> Var:
             data=codes.view(np_uint4_dtype), scale=weight.scale.numpy(),
             offset=zero_point.view(np_uint4_dtype) if zero_point.any() else None, name=name)
     if weight.method == "lut4":
-        lut, indices = weight.lut.reshape(-1, 1, compress.ENTRIES, 1), codes.view(np_uint4_dtype)
+        lut, indices = weight.lut.reshape(-1, 1, ENTRIES, 1), codes.view(np_uint4_dtype)
     else:
-        lut, indices = compress.exact2_tables(weight.scale, weight.zero_point)[..., None], codes.view(np_uint2_dtype)
+        lut, indices = exact2_tables(weight.scale, weight.zero_point)[..., None], codes.view(np_uint2_dtype)
     return mb.constexpr_lut_to_dense(indices=indices, lut=lut.contiguous().numpy(), name=name)
 
 
@@ -276,19 +286,19 @@ class Exact2CodesThenScales(AbstractGraphPass):
 @block_context_manager
 def _ship_codes_then_scales(block: Block) -> None:
     for op in list(block.operations):
-        if op.op_type != "constexpr_lut_to_dense" or op.lut.val.shape[-2] != compress.EXACT2_ENTRIES:
+        if op.op_type != "constexpr_lut_to_dense" or op.lut.val.shape[-2] != EXACT2_ENTRIES:
             continue
         lut = op.lut.val
         parameters = None
         if lut.ndim == 4 and lut.shape[-1] == 1 and lut.dtype == np.float16:
-            parameters = compress.exact2_parameters(torch.from_numpy(lut[..., 0]))
+            parameters = exact2_parameters(torch.from_numpy(lut[..., 0]))
         if parameters is None:
             raise PackageError(f"MIL op {op.name}: a 2-bit table {list(lut.shape)} {lut.dtype} that is not an exact2 "
                                "weight's scale * (code - zero_point)")
         scale, zero_point = (t.numpy() for t in parameters)
         shift = int(zero_point.flat[0])
         offset = zero_point.astype(np.int8) - shift
-        table = (np.arange(compress.EXACT2_ENTRIES) - shift).astype(np.int8).reshape(1, 1, -1, 1)
+        table = (np.arange(EXACT2_ENTRIES) - shift).astype(np.int8).reshape(1, 1, -1, 1)
         with mb.set_before_op(op):
             codes = mb.constexpr_lut_to_dense(indices=op.indices.val, lut=table, name=f"{op.name}_codes")
             weight = mb.constexpr_blockwise_shift_scale(
@@ -353,16 +363,16 @@ def _tracing_copy(module: nn.Module, spec: FunctionSpec) -> nn.Module:
             replacements[id(buffer)] = torch.zeros(buffer.shape, dtype=torch.float32)
         else:
             replacements[id(buffer)] = buffer.detach().float() if buffer.is_floating_point() else buffer
-    quantized = {id(m.weight) for m in module.modules() if isinstance(m, compress.QuantizedLinear)}
+    quantized = {id(m.weight) for m in module.modules() if isinstance(m, QuantizedLinear)}
     for parameter in module.parameters():
         value = torch.zeros((), dtype=torch.float32).expand(parameter.shape) if id(parameter) in quantized else \
             parameter.detach().float()
         replacements[id(parameter)] = nn.Parameter(value, requires_grad=False)
     traced = copy.deepcopy(module, memo=replacements).eval()
     for layer in traced.modules():
-        if isinstance(layer, compress.QuantizedLinear):
+        if isinstance(layer, QuantizedLinear):
             layer.released = False  # the trace reads the placeholder parameter, which _weights_from_codes replaces
-    compress.add_coreml_compression(traced)
+    add_coreml_compression(traced)
     return traced
 
 
@@ -442,7 +452,7 @@ def _tensor_spec(function_name: str, name: str, tensor_type) -> TensorSpec:
 @dataclass
 class Contents:
     """What the build's checks read from a package: every function's spec, op types and the digest
-    (``compress.digest``) of every plain (uncompressed) weight constant it holds. The compressed weights are compared
+    (``stored.digest``) of every plain (uncompressed) weight constant it holds. The compressed weights are compared
     by the quantized check (``checks.QuantizedComparison``: codes, tables and their decompression), through
     ``contents``' ``each_function``."""
 
@@ -451,7 +461,7 @@ class Contents:
     weight_digests: dict[str, set[str]]
 
 
-def contents(path: Path, each_function: Callable[[str, list[compress.ShippedWeight]], None] | None = None) -> Contents:
+def contents(path: Path, each_function: Callable[[str, list[stored.ShippedWeight]], None] | None = None) -> Contents:
     """The package's ``Contents``, its functions' programs loaded one at a time; ``each_function(name, compressed)``
     sees each function's compressed weights while its program is loaded.
 
@@ -470,7 +480,7 @@ def contents(path: Path, each_function: Callable[[str, list[compress.ShippedWeig
     return found
 
 
-def _read_function(spec: Model_pb2.Model, weights_dir: str, name: str, found: Contents) -> list[compress.ShippedWeight]:
+def _read_function(spec: Model_pb2.Model, weights_dir: str, name: str, found: Contents) -> list[stored.ShippedWeight]:
     """Function ``name``'s entries of ``found`` (loading its program alone), and its compressed weights."""
     function = _load_function(spec, weights_dir, name)
     found.specs[name] = _function_spec(name, function)
@@ -480,7 +490,7 @@ def _read_function(spec: Model_pb2.Model, weights_dir: str, name: str, found: Co
         if _is_compressed_weight(op):
             compressed.append(_shipped(op))
         elif op.op_type == "const" and (value := _plain_constant(op)) is not None:
-            found.weight_digests[name].add(compress.digest(value))
+            found.weight_digests[name].add(stored.digest(value))
     return compressed
 
 
@@ -505,11 +515,11 @@ def operation_types(path: Path) -> dict[str, set[str]]:
     return {f.name: {op.op_type for op in program.functions[f.name].operations} for f in spec.description.functions}
 
 
-def compressed_weights(path: Path) -> dict[str, list[compress.ShippedWeight]]:
+def compressed_weights(path: Path) -> dict[str, list[stored.ShippedWeight]]:
     """Every compressed weight of every function, by function: its codes and tables as stored, and the dense
     weight coremltools' own decompression makes of them (every function's program held: the checks of a large part
     use ``contents``' ``each_function`` instead)."""
-    found: dict[str, list[compress.ShippedWeight]] = {}
+    found: dict[str, list[stored.ShippedWeight]] = {}
     contents(path, found.__setitem__)
     return found
 
@@ -538,7 +548,7 @@ def _codes_then_scales(op: Operation) -> Operation | None:
     return producer if producer is not None and producer.op_type == "constexpr_lut_to_dense" else None
 
 
-def _shipped(op: Operation) -> compress.ShippedWeight:
+def _shipped(op: Operation) -> stored.ShippedWeight:
     """The op's weight: its codes and tables as stored, its dense form decompressed when asked for."""
     where = f"MIL op {op.name} ({op.op_type})"
     codes_op = _codes_then_scales(op)
@@ -546,7 +556,7 @@ def _shipped(op: Operation) -> compress.ShippedWeight:
         reader, optional = _COMPRESSED_READERS[op.op_type], ()
         operands = {name: getattr(op, name) for name in _COMPRESSED_OPERANDS[op.op_type]}
     else:  # exact2: no offset where every zero point is the table's
-        reader, optional = compress.from_codes_then_scales, ("offset",)
+        reader, optional = stored.from_codes_then_scales, ("offset",)
         operands = {"indices": codes_op.indices, "lut": codes_op.lut, "scale": op.scale, "offset": op.offset}
     missing = [name for name, var in operands.items() if (var is None and name not in optional) or
                (var is not None and var.val is None)]
@@ -554,7 +564,7 @@ def _shipped(op: Operation) -> compress.ShippedWeight:
         raise PackageError(f"{where}: operands {missing} are not constants; it is not a weight compressed here")
     weight = reader(where, *(None if var is None else var.val for var in operands.values()))
     rows, multiple = _decompress_rows(op)
-    return compress.ShippedWeight(where, weight, rows, multiple, compress.fingerprint(weight))
+    return stored.ShippedWeight(where, weight, rows, multiple, stored.fingerprint(weight))
 
 
 def _decompress_rows(op: Operation) -> tuple[Callable[[int, int], np.ndarray], int]:
@@ -580,8 +590,8 @@ def _data_rows(op: Operation, start: int, stop: int) -> np.ndarray:
 
 
 _COMPRESSED_READERS: dict[str, Callable[..., QuantizedWeight]] = {
-    "constexpr_lut_to_dense": compress.from_lut_to_dense,
-    "constexpr_blockwise_shift_scale": compress.from_blockwise_shift_scale,
+    "constexpr_lut_to_dense": stored.from_lut_to_dense,
+    "constexpr_blockwise_shift_scale": stored.from_blockwise_shift_scale,
 }
 _COMPRESSED_OPERANDS = {
     "constexpr_lut_to_dense": ("indices", "lut"),

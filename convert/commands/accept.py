@@ -17,7 +17,7 @@ import numpy as np
 
 from convert.commands.inspect import open_drafter, open_target
 from convert.errors import GateError, InputError
-from convert.pipeline import drafter
+from convert.pipeline import drafter_accept
 from convert.pipeline.build import shipped_modules
 from convert.pipeline.drafter_build import (
     format_ab,
@@ -100,15 +100,16 @@ def _run_coreai(plan, bundle: Path, pair, target, target32, modules, fp16_module
 
 
 def _run_device(plan, target, modules) -> dict:
-    """Both sides in the arithmetic of their layouts' devices (``drafter.device_acceptance``) on the held-out prompts:
-    lossless against the target's own greedy decoding so computed, and the drafter's range verdict (exit 1 past)."""
+    """Both sides in the arithmetic of their layouts' devices (``drafter_accept.device_acceptance``) on the held-out
+    prompts: lossless against the target's own greedy decoding so computed, and the drafter's range verdict (exit 1
+    past)."""
     (prompts, data), tokens = held_out_prompts(plan), plan.drafter.config.accept.tokens
     devices = f"the target on the {DEVICE_OF_LAYOUT[plan.recipe.target.layout]}, the drafter on the " \
               f"{DEVICE_OF_LAYOUT[plan.drafter.config.layout]}"
     with stage(f"accept in the devices' arithmetic ({devices}): {len(prompts)} prompts x {tokens} tokens"):
-        stats, runs, verdict = drafter.device_acceptance(plan, target, modules, prompts, tokens)
-    drafter.raise_if_out_of_range(verdict, "accept --runtime device")
-    drafter.raise_if_lossy(stats, runs)
+        stats, runs, verdict = drafter_accept.device_acceptance(plan, target, modules, prompts, tokens)
+    drafter_accept.raise_if_out_of_range(verdict, "accept --runtime device")
+    drafter_accept.raise_if_lossy(stats, runs)
     console.print(f"range ({verdict.device}): {verdict.checked} drafter tensors within their limits; least headroom "
                   + ", ".join(f"{e.tensor} ({e.kind}) {e.headroom:.3g}x" for e in verdict.tightest[:3]))
     return {"runtime": "device", "acceptance": {"data": data, **stats, "range": verdict.model_dump()}, "ab": None}

@@ -15,7 +15,7 @@ from convert.pipeline.plan import make_plan
 from convert.progress import console, stage
 from convert.runtime.chain import coreai_target, manifest_parts, module_chain
 from convert.verify import gates
-from convert.verify.gates import GateReport
+from convert.verify.report import GateReport
 from convert.weights.target import TargetModules
 from manifests import identity
 from manifests.schema import Manifest

@@ -19,6 +19,7 @@ from pathlib import Path
 from convert.commands.gate import weights_match
 from convert.commands.inspect import open_target
 from convert.errors import InputError, quote
+from convert.export.names import ARGMAX_IDS
 from convert.export.spec import WIDTH_INPUTS
 from convert.pipeline.build import shipped_modules
 from convert.pipeline.bundle import MANIFEST
@@ -75,18 +76,18 @@ def greedy(driver: TargetDriver, prompt: list[int], tokens: int, eos: int | None
     steps are stages on stderr (``convert.progress``), the decoding rate at the end."""
     if not told:
         out = driver.prefill(prompt)
-        ids = [int(out["argmax_ids"][-1])]
+        ids = [int(out[ARGMAX_IDS][-1])]
         while len(ids) < tokens and ids[-1] != eos:
-            ids.append(int(driver.run("decode", [ids[-1]], len(prompt) + len(ids) - 1)["argmax_ids"][0]))
+            ids.append(int(driver.run("decode", [ids[-1]], len(prompt) + len(ids) - 1)[ARGMAX_IDS][0]))
         return ids
     start = time.perf_counter()
     with stage(f"prefill: {len(prompt)} prompt tokens"):
-        ids = [int(driver.prefill(prompt)["argmax_ids"][-1])]
+        ids = [int(driver.prefill(prompt)[ARGMAX_IDS][-1])]
     prefilled = time.perf_counter()
     if len(ids) < tokens and ids[-1] != eos:
         with steps("decode", tokens - 1, "steps at most") as advance:
             while len(ids) < tokens and ids[-1] != eos:
-                ids.append(int(driver.run("decode", [ids[-1]], len(prompt) + len(ids) - 1)["argmax_ids"][0]))
+                ids.append(int(driver.run("decode", [ids[-1]], len(prompt) + len(ids) - 1)[ARGMAX_IDS][0]))
                 advance()
     end = time.perf_counter()
     decoded = len(ids) - 1

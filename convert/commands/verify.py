@@ -155,27 +155,49 @@ def _size(path: Path) -> str:
 
 
 def _hash_all(bundle: Path, reports: list[PartReport], recorded: dict[Path, list]) -> None:
-    """Each recorded file's presence and size, then its sha256 (with progress over the bytes to hash)."""
-    todo = []
+    """Each recorded file's presence and size, then its sha256 (with progress over the bytes to hash), then each Core
+    AI program against the digest just computed."""
+    todo = [entry for report in reports for entry in _sized(bundle, report, recorded.get(report.folder, []))]
+    digests = _hashed(bundle, todo)
     for report in reports:
-        for path, record, where, _format in recorded.get(report.folder, []):
-            report.files += 1
-            shown = _shown(bundle, path)
-            try:
-                size = path.stat().st_size if path.is_file() else None
-            except OSError as exc:
-                report.differences.append(f"{shown}: the manifest's {where} records it, it cannot be read "
-                                          f"({exc.strerror}); {AGAIN}")
-                continue
-            if size is None:
-                report.differences.append(f"{shown}: missing; the manifest's {where} records it ({record.size:,} "
-                                          f"bytes); {AGAIN}")
-            elif size != record.size:
-                report.differences.append(f"{shown}: {size:,} bytes, the manifest's {where} records {record.size:,} "
-                                          f"(truncated or changed after the build); {AGAIN}")
-            else:
-                todo.append((report, path, record, where))
-    digests = {}  # what each hashed file hashed to: a Core AI program's main.hash is checked against it
+        manifest = report.manifest
+        for package in manifest.packages if manifest is not None else ():
+            if package.format == "coreai" and not report.differences:
+                try:
+                    aimodel = report.folder / package.path
+                    check_aimodel(aimodel, digests.get(aimodel / "main.mlirb"))
+                except (InputError, GateError) as exc:
+                    report.differences.append(str(exc).replace(str(bundle) + os.sep, "", 1))
+
+
+def _sized(bundle: Path, report: PartReport, files: list) -> list[tuple]:
+    """The files of ``report``'s folder whose presence and size are as recorded, to hash; the others' differences
+    noted on the report."""
+    todo = []
+    for path, record, where, _format in files:
+        report.files += 1
+        shown = _shown(bundle, path)
+        try:
+            size = path.stat().st_size if path.is_file() else None
+        except OSError as exc:
+            report.differences.append(f"{shown}: the manifest's {where} records it, it cannot be read "
+                                      f"({exc.strerror}); {AGAIN}")
+            continue
+        if size is None:
+            report.differences.append(f"{shown}: missing; the manifest's {where} records it ({record.size:,} "
+                                      f"bytes); {AGAIN}")
+        elif size != record.size:
+            report.differences.append(f"{shown}: {size:,} bytes, the manifest's {where} records {record.size:,} "
+                                      f"(truncated or changed after the build); {AGAIN}")
+        else:
+            todo.append((report, path, record, where))
+    return todo
+
+
+def _hashed(bundle: Path, todo: list[tuple]) -> dict[Path, str | None]:
+    """Each file's sha256 against its record (differences noted on its report), with progress over the bytes: what
+    each hashed to (None: it could not be read)."""
+    digests = {}
     total = sum(record.size for _, _, record, _ in todo)
     terminal = progress.console.is_terminal  # a bar there; in a log, progress lines and a line per large file
     with progress.bar() as bar:
@@ -196,15 +218,7 @@ def _hash_all(bundle: Path, reports: list[PartReport], recorded: dict[Path, list
                 report.differences.append(
                     f"{_shown(bundle, path)}: sha256 {digest[:SHOWN_HASH]}, the manifest's {where} records "
                     f"{record.sha256[:SHOWN_HASH]} (changed after the build); {AGAIN}")
-    for report in reports:
-        manifest = report.manifest
-        for package in manifest.packages if manifest is not None else ():
-            if package.format == "coreai" and not report.differences:
-                try:
-                    aimodel = report.folder / package.path
-                    check_aimodel(aimodel, digests.get(aimodel / "main.mlirb"))
-                except (InputError, GateError) as exc:
-                    report.differences.append(str(exc).replace(str(bundle) + os.sep, "", 1))
+    return digests
 
 
 def _check_pair(bundle: Path, reports: list[PartReport]) -> None:

@@ -17,6 +17,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from convert.export.names import (
+    HIDDEN_STATES,
+    LOGITS,
+)
 from convert.export.quantized import QuantizedLinear, RowParts
 from convert.export.spec import TensorSpec
 from convert.fp16 import within
@@ -36,7 +40,7 @@ def rope_rows(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[t
     return angles.cos(), angles.sin()
 
 
-def host_work(rope_theta: float, rotary_dim: int, ladder=(), embedded: str | None = "hidden_states",
+def host_work(rope_theta: float, rotary_dim: int, ladder=(), embedded: str | None = HIDDEN_STATES,
               first_row: int = 0) -> dict:
     """What every family's ane host contract adds for the host to do (``manifests.schema.HostContract``): the position
     inputs (``rope_rows``, ``history_mask_row`` from ``first_row``), the ladder's entries, the embedding lookup in the
@@ -93,7 +97,7 @@ def logits_ranges(vocab: int, align: int) -> list[tuple[int, int]]:
 def logits_names(ranges: list[tuple[int, int]]) -> list[str]:
     """The logits outputs of a head in ``ranges``: ``logits``, or ``logits_0``, ``logits_1``, ... (the host puts
     them side by side: the contract's ``logits_parts``)."""
-    return ["logits"] if len(ranges) == 1 else [f"logits_{k}" for k in range(len(ranges))]
+    return [LOGITS] if len(ranges) == 1 else [f"logits_{k}" for k in range(len(ranges))]
 
 
 def logits_parts(ranges: list[tuple[int, int]]) -> dict:
@@ -120,7 +124,7 @@ def head_outputs(head: nn.Module, hidden: torch.Tensor) -> dict[str, torch.Tenso
     if isinstance(head, RowParts):
         return {name: rows_of(pointwise(part, hidden))[None]
                 for name, part in zip(logits_names(head.ranges), head.parts, strict=True)}
-    return {"logits": rows_of(pointwise(head, hidden))[None]}
+    return {LOGITS: rows_of(pointwise(head, hidden))[None]}
 
 
 def rms_norm(norm: nn.Module, x: torch.Tensor, dim: int = 1, eps: float | None = None) -> torch.Tensor:

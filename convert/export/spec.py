@@ -7,13 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
+from convert.export.names import HIDDEN_STATES, INPUT_IDS, POSITION_IDS, ROPE_COS
+
 DTYPES = ("int32", "float16", "float32")
 
 
 DTYPE_BYTES = {"int32": 4, "float16": 2, "float32": 4}
 
 
-WIDTH_INPUTS = ("position_ids", "input_ids", "hidden_states")  # a function's width: [1, S] of the first it takes
+WIDTH_INPUTS = (POSITION_IDS, INPUT_IDS, HIDDEN_STATES)  # a function's width: [1, S] of the first it takes
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,8 @@ class FunctionSpec:
         takes, or the rows of the RoPE inputs an ane function takes in their place (every function has one of
         them)."""
         by_name = {t.name: t for t in self.inputs}
-        if "rope_cos" in by_name:
-            return by_name["rope_cos"].shape[0]
+        if ROPE_COS in by_name:
+            return by_name[ROPE_COS].shape[0]
         return next(by_name[n].shape[1] for n in WIDTH_INPUTS if n in by_name)
 
 

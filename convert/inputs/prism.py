@@ -144,8 +144,8 @@ def read_pack(directory: Path) -> Pack:
     refuse_gguf(directory)
     config_path = directory / "config.json"
     config = read_json(config_path)
-    _check_config(config, config_path)
-    records = _module_records(config, config_path)
+    check_pack_config(config, config_path)
+    records = module_records(config, config_path)
     hadamard_path = directory / HADAMARD_FILE
     manifest = read_json(hadamard_path)
     block, signs_by_width = _read_hadamard(manifest, hadamard_path)
@@ -156,7 +156,7 @@ def read_pack(directory: Path) -> Pack:
     return Pack(directory, config, block, modules)
 
 
-def _check_config(config: dict, path: Path) -> None:
+def check_pack_config(config: dict, path: Path) -> None:
     if config.get("model_type") != MODEL_TYPE:
         raise InputError(f"{path}: model_type is {config.get('model_type')!r}, not {MODEL_TYPE!r}")
     for field, expected in CONFIG_FIELDS.items():
@@ -208,7 +208,7 @@ def _tensor_headers(directory: Path) -> dict[str, _Header]:
     return headers
 
 
-def _module_records(config: dict, path: Path) -> list[dict]:
+def module_records(config: dict, path: Path) -> list[dict]:
     records = config.get("modules")
     if not isinstance(records, list) or not records:
         raise InputError(f"{path}: modules is missing or empty; a Prism pack lists every packed matrix there")
@@ -485,7 +485,7 @@ def write_unfolded(pack: Pack, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     save_file(dict(unfolded_tensors(pack)), str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(unfolded_config(pack), indent=2))
-    _copy_files(pack, directory)
+    copy_pack_files(pack, directory)
     return directory
 
 
@@ -494,7 +494,7 @@ def _packed_names(pack: Pack) -> set[str]:
     return {m.key + suffix for m in pack.modules.values() for suffix in (".weight", ".scales", ".biases", ".signs")}
 
 
-def _copy_files(pack: Pack, directory: Path) -> None:
+def copy_pack_files(pack: Pack, directory: Path) -> None:
     """The pack's tokenizer, generation and license files, copied into ``directory``."""
     for path in [*(pack.directory / name for name in COPIED_FILES), *license_files(pack.directory)]:
         if path.is_file():
@@ -511,7 +511,7 @@ def write_view(pack: Pack, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / VIEW_FILE).write_text(json.dumps({"pack": str(pack.directory.resolve())}, indent=2))
     (directory / "config.json").write_text(json.dumps(unfolded_config(pack), indent=2))
-    _copy_files(pack, directory)
+    copy_pack_files(pack, directory)
     return directory
 
 

@@ -50,12 +50,12 @@ _DEFAULTS = {
     # a pack's own codes against its unfolded weights: the codes, the scales, the rotations and (``weights.precision``)
     # the norms and the decay gate ship as the pack stores them, so what differs is fp32 rounding and the fp16 of the
     # pack's other dense tensors (the conv, in_proj_a / in_proj_b). Measured where the pack stores them in fp32
-    # (tests/prism_packs.py, seeds 0-5, 16 x 64 held-out tokens; docs/benchmarks.md "Exact packs at fp32"): mean KL
-    # 2.3e-7 to 4.5e-7, p99 at most 5.2e-6, max at most 1.1e-4, top-1 0.9961 to 1.0 (every flip at a near tie of a
+    # (tests/helpers/prism_packs.py, seeds 0-5, 16 x 64 held-out tokens; docs/benchmarks.md "Exact packs at fp32"): mean
+    # KL 2.3e-7 to 4.5e-7, p99 at most 5.2e-6, max at most 1.1e-4, top-1 0.9961 to 1.0 (every flip at a near tie of a
     # random pack), cosine at least 0.9999993; a pack stored in bf16 (fp16 holds it): 1.3e-10 to 2.4e-10 and 1.0. The
     # bars leave 20x on mean KL and 9x on max KL, and admit 10 flips in 1,024 (2.5x the worst measured; over fewer
-    # positions one flip is a larger fraction). One rotated linear's signs negated in its first block is far past
-    # them: mean KL 0.053 (layer 1's v_proj) and 0.32 (layer 0's down_proj), top-1 0.54 and 0.15.
+    # positions one flip is a larger fraction). One rotated linear's signs negated in its first block is far past them:
+    # mean KL 0.053 (layer 1's v_proj) and 0.32 (layer 0's down_proj), top-1 0.54 and 0.15.
     "exact": dict(mean_kl_max=1e-5, p99_kl_max=1e-4, max_kl_max=1e-3, top1_min=0.99, cosine_min=0.99999,
                   greedy_match_min=0.9, tap_cosine_min=0.9999, **_FP16_DEVICE),
 }

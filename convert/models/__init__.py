@@ -1,4 +1,6 @@
-"""Target architectures: one small package per family behind this registry, picked from a checkpoint's config.json.
+"""Model families behind two registries: target architectures (``FAMILIES``, picked from a checkpoint's config.json)
+and drafter families (``DRAFTERS``, by a recipe's ``drafter.kind``: each one's ``family.py`` defines the hooks of
+``contracts.DrafterFamily``; docs/contributing.md). The hooks are typed in ``contracts.py``.
 
 Every family package (``qwen3``: Qwen3 dense; ``qwen3_5``: the hybrid Qwen3.5 family) defines the same names, and
 nothing outside ``convert/models`` names a family:
@@ -35,6 +37,9 @@ from convert import fields
 from convert.errors import InputError, quote
 
 FAMILIES = ("qwen3_5", "qwen3")  # first match wins
+DRAFTERS: dict[str, str | ModuleType] = {"dflash2": "convert.models.dflash2.family", "mtp": "convert.models.mtp.family"}
+"""Drafter families by the recipe's ``drafter.kind``: the module of each one's hooks (``contracts.DrafterFamily``), or
+its import path."""
 # Families we know by name and do not convert: (model_type, architecture) -> what to say
 REFUSED = {
     "qwen3_next": "Qwen3-Next (fused in_proj_qkvz / in_proj_ba and mixture-of-experts MLPs) is not supported",
@@ -47,6 +52,14 @@ def family(name: str) -> ModuleType:
     if name not in FAMILIES:
         raise InputError(f"unknown architecture family {name!r}; one of {', '.join(FAMILIES)}")
     return importlib.import_module(f"convert.models.{name}")
+
+
+def drafter_family(kind: str) -> ModuleType:
+    """The hooks of the drafter family a recipe's ``drafter.kind`` names, or an error listing the kinds there are."""
+    entry = DRAFTERS.get(kind)
+    if entry is None:
+        raise InputError(f"drafter.kind: {quote(kind)} is not a drafter kind; one of {', '.join(DRAFTERS)}")
+    return importlib.import_module(entry) if isinstance(entry, str) else entry
 
 
 def family_of(args) -> ModuleType:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from convert.export.ane import logits_ranges, pointwise, rms_norm, rows_of
+from convert.export.names import ARGMAX_IDS, HIDDEN, HIDDEN_STATES, INPUT_IDS, LOGITS, MAX_LOGIT, POSITION_IDS, TAPS
 from convert.export.spec import FunctionSpec, TensorSpec
 
 HIDDEN_OUT = "hidden_states_out"  # a part's rows for the next part (Core ML refuses one name for an input and output)
@@ -141,9 +142,9 @@ def part_outputs(core: nn.Module, x: torch.Tensor, tapped: list) -> dict[str, to
     logits = core.lm_head(hidden)
     ids = logits.argmax(-1)
     if core.part.splits_head:
-        out["max_logit"] = logits.amax(-1)
+        out[MAX_LOGIT] = logits.amax(-1)
         ids = ids + core.part.head[0]
-    return {**out, "argmax_ids": ids.to(torch.int32), "logits": logits, "hidden": hidden}
+    return {**out, ARGMAX_IDS: ids.to(torch.int32), LOGITS: logits, HIDDEN: hidden}
 
 
 def host_tables(core: nn.Module) -> tuple[str, ...]:
@@ -176,14 +177,14 @@ def ane_outputs(core: nn.Module, x: torch.Tensor, tapped: list) -> dict[str, tor
     if core.part.head is None:
         return out
     hidden = rms_norm(core.norm, x)
-    return {**out, "logits": rows_of(pointwise(core.lm_head, hidden))[None], "hidden": rows_of(hidden)[None]}
+    return {**out, LOGITS: rows_of(pointwise(core.lm_head, hidden))[None], HIDDEN: rows_of(hidden)[None]}
 
 
 def _rows_outputs(part: Part, x: torch.Tensor, tapped: list) -> dict[str, torch.Tensor]:
     """The taps (concatenated in the recipe's order) and, without the head, the rows ``x`` [S, H] for the next part."""
     out = {}
     if tapped:
-        out["taps"] = torch.cat([t for _, t in sorted(tapped, key=lambda p: p[0])], dim=-1)[None]
+        out[TAPS] = torch.cat([t for _, t in sorted(tapped, key=lambda p: p[0])], dim=-1)[None]
     if part.head is None:
         out[HIDDEN_OUT] = x[None]
     return out
@@ -201,25 +202,25 @@ def part_tensors(args, target, part: Part, width: int, dtype: str) -> tuple[tupl
     h, ane = args.hidden_size, target.layout == "ane"
     inputs = []
     if part.embedding is not None and not ane:
-        inputs.append(TensorSpec("input_ids", (1, width), "int32"))
+        inputs.append(TensorSpec(INPUT_IDS, (1, width), "int32"))
     if part.takes_hidden or ane:
-        inputs.append(TensorSpec("hidden_states", (1, width, h), dtype))
+        inputs.append(TensorSpec(HIDDEN_STATES, (1, width, h), dtype))
     if part.layer_indices:
-        inputs.append(TensorSpec("position_ids", (1, width), "int32"))
+        inputs.append(TensorSpec(POSITION_IDS, (1, width), "int32"))
     outputs = []
     if part.head is not None and not ane:
-        outputs.append(TensorSpec("argmax_ids", (1, width), "int32"))
+        outputs.append(TensorSpec(ARGMAX_IDS, (1, width), "int32"))
         if part.splits_head:
-            outputs.append(TensorSpec("max_logit", (1, width), dtype))
+            outputs.append(TensorSpec(MAX_LOGIT, (1, width), dtype))
     elif part.head is None:
         outputs.append(TensorSpec(HIDDEN_OUT, (1, width, h), dtype))
     taps = part.own_taps(target.taps)
     if taps:
-        outputs.append(TensorSpec("taps", (1, width, len(taps) * h), dtype))
+        outputs.append(TensorSpec(TAPS, (1, width, len(taps) * h), dtype))
     if part.head is not None and target.hidden and part.head[0] == 0:
-        outputs.append(TensorSpec("hidden", (1, width, h), dtype))
+        outputs.append(TensorSpec(HIDDEN, (1, width, h), dtype))
     if part.head is not None and (target.logits or ane):
-        outputs.append(TensorSpec("logits", (1, width, part.head[1] - part.head[0]), dtype))
+        outputs.append(TensorSpec(LOGITS, (1, width, part.head[1] - part.head[0]), dtype))
     return tuple(inputs), tuple(outputs)
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from torch import nn
 
-from convert import cache as build_cache
 from convert import progress
 from convert.cache import BuildCache
 from convert.errors import GateError
@@ -26,26 +25,28 @@ from convert.inputs.sources import (
 from convert.models.part import Part
 from convert.pipeline.bundle import MANIFEST, file_entry, staging
 from convert.pipeline.drafter_build import build_drafter
+from convert.pipeline.gate_cache import GatePasses, gate, print_gate
 from convert.pipeline.packaging import package_formats
 from convert.pipeline.partition import (
     MB,
 )
-from convert.pipeline.plan import Plan, cpu_seconds
+from convert.pipeline.plan import Plan
+from convert.pipeline.plan_costs import cpu_seconds
 from convert.pipeline.record import (
-    _function_record,
-    _manifest,
-    _quantization_record,
-    _write_drafter_interface,
     copy_extras,
+    function_record,
     package_entry,
+    quantization_record,
+    target_manifest,
+    write_drafter_interface,
 )
 from convert.processes import in_fresh_process, in_this_process
 from convert.progress import console, stage
 from convert.runtime.host import TargetDriver
 from convert.verify import checks, gates, placement
 from convert.verify.checks import part_calls, recorded_calls, short_schedule
-from convert.verify.gates import GateReport
 from convert.verify.placement import REFERENCE
+from convert.verify.report import ArtifactResult, GateReport
 from convert.weights import rescale
 from convert.weights.quantize import QuantizeResult, pack_modules, quantize_checkpoint
 from convert.weights.shipped import PartLoader
@@ -59,9 +60,16 @@ from manifests.schema import Manifest, Rescale
 # Core AI runtime emulates fp16 (about 24 s for one 64-token call at 11.8M parameters, docs/benchmarks.md), so the
 # chained run of every part would take hours at 27B.
 CHAINED_RUN_PARAMETERS = 50_000_000
-GATE_STAGE = "gate"
-GATE_PASSES_STAGE = "gate-passes"
-GATE_TOOLCHAIN = ("torch", "transformers", "tokenizers", "numpy")
+
+
+@dataclass(frozen=True)
+class BuiltTarget:
+    """What building the target gives the drafter stage: its manifest, and (when a drafter needs them) the whole
+    modules as shipped, with, for a parted target, a loader of their decoder layers again (None: the modules' own)."""
+
+    manifest: Manifest
+    modules: TargetModules | None
+    reload_layers: Callable[[], nn.ModuleList] | None = None
 
 
 def shipped_modules(plan: Plan, cache: BuildCache | None = None,
@@ -84,7 +92,7 @@ def shipped_modules(plan: Plan, cache: BuildCache | None = None,
     if result is None:
         return modules, None
     apply_quantized(modules.core, dict(result.items()))
-    return modules, _quantization_record(quant, result, modules)
+    return modules, quantization_record(quant, result, modules)
 
 
 def _load_modules(plan: Plan, scales: rescale.Scales) -> TargetModules:
@@ -113,80 +121,6 @@ def exact_result(plan: Plan, scales: rescale.Scales | None = None) -> QuantizeRe
         for name in factors:  # refused here, before anything runs, where fp16 cannot hold a folded scale
             result.unit(name)
         return result
-
-
-def gate(plan: Plan, cache: BuildCache, source_files, compute: Callable[[GatePasses | None, tuple], GateReport],
-         report_path: Path | None) -> GateReport:
-    """The numeric gate (``compute(passes, settings)``: the target against the transformers reference on
-    ``gates.recipe_gate``'s thresholds and data, computed once here); prints its table; fails
-    closed (``GateError``) after writing the report to ``report_path`` when given. The report is kept in ``cache``
-    under a key of everything it was computed from (the source files, the recipe's target section, the gate data and
-    thresholds, the toolchain, the build's code) and restored from there when a build is run again: at 27B the gate
-    takes hours, and a build resumed in a later session starts after it; a streamed gate stopped part way keeps its
-    candidate's and reference's windows (``GatePasses``)."""
-    settings = thresholds, data = gates.recipe_gate(plan)
-    progress.phase("numeric gate")
-    if not cache.enabled:
-        report = compute(None, settings)
-    else:
-        entry_key = build_cache.key({
-            "stage": GATE_STAGE, "code": build_cache.code_fingerprint(("convert.pipeline.build",)),
-            "versions": build_cache.versions(GATE_TOOLCHAIN), "sources": {r.path: r.sha256 for r in source_files},
-            "target": plan.recipe.target.model_dump(mode="json"), "data": data.identity.model_dump(),
-            "thresholds": thresholds.model_dump()})
-        entry = cache.get(GATE_STAGE, entry_key)
-        if entry is not None:
-            with stage(f"numeric gate: restored from the cache (computed in {entry.meta['seconds']:.0f} s)"):
-                report = GateReport.model_validate_json(entry.path(REPORT_FILE).read_text())
-        else:
-            passes = GatePasses(cache.root, entry_key)
-            report = compute(passes, settings)
-            cache.put(GATE_STAGE, entry_key, lambda d: _stored_report(d, report))
-            passes.discard()  # the report holds what they were for (at 27B they are 8 GB of logits)
-    _print_gate(report, report_path)
-    return report
-
-
-@dataclass(frozen=True)
-class GatePasses:
-    """``gates.run_streamed_gates``'s ``keep``: the streamed gate's candidate, device-pass and reference windows, each a
-    build cache entry (stage ``GATE_PASSES_STAGE``, under the gate's key) as soon as it is computed, restored from
-    there when the gate runs again, their logits mapped from the entry's file. Picklable: the gate of a large target
-    runs in a process of its own."""
-
-    root: Path
-    gate_key: str
-
-    def __call__(self, name: str, compute: Callable[[], list]) -> list:
-        cache = BuildCache(self.root)
-        windows = cache.get_object(GATE_PASSES_STAGE, self._key(name), mmap=True)
-        if windows is not None:
-            console.print(f"  numeric gate: the {name}'s windows restored from the cache")
-            return windows
-        windows = compute()
-        cache.put_object(GATE_PASSES_STAGE, self._key(name), windows, {"passes": name})
-        return windows
-
-    def discard(self) -> None:
-        cache = BuildCache(self.root)
-        for name in ("candidate", "device", "reference"):
-            cache.remove(GATE_PASSES_STAGE, self._key(name))
-
-    def _key(self, name: str) -> str:
-        return build_cache.key({"gate": self.gate_key, "passes": name})
-
-
-def _stored_report(directory: Path, report: GateReport) -> dict:
-    report.write_json(directory / REPORT_FILE)
-    return {"seconds": report.seconds}
-
-
-def _print_gate(report: GateReport, report_path: Path | None) -> None:
-    """Print the gate's table; fail closed (``GateError``) after writing the report to ``report_path`` if given."""
-    console.print(report.table())
-    if report_path is not None and not report.passed:
-        report.write_json(report_path)
-    report.raise_if_failed()
 
 
 def parts_loader(plan: Plan, cache: BuildCache, stack: ExitStack, file_hashes: dict[str, str] | None = None):
@@ -235,12 +169,13 @@ def build(plan: Plan, cache: BuildCache | None = None, strict: bool = False) -> 
             ExitStack() as stack:
         target_dir = tmp / plan.target_dir.relative_to(plan.output)
         target_dir.mkdir(exist_ok=True)
-        manifest, modules, reload_layers = _build_target(plan, target_dir, failed_report, cache, stack)
+        built = _build_target(plan, target_dir, failed_report, cache, stack)
+        manifest = built.manifest
         manifests = [manifest]
         if plan.drafter:
             progress.phase("drafter")
-            drafter_manifest = build_drafter(plan, modules, manifest, target_dir, tmp / "drafter", cache,
-                                             reload_layers)
+            drafter_manifest = build_drafter(plan, built.modules, manifest, target_dir, tmp / "drafter", cache,
+                                             built.reload_layers)
             manifests.append(drafter_manifest)
             progress.phase("pair check")
             with stage("check-pair: the drafter's binding against the target bundle"):
@@ -289,10 +224,8 @@ def report_placement(manifests: list[Manifest], listed: bool) -> list[str]:
     return findings
 
 
-def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
-                  stack: ExitStack) -> tuple[Manifest, TargetModules, Callable[[], nn.ModuleList] | None]:
-    """One package per format from the whole modules in memory; a parted target part by part (``_build_parts``).
-    Returns the manifest, the modules and (a parted target's) a loader of its decoder layers again."""
+def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, stack: ExitStack) -> BuiltTarget:
+    """One package per format from the whole modules in memory; a parted target part by part (``_build_parts``)."""
     progress.phase("sources")
     with stage("hash source files"):
         source_files = file_records(plan.snapshot.source)
@@ -313,7 +246,7 @@ def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
         if done.format == "coreai":
             report.artifact = _artifact_of_whole(plan, modules, done, report, failed_report)
         packages.append(package_entry(done.format, done.path, out, done.check, done.compiled))
-    return _finish_target(plan, out, source_files, modules, packages, None, quantization, report), modules, None
+    return BuiltTarget(_finish_target(plan, out, source_files, modules, packages, None, quantization, report), modules)
 
 
 def _artifact_of_whole(plan: Plan, modules: TargetModules, done, report: GateReport, failed_report: Path):
@@ -322,8 +255,8 @@ def _artifact_of_whole(plan: Plan, modules: TargetModules, done, report: GateRep
                               modules, report, failed_report)
 
 
-def _held_to_reference(plan: Plan, result: gates.ArtifactResult, modules: TargetModules, report: GateReport,
-                       failed_report: Path) -> gates.ArtifactResult:
+def _held_to_reference(plan: Plan, result: ArtifactResult, modules: TargetModules, report: GateReport,
+                       failed_report: Path) -> ArtifactResult:
     """An artifact gate's run, and its greedy ids (when it made a greedy run from the check's prompt) against the fp32
     reference's (``gates.artifact_against_reference``); a failure of either writes the report and fails the build."""
     if result.passed and result.greedy_ids:
@@ -333,7 +266,7 @@ def _held_to_reference(plan: Plan, result: gates.ArtifactResult, modules: Target
                                                       result.greedy_ids, report.thresholds.near_tie_margin)
     if not result.passed:
         report.artifact = result
-        _print_gate(report, failed_report)
+        print_gate(report, failed_report)
     return result
 
 
@@ -359,21 +292,21 @@ def _finish_target(plan: Plan, out: Path, source_files, modules: TargetModules, 
     target = plan.recipe.target
     feeds_drafter = plan.drafter is not None or bool(target.taps) or target.hidden
     host_lookup = target.layout == "ane"  # the host looks the embedding rows up in the bundle's table
-    interface = _write_drafter_interface(plan, modules, out) if feeds_drafter or host_lookup else None
-    manifest = _manifest(plan, source_files, modules, packages, parts, extra_files, quantization, report, interface,
-                         records)
+    interface = write_drafter_interface(plan, modules, out) if feeds_drafter or host_lookup else None
+    manifest = target_manifest(plan, source_files, modules, packages, parts, extra_files, quantization, report,
+                               interface, records)
     (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
     return manifest
 
 
 def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, source_files,
-                 stack: ExitStack) -> tuple[Manifest, TargetModules | None, Callable[[], nn.ModuleList] | None]:
+                 stack: ExitStack) -> BuiltTarget:
     """A parted target, which may be larger than host memory, with at most a part (or one decoder layer) of it
     loaded at a time: quantized into the cache (a scratch one beside the output under ``--no-cache``), gated
     layer by layer (``gates.gate_streamed``), packaged part by part (``convert.weights.shipped.PartLoader``). Above
     ``CHAINED_RUN_PARAMETERS`` the quantize stage, the gate and each part run in a fresh process
-    (``convert.processes``): this one holds none of their memory. Returns the manifest, and when a drafter needs them
-    the whole modules, their quantized weights as packed codes, with a loader of their decoder layers again (the
+    (``convert.processes``): this one holds none of their memory. When a drafter needs them, the whole modules come
+    with the manifest, their quantized weights as packed codes, with a loader of their decoder layers again (the
     drafter stage lets them go while it quantizes the drafter; ``stack`` keeps a scratch cache until then)."""
     run = in_fresh_process if plan.parameter_count > CHAINED_RUN_PARAMETERS else in_this_process
     scales, ranged = run(streamed_range_stage, plan) if plan.recipe.target.rescale else (rescale.Scales(), None)
@@ -392,21 +325,21 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, 
     # the record reads every unit back (the tables' codes too) and needs only the core's names and shapes: from the
     # outline, before the tables load (measured at the 27B width: the finish peaked at 13.9 GiB the other way round,
     # 9.2 GiB this way)
-    quantization = _quantization_record(plan.recipe.target.quantization, result, loader.outline) \
+    quantization = quantization_record(plan.recipe.target.quantization, result, loader.outline) \
         if result is not None else None
     with stage("load the embedding and the lm_head (identity hashes, drafter interface)"):
         tables = loader.load([tables_part(plan.args)])[0]
     manifest = _finish_target(plan, out, source_files, tables, packages, parts, quantization, report)
     del tables
     if not plan.drafter:
-        return manifest, None, None
+        return BuiltTarget(manifest, None)
 
     def lean_whole() -> TargetModules:
         return loader.load([Part.whole(plan.args)], lean=True)[0]
 
     with stage("load the whole target for the drafter stage, its quantized weights as packed codes"):
         whole = lean_whole()
-    return manifest, whole, lambda: lean_whole().core.layers
+    return BuiltTarget(manifest, whole, lambda: lean_whole().core.layers)
 
 
 def _gate_parts(plan: Plan, result: QuantizeResult | None, scales: rescale.Scales, passes: GatePasses | None,
@@ -504,7 +437,7 @@ def _package_piece(plan: Plan, part: Part, piece: TargetModules, calls: list, ou
         _check_part_size(entries[-1], target.max_part_mb)
         if done.format == "coreai":
             coreai.append(done)
-    record = {**part.record(target.taps), "functions": [_function_record(spec) for _, spec in piece.functions.values()],
+    record = {**part.record(target.taps), "functions": [function_record(spec) for _, spec in piece.functions.values()],
               "packages": [e["path"] for e in entries]}
     return entries, record, coreai
 

@@ -21,10 +21,10 @@ from convert.errors import GateError
 from convert.export.functions import compute_copy
 from convert.export.quantized import packaged_from_codes
 from convert.inputs.sources import file_records, license_files
-from convert.pipeline import drafter
+from convert.pipeline import drafter, drafter_accept, drafter_calibration, drafter_memory
 from convert.pipeline.bundle import MANIFEST
 from convert.pipeline.packaging import package_formats, weights_digest
-from convert.pipeline.record import _desc, built_at, package_entry, toolchain_versions
+from convert.pipeline.record import built_at, function_record, package_entry, toolchain_versions
 from convert.progress import console, stage
 from convert.runtime.economics import format_economics, ngram_speedup
 from convert.runtime.host import ModuleFunctions
@@ -34,7 +34,7 @@ from convert.weights.quantize import calibration_text
 from convert.weights.shipped import at_context
 from convert.weights.target import TargetModules
 from manifests import identity
-from manifests.schema import TAP_CONVENTION, DrafterManifest, Manifest
+from manifests.schema import DrafterManifest, Manifest
 
 CHECK_PROMPT_TOKENS = 24  # the replayed run on the Core AI runtime: a short prompt ...
 CHECK_GENERATED = 12  # ... and a few rounds
@@ -129,15 +129,15 @@ def shipped_drafter(plan, target: TargetModules, target32: TargetModules,
         entry = None if quantized_key is None else keys.cache.get(QUANTIZED_STAGE, quantized_key)
         if entry is not None:
             with stage(f"quantize drafter {quant.method}: its GPTQ'd linears restored from the build cache"):
-                record = drafter.restore_quantized(modules, entry)
+                record = drafter_calibration.restore_quantized(modules, entry)
             return modules, _fp16_reference(plan, target, own), {**record, "calibration": calibration}
         with stage(f"calibrate drafter: speculative decoding of {len(prompts)} x {spec.length} tokens + "
                    f"{spec.tokens} generated ({spec.corpus})"):
             journal = None if keys is None else keys.journal("calibrate", prompts, spec.tokens)
-            hessians = drafter.calibration_hessians(
+            hessians = drafter_calibration.calibration_hessians(
                 dplan.kind, target32, compute_copy(modules, torch.float32, share_weights=True), prompts, spec.tokens,
                 drafter.anchor_table(target), plan.drafter_sessions, journal)
-    groups = len(drafter.hessian_groups(modules.core))
+    groups = len(drafter_memory.hessian_groups(modules.core))
     replays = "" if hessians is None or groups == 1 else (
         f"; Hessians of {groups} groups of linears, from the calibration's drafter calls replayed")
     dropped = reload_layers is not None and hessians is not None
@@ -145,10 +145,11 @@ def shipped_drafter(plan, target: TargetModules, target32: TargetModules,
         target.core.layers = target32.core.layers = torch.nn.ModuleList()
     with stage(f"quantize drafter {quant.method} (groups of {quant.resolved_group_size}{replays})"):
         if quantized_key is None:
-            record = drafter.quantize(modules, quant, hessians)
+            record = drafter_calibration.quantize(modules, quant, hessians)
         else:
             entry = keys.cache.put(QUANTIZED_STAGE, quantized_key,
-                                   lambda directory: drafter.store_quantized(modules, quant, hessians, directory))
+                                   lambda directory: drafter_calibration.store_quantized(modules, quant, hessians,
+                                                                                         directory))
             record = entry.meta["record"]
     if dropped:
         with stage("load the target's decoder layers again, as packed codes (let go while GPTQ ran)"):
@@ -186,26 +187,26 @@ def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_
         return None if functions is None else (functions[0], drafter_functions)
 
     with stage(f"accept: {len(prompts)} prompts x {tokens} tokens, speculative vs greedy"):
-        stats, runs = drafter.accept(dplan.kind, target32, drafter32, prompts, tokens, embeddings, references,
+        stats, runs = drafter_accept.accept(dplan.kind, target32, drafter32, prompts, tokens, embeddings, references,
                                      functions, sessions, journal("accept", modules))
-    drafter.raise_if_lossy(stats, runs)
+    drafter_accept.raise_if_lossy(stats, runs)
     with stage("economics: bytes read per call (one metered run)"):
-        economics = drafter.economics(dplan.kind, target, target32, modules, drafter32, prompts[0], tokens,
+        economics = drafter_accept.economics(dplan.kind, target, target32, modules, drafter32, prompts[0], tokens,
                                       embeddings, stats["tokens_per_round"])
     with stage("n-gram baseline: prompt lookup on the same prompts and target (no package)"):
-        ngram, ngram_runs = drafter.accept("ngram", target32, None, prompts, tokens, embeddings, references,
-                                           with_drafter(None), sessions, journal("ngram"))
-    drafter.raise_if_lossy(ngram, ngram_runs)
+        ngram, ngram_runs = drafter_accept.accept(drafter.NGRAM, target32, None, prompts, tokens, embeddings,
+                                                  references, with_drafter(None), sessions, journal("ngram"))
+    drafter_accept.raise_if_lossy(ngram, ngram_runs)
     ngram["predicted_speedup"] = ngram_speedup(ngram, economics["verify_cost"])
     acceptance = {**stats, "economics": economics, "ngram": ngram}
     if fp16_modules is None:
         return acceptance, None
     base32 = compute_copy(fp16_modules, torch.float32, share_weights=True)
     with stage("A/B: the fp16 drafter on the same prompts"):
-        base_stats, base_runs = drafter.accept(dplan.kind, target32, base32, prompts, tokens, embeddings,
+        base_stats, base_runs = drafter_accept.accept(dplan.kind, target32, base32, prompts, tokens, embeddings,
                                                references, with_drafter(ModuleFunctions(base32)), sessions,
                                                journal("ab-fp16"))
-    ab = drafter.ab_verdict(paired_ab(base_runs, runs), spec.max_p_value)
+    ab = drafter_accept.ab_verdict(paired_ab(base_runs, runs), spec.max_p_value)
     ab["fp16_tokens_per_round"] = base_stats["tokens_per_round"]
     if ab["significant_loss"]:
         raise GateError(
@@ -222,7 +223,7 @@ def measure_held_out(plan, target: TargetModules, target32: TargetModules, modul
     same modules (``keys``: every phase's prompts journaled)."""
     (prompts, data), tokens = held_out, plan.drafter.config.accept.tokens
     with stage(f"plain greedy decoding: {len(prompts)} held-out prompts x {tokens} tokens"):
-        references = drafter.greedy_references(target32, prompts, tokens, plan.drafter_sessions,
+        references = drafter_accept.greedy_references(target32, prompts, tokens, plan.drafter_sessions,
                                                None if keys is None else keys.journal("greedy", prompts, tokens))
     acceptance, ab = measure(plan, target, target32, modules, fp16_modules, prompts, tokens, references, keys=keys)
     return {"data": data, **acceptance}, ab
@@ -279,13 +280,14 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
     with stage(f"device pass of the pair: a held-out prompt x {tokens} tokens, the target on the "
                f"{gates.DEVICE_OF_LAYOUT[plan.recipe.target.layout]}, the drafter on the "
                f"{gates.DEVICE_OF_LAYOUT[dplan.config.layout]} (their arithmetic)"):
-        acceptance["device"] = drafter.device_pass(plan, target, target32, modules, held_out[0][0], tokens)
+        acceptance["device"] = drafter_accept.device_pass(plan, target, target32, modules, held_out[0][0], tokens)
     del target32  # packaging needs only the fp16 modules; the fp32 copy of the target is freed
     console.print(format_stats(acceptance))
     if ab:
         console.print(format_ab(ab))
     prompt = held_out[0][0][:CHECK_PROMPT_TOKENS]
-    calls = drafter.recorded_calls(dplan.kind, target, modules, prompt, CHECK_GENERATED, drafter.anchor_table(target))
+    calls = drafter_calibration.recorded_calls(dplan.kind, target, modules, prompt, CHECK_GENERATED,
+                                               drafter.anchor_table(target))
     packaged_from_codes(modules.core)  # its quantized linears and a lean target's tables, as a package is made
     del fp16_modules  # the A/B's reference (the drafter's fp16 weights) is not packaged
     target.core.layers = torch.nn.ModuleList()
@@ -323,8 +325,10 @@ def _write_extras(dplan, modules, out: Path) -> list[dict]:
 
 
 def _binding(dplan, target_manifest: Manifest, target_dir: Path) -> dict:
-    """The target manifest's records the drafter depends on, whole (``manifests.schema.TargetBinding``)."""
-    mask = getattr(dplan.args, "mask_token_id", None) if dplan.kind == "dflash2" else None
+    """The target manifest's records the drafter depends on, whole (``manifests.schema.TargetBinding``), and what the
+    drafter family takes from the target beside them (its ``binding``: a mask row's token, a hidden convention)."""
+    own = dplan.family.binding(dplan.args)
+    mask = own["mask_token_id"]
     records = target_manifest.model_dump(mode="json")
     return {
         "export_id": target_manifest.export_id,
@@ -332,36 +336,20 @@ def _binding(dplan, target_manifest: Manifest, target_dir: Path) -> dict:
         "mask_token_id": mask,
         "mask_row_sha256": identity.embedding_row_sha256(target_dir / identity.EMBEDDINGS_FILE, mask)
         if mask is not None else None,
-        "hidden_convention": drafter.MTP_HIDDEN_CONVENTION if dplan.kind == "mtp" else None,
+        "hidden_convention": own["hidden_convention"],
     }
 
 
 def _architecture(dplan, modules) -> dict:
-    args, config = dplan.args, dplan.config
-    if dplan.kind == "dflash2":
-        kind = "dflash2" if args.has_selector else "dflash"
-        runtime = {"draft_width": dplan.widths["draft"], "block_size": args.block_size,
-                   "context_update": config.context_update, "context_append": config.context_append,
-                   "ring_rows": config.ring, "sliding_window": max((w or 0) for w in args.layer_windows) or None,
-                   "mask_token_id": args.mask_token_id, "mask_scale": config.mask_scale,
-                   "conv_kernel_size": args.conv_kernel_size, "conv_group_size": args.conv_group_size,
-                   "selector_rank": args.selector_rank, "selector_top_k": args.selector_top_k,
-                   "tap_convention": TAP_CONVENTION}
-        architectures, layers, inter = [args.architecture], args.num_hidden_layers, args.intermediate_size
-    else:
-        kind = "mtp"
-        runtime = {"draft_steps": dplan.widths["accept"] - 1, "accept_width": dplan.widths["accept"],
-                   "context": modules.core.context, "zero_centred_norm": args.zero_centred_norm,
-                   "attn_output_gate": args.attn_output_gate, "rotary_dim": args.rotary_dim,
-                   "hidden_convention": drafter.MTP_HIDDEN_CONVENTION}
-        architectures, layers, inter = [f"{args.model_type or 'qwen3'}-mtp"], args.mtp_layers, args.intermediate_size
+    args = dplan.args
+    family = dplan.family.architecture(args, dplan.config, dplan.widths, modules.core)
     return {
-        "kind": kind, "architectures": architectures, "layout": dplan.checkpoint_layout,
-        "hidden_size": args.hidden_size, "num_layers": layers, "num_heads": args.num_attention_heads,
-        "num_kv_heads": args.num_key_value_heads, "head_dim": args.head_dim, "intermediate_size": inter,
-        "vocab_size": args.vocab_size,
+        "kind": family["kind"], "architectures": family["architectures"], "layout": dplan.checkpoint_layout,
+        "hidden_size": args.hidden_size, "num_layers": family["num_layers"], "num_heads": args.num_attention_heads,
+        "num_kv_heads": args.num_key_value_heads, "head_dim": args.head_dim,
+        "intermediate_size": args.intermediate_size, "vocab_size": args.vocab_size,
         "rope_theta": args.rope_theta, "rms_norm_eps": args.rms_norm_eps,
-        "parameter_count": args.parameter_count, "runtime": runtime,
+        "parameter_count": args.parameter_count, "runtime": family["runtime"],
     }
 
 
@@ -382,9 +370,7 @@ def _manifest(plan, source_files, modules, target_manifest, target_dir, packages
         "ab": _jsonable(ab) if ab else None,
         "rescale": modules.rescale.model_dump() if modules.rescale else None,
         "host_contract": modules.contract or None,
-        "functions": [{"name": s.name, "inputs": [_desc(t) for t in s.inputs],
-                       "outputs": [_desc(t) for t in s.outputs], "states": [_desc(t) for t in s.states]}
-                      for s in dplan.specs],
+        "functions": [function_record(s) for s in dplan.specs],
         "packages": packages,
         "extra_files": extra_files,
     }

@@ -32,7 +32,7 @@ import torch
 from convert import backends, progress
 from convert import cache as build_cache
 from convert.backends.base import CompileRecord
-from convert.export import quantized as compress
+from convert.export.quantized import dense_weight_names
 from convert.pipeline.bundle import COMPILED
 from convert.processes import die_with_parent
 from convert.progress import stage
@@ -106,7 +106,7 @@ def weights_digest(modules) -> str:
     dense weight, which they determine and which a part's packaging releases): names, dtypes, shapes and bytes."""
     digest = hashlib.sha256()
     core = modules.core
-    dense = compress.dense_weight_names(core)
+    dense = dense_weight_names(core)
     tensors = {**dict(core.named_parameters(remove_duplicate=False)), **dict(core.named_buffers())}
     for tensor_name, tensor in sorted(tensors.items()):
         if tensor_name in dense:

@@ -35,6 +35,7 @@ from torch import nn
 from convert.errors import InputError
 from convert.export.ane import ANE_DIM_LIMIT, even_ranges
 from convert.export.functions import parameters_on_meta
+from convert.export.names import KEY_CACHE, VALUE_CACHE
 from convert.export.spec import FunctionSpec, size_text
 from convert.models import family_of
 from convert.models.part import ROW_ALIGN, Part
@@ -203,7 +204,7 @@ def reference_window_bytes(args, target) -> int:
     states = family_of(args).function_specs(args, target.model_copy(update={"layout": "stateful"}))[0].states
     length = target.gate.data.length
     grown = min(1.0, (length + target.gate.greedy_tokens) / target.context)
-    cache = sum(2 * s.nbytes * (grown if s.name in ("key_cache", "value_cache") else 1) for s in states)
+    cache = sum(2 * s.nbytes * (grown if s.name in (KEY_CACHE, VALUE_CACHE) else 1) for s in states)
     return int(cache + 4 * length * args.hidden_size * len(target.taps or []))
 
 

@@ -21,8 +21,8 @@ from convert.inputs.sources import (
 from convert.models import family_of
 from convert.pipeline.bundle import compiled_files
 from convert.pipeline.plan import Plan
-from convert.verify.gates import GateReport
 from convert.verify.placement import PLACEMENT
+from convert.verify.report import GateReport
 from convert.weights.quantize import QuantizeResult, summary
 from convert.weights.target import TargetModules
 from manifests import identity
@@ -37,7 +37,7 @@ COPIED_CONFIG_FILES = ("config.json", "generation_config.json")
 TOOLCHAIN_PACKAGES = ("torch", "coreai-core", "coreai-torch", "coremltools", "transformers", "safetensors", "numpy")
 
 
-def _write_drafter_interface(plan: Plan, modules: TargetModules, out: Path) -> dict:
+def write_drafter_interface(plan: Plan, modules: TargetModules, out: Path) -> dict:
     """lm_head.safetensors and embeddings.safetensors: the lm_head's weight as the target stores it, and the
     embedding rows as its lookups return them (``export.quantized.embedding_rows``: for an exact pack's rotated
     table, the rows after the rotation).
@@ -117,7 +117,7 @@ def toolchain_versions() -> dict[str, str]:
     return versions
 
 
-def _quantization_record(quant, result: QuantizeResult, modules: TargetModules) -> dict:
+def quantization_record(quant, result: QuantizeResult, modules: TargetModules) -> dict:
     bits_per_weight, layers = summary(result.items(), modules.core.parameters())
     names = result.names()
     calibration = None
@@ -137,8 +137,8 @@ def _quantization_record(quant, result: QuantizeResult, modules: TargetModules) 
     }
 
 
-def _manifest(plan: Plan, source_files, modules: TargetModules, packages, parts, extra_files, quantization,
-              report: GateReport, drafter_interface: dict | None, records: list[dict]) -> Manifest:
+def target_manifest(plan: Plan, source_files, modules: TargetModules, packages, parts, extra_files, quantization,
+                    report: GateReport, drafter_interface: dict | None, records: list[dict]) -> Manifest:
     args, snap, core = plan.args, plan.snapshot, modules.core
     tok_records = [r for r in source_files if r.path in TOKENIZER_FILES]
     data = {
@@ -171,7 +171,7 @@ def _manifest(plan: Plan, source_files, modules: TargetModules, packages, parts,
         },
         "quantization": quantization,
         "gate": report.manifest_entry(),
-        "functions": [_function_record(spec) for spec in plan.specs],
+        "functions": [function_record(spec) for spec in plan.specs],
         "parts": parts,
         "packages": packages,
         "extra_files": extra_files,
@@ -190,7 +190,7 @@ def built_at() -> str:
     return moment.isoformat(timespec="seconds")
 
 
-def _function_record(spec: FunctionSpec) -> dict:
+def function_record(spec: FunctionSpec) -> dict:
     return {"name": spec.name, "inputs": [_desc(t) for t in spec.inputs], "outputs": [_desc(t) for t in spec.outputs],
             "states": [_desc(t) for t in spec.states]}
 

@@ -13,6 +13,15 @@ from safetensors import safe_open
 
 from convert import backends
 from convert.errors import InputError
+from convert.export.names import (
+    ARGMAX_IDS,
+    HIDDEN,
+    HIDDEN_STATES,
+    INPUT_IDS,
+    LOGITS,
+    MAX_LOGIT,
+    TAPS,
+)
 from convert.export.spec import FunctionSpec
 from convert.models.part import HIDDEN_OUT, Part
 from convert.runtime.host import DERIVED_INPUTS, ModuleFunctions, host_owned, table_lookup
@@ -42,27 +51,27 @@ class Chain:
             got = functions.call(function, link_inputs(specs[function], inputs, rows))
             own = part.own_taps(self.taps)
             if own:
-                for layer, value in zip(own, np.split(np.asarray(got["taps"]), len(own), axis=-1), strict=True):
+                for layer, value in zip(own, np.split(np.asarray(got[TAPS]), len(own), axis=-1), strict=True):
                     tapped[layer] = value
             if HIDDEN_OUT in got:
                 rows = got[HIDDEN_OUT]
             if part.head is None:
                 continue
-            ids = np.asarray(got["argmax_ids"])
-            top = np.asarray(got["max_logit"]) if part.splits_head else None
+            ids = np.asarray(got[ARGMAX_IDS])
+            top = np.asarray(got[MAX_LOGIT]) if part.splits_head else None
             if best is None:
-                out["argmax_ids"], best = ids, top
+                out[ARGMAX_IDS], best = ids, top
             else:  # a later part wins only with a strictly larger logit: ties keep the lower id, as argmax does
                 better = top > best
-                out["argmax_ids"], best = np.where(better, ids, out["argmax_ids"]), np.where(better, top, best)
-            if "hidden" in got and "hidden" not in out:
-                out["hidden"] = got["hidden"]
-            if "logits" in got:
-                logits = [*(logits or []), np.asarray(got["logits"])]
+                out[ARGMAX_IDS], best = np.where(better, ids, out[ARGMAX_IDS]), np.where(better, top, best)
+            if HIDDEN in got and HIDDEN not in out:
+                out[HIDDEN] = got[HIDDEN]
+            if LOGITS in got:
+                logits = [*(logits or []), np.asarray(got[LOGITS])]
         if tapped:
-            out["taps"] = np.concatenate([tapped[t] for t in self.taps], axis=-1)
+            out[TAPS] = np.concatenate([tapped[t] for t in self.taps], axis=-1)
         if logits:
-            out["logits"] = np.concatenate(logits, axis=-1)
+            out[LOGITS] = np.concatenate(logits, axis=-1)
         return out
 
 
@@ -70,13 +79,13 @@ def link_inputs(spec: FunctionSpec, inputs: dict[str, np.ndarray], rows: np.ndar
     """What one part's function takes of a whole target's call ``inputs`` and the previous part's ``rows`` (the
     host's buffers, which the part's ``host_owned`` functions add, are not the call's; nor are the inputs its host
     computes, from the positions or, for the first part of an ane target, from the ids)."""
-    given = {**inputs, "hidden_states": rows} if rows is not None else inputs
+    given = {**inputs, HIDDEN_STATES: rows} if rows is not None else inputs
     linked = {t.name: np.asarray(given[t.name], dtype=t.dtype) for t in spec.inputs if t.name in given}
     taken = {t.name for t in spec.inputs}
     for source in {DERIVED_INPUTS[name] for name in taken & set(DERIVED_INPUTS)}:
         linked[source] = np.asarray(inputs[source], dtype=np.int32)
-    if "hidden_states" in taken and rows is None:
-        linked["input_ids"] = np.asarray(inputs["input_ids"], dtype=np.int32)
+    if HIDDEN_STATES in taken and rows is None:
+        linked[INPUT_IDS] = np.asarray(inputs[INPUT_IDS], dtype=np.int32)
     return linked
 
 

@@ -33,10 +33,27 @@ import torch
 
 from convert.errors import InputError
 from convert.export.ane import MASKED, history_mask_row, rope_rows
+from convert.export.names import (
+    ACCEPT,
+    ANCHOR_ID,
+    ARGMAX_IDS,
+    COMMIT_MASK,
+    COMMIT_SELECT,
+    HISTORY_MASK,
+    INPUT_IDS,
+    LOGITS,
+    MAX_LOGIT,
+    POSITION_IDS,
+    ROPE_COS,
+    ROPE_SIN,
+    VALID,
+    VALID_MASK,
+    VALID_SELECT,
+)
 from convert.export.quantized import embedding_rows
+from convert.export.selector import selector_walk
 from convert.export.spec import TORCH_DTYPES, buffer_specs
 from convert.fp16 import device_arithmetic
-from convert.models.dflash2.core import selector_walk
 from convert.models.part import rung_name
 
 COMMIT = "commit-next-call"
@@ -80,7 +97,7 @@ class TargetDriver:
         width, real = self.widths[function], len(tokens)
         if not 1 <= real <= width:
             raise HostContractError(f"{function} takes 1..{width} tokens, got {real}")
-        inputs = {"input_ids": padded(tokens, width), "position_ids": positions(p0, width)}
+        inputs = {INPUT_IDS: padded(tokens, width), POSITION_IDS: positions(p0, width)}
         if not self.commits:
             return inputs
         accept = p0 - self.committed
@@ -89,11 +106,11 @@ class TargetDriver:
             raise HostContractError(
                 f"{function} at position {p0}: the next call must start at a position in {kept} (the previous call "
                 "left its rows pending from its first position; earlier rows are committed and cannot be rolled back)")
-        inputs["accept"] = np.asarray([accept], dtype=np.int32)
+        inputs[ACCEPT] = np.asarray([accept], dtype=np.int32)
         if function in self.lazy:
             self.committed, self.pending = p0, real
         else:
-            inputs["valid"] = np.asarray([real], dtype=np.int32)
+            inputs[VALID] = np.asarray([real], dtype=np.int32)
             self.committed, self.pending = p0 + real, 0
         return inputs
 
@@ -115,11 +132,11 @@ class TargetDriver:
     def greedy(self, prompt: list[int], tokens: int) -> tuple[list[int], list[np.ndarray | None]]:
         """Plain greedy decoding: the ids, and per id the logits it was chosen from when returned."""
         out = self.prefill(prompt)
-        ids, logits = [int(out["argmax_ids"][-1])], [out.get("logits", [None])[-1]]
+        ids, logits = [int(out[ARGMAX_IDS][-1])], [out.get(LOGITS, [None])[-1]]
         while len(ids) < tokens:
             step = self.run("decode", [ids[-1]], len(prompt) + len(ids) - 1)
-            ids.append(int(step["argmax_ids"][0]))
-            logits.append(step["logits"][0] if "logits" in step else None)
+            ids.append(int(step[ARGMAX_IDS][0]))
+            logits.append(step[LOGITS][0] if LOGITS in step else None)
         return ids, logits
 
 
@@ -154,7 +171,7 @@ class HostOwned:
         self.embedded = embedding.get("input") if embedding.get("input") in inputs else None
         self.commits = {count: names for count, names in contract.get("commits", {}).items() if names["mask"] in inputs}
         self.argmax = contract.get("argmax") == "host"
-        self.ids = contract.get("argmax_ids", "argmax_ids")
+        self.ids = contract.get(ARGMAX_IDS, ARGMAX_IDS)
         self.ladder = contract.get("ladder", [])
         self.ring_masks = {name: window for name, window in contract.get("ring_masks", {}).items() if name in inputs}
         selector = contract.get("selector")
@@ -184,7 +201,7 @@ class HostOwned:
         package gets what its function takes (the smallest entry of the ladder that holds the call)."""
         function = self.rung(function, inputs)
         spec = self.specs[function]
-        where = np.asarray(inputs["position_ids"]).reshape(-1).astype(np.int64) if "position_ids" in inputs else None
+        where = np.asarray(inputs[POSITION_IDS]).reshape(-1).astype(np.int64) if POSITION_IDS in inputs else None
         taken = self.package_inputs(spec, inputs, where)
         out = dict(self.functions.call(function, taken))
         written = False
@@ -196,15 +213,15 @@ class HostOwned:
         if written:
             self.slot_positions[where % len(self.slot_positions)] = where
         if self.logits_parts and self.logits_parts[0] in out:  # the head's parts side by side: the whole logits
-            out["logits"] = np.concatenate([np.asarray(out.pop(name)) for name in self.logits_parts], axis=-1)
+            out[LOGITS] = np.concatenate([np.asarray(out.pop(name)) for name in self.logits_parts], axis=-1)
         if self.selector and self.selector["projection"] in out:
             out.update(self.walk(spec, out, inputs))
-        elif self.argmax and "logits" in out:
-            logits = np.asarray(out["logits"])  # argmax: the first of equal maxima, as the packages' own argmax
+        elif self.argmax and LOGITS in out:
+            logits = np.asarray(out[LOGITS])  # argmax: the first of equal maxima, as the packages' own argmax
             out[self.ids] = logits.argmax(-1).astype(np.int32)
             if self.split_head:
                 out[self.ids] += self.split_head[0]
-                out["max_logit"] = logits.max(-1)
+                out[MAX_LOGIT] = logits.max(-1)
         return out
 
     def walk(self, spec, out: dict[str, np.ndarray], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -213,10 +230,10 @@ class HostOwned:
         the stateful function's walk)."""
         if self.codebooks is None:
             raise HostContractError("the drafter's host walks its candidate selector, and no codebooks were given")
-        dtype = TORCH_DTYPES[next(t.dtype for t in spec.outputs if t.name in ("logits", *self.logits_parts))]
-        logits = torch.from_numpy(np.asarray(out["logits"])[0]).to(dtype)
+        dtype = TORCH_DTYPES[next(t.dtype for t in spec.outputs if t.name in (LOGITS, *self.logits_parts))]
+        logits = torch.from_numpy(np.asarray(out[LOGITS])[0]).to(dtype)
         projected = torch.from_numpy(np.asarray(out[self.selector["projection"]])[0]).to(dtype)
-        anchor = torch.as_tensor(np.asarray(inputs["anchor_id"]).reshape(-1)[:1].astype(np.int64))
+        anchor = torch.as_tensor(np.asarray(inputs[ANCHOR_ID]).reshape(-1)[:1].astype(np.int64))
         predecessor, successor = (lambda ids, table=table: torch.from_numpy(
             np.asarray(table(ids.reshape(-1).numpy()))).to(dtype).reshape(*ids.shape, -1) for table in self.codebooks)
         ids, scores, _ = selector_walk(projected, logits, anchor, self.selector["top_k"], predecessor, successor)
@@ -239,7 +256,7 @@ class HostOwned:
             given.update(self.ring_mask_inputs(spec, where))
         if self.embedded and given.get(self.embedded) is None:
             dtype = next(t.dtype for t in spec.inputs if t.name == self.embedded)
-            given[self.embedded] = self.embedded_rows(np.asarray(inputs["input_ids"])).astype(dtype)
+            given[self.embedded] = self.embedded_rows(np.asarray(inputs[INPUT_IDS])).astype(dtype)
         for count, names in self.commits.items():
             if count in inputs:
                 given.update(commit_inputs(spec, names, int(np.asarray(inputs[count]).reshape(-1)[0])))
@@ -263,13 +280,13 @@ class HostOwned:
         dtypes = {t.name: t.dtype for t in spec.inputs}
         shapes = {t.name: t.shape for t in spec.inputs}
         given = {}
-        if "rope_cos" in dtypes:
+        if ROPE_COS in dtypes:
             cos, sin = rope_rows(torch.from_numpy(where), self.positions["rotary_dim"], self.positions["rope_theta"])
-            given["rope_cos"], given["rope_sin"] = (cos.numpy().astype(dtypes["rope_cos"]),
-                                                    sin.numpy().astype(dtypes["rope_sin"]))
-        if "history_mask" in dtypes:
-            mask = history_mask_row(int(where[0]), shapes["history_mask"][1], self.positions.get("first_row", 0))
-            given["history_mask"] = mask.astype(dtypes["history_mask"])
+            given[ROPE_COS], given[ROPE_SIN] = (cos.numpy().astype(dtypes[ROPE_COS]),
+                                                    sin.numpy().astype(dtypes[ROPE_SIN]))
+        if HISTORY_MASK in dtypes:
+            mask = history_mask_row(int(where[0]), shapes[HISTORY_MASK][1], self.positions.get("first_row", 0))
+            given[HISTORY_MASK] = mask.astype(dtypes[HISTORY_MASK])
         return given
 
     def ring_mask_inputs(self, spec, where: np.ndarray) -> dict[str, np.ndarray]:
@@ -290,14 +307,14 @@ def rung(specs: dict, ladder: list[int], function: str, inputs: dict[str, np.nda
     """The entry of ``function`` among ``specs`` a host with ``ladder`` calls for ``inputs``: the one at the smallest
     context whose history holds the call's rows (its first position plus its width at most the context), else
     ``function`` itself."""
-    if not ladder or "position_ids" not in inputs:
+    if not ladder or POSITION_IDS not in inputs:
         return function
-    first, width = int(np.asarray(inputs["position_ids"]).reshape(-1)[0]), specs[function].width
+    first, width = int(np.asarray(inputs[POSITION_IDS]).reshape(-1)[0]), specs[function].width
     return next((rung_name(function, c) for c in ladder if rung_name(function, c) in specs and first + width <= c),
                 function)
 
 
-POSITION_INPUTS = frozenset({"rope_cos", "rope_sin", "history_mask"})  # what the host computes from position_ids
+POSITION_INPUTS = frozenset({ROPE_COS, ROPE_SIN, HISTORY_MASK})  # what the host computes from position_ids
 
 
 def write(buffer: np.ndarray, rows: np.ndarray, rule: dict, where: np.ndarray | None) -> None:
@@ -328,8 +345,8 @@ def commit_inputs(spec, names: dict, count: int) -> dict[str, np.ndarray]:
 
 # the inputs the host computes for a package, by the caller's input each comes from (``convert.runtime.chain``
 # passes a part the sources of those it takes)
-DERIVED_INPUTS = {**dict.fromkeys(POSITION_INPUTS, "position_ids"), "commit_mask": "accept",
-                  "commit_select": "accept", "valid_mask": "valid", "valid_select": "valid"}
+DERIVED_INPUTS = {**dict.fromkeys(POSITION_INPUTS, POSITION_IDS), COMMIT_MASK: ACCEPT,
+                  COMMIT_SELECT: ACCEPT, VALID_MASK: VALID, VALID_SELECT: VALID}
 
 
 def host_owned(functions: Functions, specs: dict, contract: dict, lookup=None,
@@ -338,7 +355,7 @@ def host_owned(functions: Functions, specs: dict, contract: dict, lookup=None,
     ``contract``: with what the host owns of them (``HostOwned``: buffers, position inputs, the embedding lookup, the
     argmax, a ring's masks, a selector's walk), else themselves (a package with states, or a part of one)."""
     owned = HostOwned(functions, specs, contract, lookup, split_head, codebooks)
-    host_argmax = owned.argmax and any(t.name == "logits" for spec in specs.values() for t in spec.outputs)
+    host_argmax = owned.argmax and any(t.name == LOGITS for spec in specs.values() for t in spec.outputs)
     served = owned.rules or owned.positions or owned.embedded or owned.commits or owned.ring_masks or \
         owned.selector or owned.logits_parts
     return owned if served or host_argmax else functions

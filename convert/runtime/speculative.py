@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from convert.runtime.host import Functions, TargetDriver
+from convert.export.names import ARGMAX_IDS, LOGITS
+from convert.runtime.host import TargetDriver
 
 
 @dataclass
@@ -51,61 +53,18 @@ class PromptRun:
     divergence: dict | None = None  # first difference from plain greedy, classified
 
 
-def _ids(values: list[int], width: int, pad: int | None = None) -> np.ndarray:
-    """int32 [1, width]: ``values`` right-padded by repeating the last one (or with ``pad``)."""
-    filler = values[-1] if pad is None else pad
-    return np.asarray([values + [filler] * (width - len(values))], dtype=np.int32)
+class DrafterDriver(Protocol):
+    """How ``speculate`` drives a drafter (each drafter family's ``driver``, ``convert.models.DRAFTERS``; the n-gram
+    baseline): ``begin`` once the target has prefilled the prompt (``out``: the prefill's outputs, its first id last
+    of ``argmax_ids``), ``propose`` up to ``count`` drafts after the anchor ``text[-1]`` at ``position`` (``text``: the
+    prompt and every id since), ``observe`` what a round kept (``accepted``: the accepted drafts and the bonus id,
+    ``verified``: the verify call's outputs, whose first ``len(accepted)`` rows are theirs) from ``position``."""
 
+    def begin(self, prompt: list[int], out: dict[str, np.ndarray]) -> None: ...
 
-def _rows(rows: np.ndarray, width: int) -> np.ndarray:
-    """[1, width, F]: ``rows`` [n, F] padded by repeating the last row (same position, same values)."""
-    pad = np.repeat(rows[-1:], width - len(rows), axis=0)
-    return np.concatenate([rows, pad])[None].astype(np.float16)
+    def propose(self, text: list[int], position: int, count: int) -> list[int]: ...
 
-
-class DFlash2Driver:
-    def __init__(self, functions: Functions, widths: dict[str, int], embeddings: np.ndarray):
-        self.functions, self.widths, self.embeddings = functions, widths, embeddings
-
-    def add_context(self, taps: np.ndarray, p0: int, function: str) -> None:
-        width = self.widths[function]
-        for start in range(0, len(taps), width):
-            rows = taps[start : start + width]
-            positions = list(range(p0 + start, p0 + start + len(rows)))
-            self.functions.call(function, {"taps": _rows(rows, width), "position_ids": _ids(positions, width)})
-
-    def draft(self, anchor: int, p0: int) -> list[int]:
-        width = self.widths["draft"]
-        out = self.functions.call("draft", {
-            "anchor_embedding": self.embeddings[anchor][None, None].astype(np.float16),
-            "anchor_id": np.asarray([[anchor]], dtype=np.int32),
-            "position_ids": _ids(list(range(p0, p0 + width)), width),
-        })
-        return [int(t) for t in np.asarray(out["draft_ids"])[0]]
-
-
-class MTPDriver:
-    def __init__(self, functions: Functions, widths: dict[str, int]):
-        self.functions, self.widths = functions, widths
-
-    def accept(self, tokens: list[int], hidden: np.ndarray, p0: int) -> tuple[int, np.ndarray]:
-        """Rows (token at position p0+i, target hidden at p0+i-1); returns the last row's draft and hidden."""
-        width = self.widths["accept"]
-        for start in range(0, len(tokens), width):
-            chunk = tokens[start : start + width]
-            out = self.functions.call("accept", {
-                "input_ids": _ids(chunk, width), "hidden": _rows(hidden[start : start + width], width),
-                "position_ids": _ids(list(range(p0 + start, p0 + start + len(chunk))), width),
-            })
-        last = len(chunk) - 1
-        return int(np.asarray(out["draft_ids"])[0, last]), np.asarray(out["hidden_out"])[0, last]
-
-    def step(self, token: int, hidden: np.ndarray, position: int) -> tuple[int, np.ndarray]:
-        out = self.functions.call("draft_step", {
-            "input_ids": np.asarray([[token]], dtype=np.int32), "hidden": hidden[None, None].astype(np.float16),
-            "position_ids": np.asarray([[position]], dtype=np.int32),
-        })
-        return int(np.asarray(out["draft_ids"])[0, 0]), np.asarray(out["hidden_out"])[0, 0]
+    def observe(self, accepted: list[int], verified: dict[str, np.ndarray], position: int) -> None: ...
 
 
 class NGramDrafter:
@@ -116,7 +75,13 @@ class NGramDrafter:
     def __init__(self, max_order: int = 3):
         self.max_order = max_order
 
-    def propose(self, text: list[int], count: int) -> list[int]:
+    def begin(self, prompt: list[int], out: dict[str, np.ndarray]) -> None:
+        """Nothing to set up: the text is all it reads."""
+
+    def observe(self, accepted: list[int], verified: dict[str, np.ndarray], position: int) -> None:
+        """Nothing to keep: the text is all it reads."""
+
+    def propose(self, text: list[int], position: int, count: int) -> list[int]:
         for order in range(min(self.max_order, len(text) - 1), 0, -1):
             suffix = text[-order:]
             for start in range(len(text) - order - 1, -1, -1):
@@ -125,45 +90,28 @@ class NGramDrafter:
         return []
 
 
-def speculate(kind: str, target: TargetDriver, drafter, prompt: list[int], tokens: int) -> tuple[PromptRun, list]:
+def speculate(target: TargetDriver, drafter: DrafterDriver, prompt: list[int], tokens: int) -> tuple[PromptRun, list]:
     """Greedy speculative decoding of ``tokens`` ids after ``prompt``; returns the run and per output id the
     target logits it was chosen from (None where the target does not return logits)."""
     width = target.widths["verify"]
     out = target.prefill(prompt)
-    n = len(prompt)
-    bonus = int(out["argmax_ids"][-1])
-    output, logits = [bonus], [out["logits"][-1] if "logits" in out else None]
+    bonus = int(out[ARGMAX_IDS][-1])
+    output, logits = [bonus], [out[LOGITS][-1] if LOGITS in out else None]
     run = PromptRun(prompt=list(prompt), output=output)
-    if kind == "dflash2":
-        drafter.functions.reset()
-        drafter.add_context(out["taps"], 0, "context_update")
-    elif kind == "mtp":
-        drafter.functions.reset()
-        draft, hidden = drafter.accept(prompt[1:] + [bonus], out["hidden"], 1)
-    p = n  # position of the bonus token (the anchor)
+    drafter.begin(list(prompt), out)
+    p = len(prompt)  # position of the bonus token (the anchor)
     while len(output) < tokens:
-        if kind == "dflash2":
-            proposal = drafter.draft(bonus, p)
-        elif kind == "mtp":
-            proposal = [draft]
-            for j in range(1, width - 1):
-                draft_j, hidden = drafter.step(proposal[-1], hidden, p + j)
-                proposal.append(draft_j)
-        else:
-            proposal = drafter.propose(run.prompt + output, width - 1)
+        proposal = drafter.propose(run.prompt + output, p, width - 1)
         verified = target.run("verify" if proposal else "decode", [bonus] + proposal, p)
-        argmax = [int(t) for t in verified["argmax_ids"]]
+        argmax = [int(t) for t in verified[ARGMAX_IDS]]
         k = 0
         while k < len(proposal) and proposal[k] == argmax[k]:
             k += 1
         run.rounds.append(Round(start=len(output), proposal=tuple(proposal), accepted=k))
         new = proposal[:k] + [argmax[k]]
         output.extend(new)
-        logits.extend(verified["logits"][: k + 1] if "logits" in verified else [None] * (k + 1))
-        if kind == "dflash2":
-            drafter.add_context(verified["taps"][: k + 1], p, "context_append")
-        elif kind == "mtp":
-            draft, hidden = drafter.accept(new, verified["hidden"][: k + 1], p + 1)
+        logits.extend(verified[LOGITS][: k + 1] if LOGITS in verified else [None] * (k + 1))
+        drafter.observe(new, verified, p)
         bonus, p = new[-1], p + k + 1
     del output[tokens:]
     return run, logits[:tokens]

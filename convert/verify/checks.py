@@ -29,9 +29,11 @@ import torch
 from torch import nn
 
 from convert import backends, progress
+from convert.backends.stored import ShippedWeight, difference, digest, fingerprint
 from convert.errors import PackageError
-from convert.export import quantized as compress
 from convert.export.functions import FunctionModule
+from convert.export.names import ARGMAX_IDS, HIDDEN, LOGITS, SELECTOR_SCORES, TAPS
+from convert.export.quantized import dense_weight_names, quantized_weights
 from convert.export.spec import FunctionSpec, TensorSpec
 from convert.fp16 import true_fp16
 from convert.inputs.thresholds import NEAR_TIE_LOGITS
@@ -69,27 +71,37 @@ def check_package(name: str, path, modules, calls: list | None = None, every_fun
     its functions use different weights, so each weight must be stored in some function (``every_function`` False,
     the default with ``calls``).
     """
-    specs = [spec for _, spec in modules.functions.values()]
     every_function = calls is None if every_function is None else every_function
-    weights = packaged(compress.quantized_weights(modules.core), modules.core)
-    contract = modules.contract
-    if name == "coreai":
-        quantized = quantized_constants(name, path, weights, every_function) if weights else {}
-        types = backends.load(name).operation_types(path)
-        forms = device_safe_forms(name, path, modules, types)
-        with backends.load("coreai").open_session(path) as session:  # one ODIX lowering for both checks
-            check_specs(session.specs(), specs, path.name)
-            driven = owned_as_modules(session, session.specs(), modules)
-            run = run_coreai(driven, modules) if calls is None else replay_coreai(driven, calls)
-            return {**run, **quantized, **forms, **_placement(name, specs, types, contract)}
+    weights = packaged(quantized_weights(modules.core), modules.core)
+    backend = backends.load(name)
+    check = _run_package if backend.RUNS_HERE else _read_package
+    return check(name, backend, path, modules, weights, calls, every_function)
+
+
+def _run_package(name: str, backend, path, modules, weights: dict, calls: list | None, every_function: bool) -> dict:
+    """``check_package`` of a format whose runtime runs here: its constants read back, then its functions run."""
+    specs = [spec for _, spec in modules.functions.values()]
+    quantized = quantized_constants(name, path, weights, every_function) if weights else {}
+    types = backend.operation_types(path)
+    forms = device_safe_forms(name, path, modules, types)
+    with backend.open_session(path) as session:  # one ODIX lowering for both checks
+        check_specs(session.specs(), specs, path.name)
+        driven = owned_as_modules(session, session.specs(), modules)
+        run = run_coreai(driven, modules) if calls is None else replay_coreai(driven, calls)
+        return {**run, **quantized, **forms, **_placement(name, specs, types, modules.contract)}
+
+
+def _read_package(name: str, backend, path, modules, weights: dict, calls: list | None, every_function: bool) -> dict:
+    """``check_package`` of a format whose runtime does not run here: every constant read back and compared, in one
+    read of the package, a function's program at a time."""
+    specs = [spec for _, spec in modules.functions.values()]
     comparison = QuantizedComparison(path, weights, every_function) if weights else None
-    # one read of the package for every check below, a function's program at a time
-    found = backends.load(name).contents(path, comparison.function if comparison else None)
+    found = backend.contents(path, comparison.function if comparison else None)
     quantized = comparison.result() if comparison else {}
     forms = device_safe_forms(name, path, modules, found.operation_types)
     check_specs(found.specs, specs, path.name)
     return {**coreml_constants(path, modules, every_function, found.weight_digests), **quantized, **forms,
-            **_placement(name, specs, found.operation_types, contract)}
+            **_placement(name, specs, found.operation_types, modules.contract)}
 
 
 def packaged(named: dict, core) -> dict:
@@ -123,7 +135,7 @@ def device_safe_forms(name: str, path, modules, types: dict[str, set[str]] | Non
 
 
 def quantized_constants(name: str, path, weights: dict[str, QuantizedWeight], every_function: bool = True,
-                        shipped: dict[str, list[compress.ShippedWeight]] | None = None) -> dict:
+                        shipped: dict[str, list[ShippedWeight]] | None = None) -> dict:
     """Each quantized weight stored as quantized, bit for bit, in every function of the ``name`` package
     (``QuantizedComparison``). ``shipped``: the package's compressed weights, when already read."""
     shipped = backends.load(name).compressed_weights(path) if shipped is None else shipped
@@ -146,12 +158,12 @@ class QuantizedComparison:
 
     def __init__(self, path, weights: dict[str, QuantizedWeight], every_function: bool = True):
         self.path, self.weights, self.every_function = path, weights, every_function
-        self.fingerprints = {weight_name: compress.fingerprint(w) for weight_name, w in weights.items()}
+        self.fingerprints = {weight_name: fingerprint(w) for weight_name, w in weights.items()}
         self.by_fingerprint = {key: weight_name for weight_name, key in self.fingerprints.items()}
         self.compared: dict[tuple[str, str], str | None] = {}
         self.functions, self.seen, self.stored_count = 0, set(), 0
 
-    def function(self, function: str, found: list[compress.ShippedWeight]) -> None:
+    def function(self, function: str, found: list[ShippedWeight]) -> None:
         self.functions += 1
         if not self.every_function:
             return self._somewhere(function, found)
@@ -163,13 +175,13 @@ class QuantizedComparison:
                 raise PackageError(f"{self.path.name}: function {function}: quantized weight {weight_name} is not "
                                    f"stored as quantized: {problem}")
 
-    def _difference(self, weight_name: str, match: compress.ShippedWeight) -> str | None:
+    def _difference(self, weight_name: str, match: ShippedWeight) -> str | None:
         key = (weight_name, match.fingerprint)
         if key not in self.compared:
-            self.compared[key] = compress.difference(self.weights[weight_name], match)
+            self.compared[key] = difference(self.weights[weight_name], match)
         return self.compared[key]
 
-    def _somewhere(self, function: str, found: list[compress.ShippedWeight]) -> None:
+    def _somewhere(self, function: str, found: list[ShippedWeight]) -> None:
         for stored in found:
             name = self.by_fingerprint.get(stored.fingerprint)
             problem = None if name is None else self._difference(name, stored)
@@ -189,13 +201,13 @@ class QuantizedComparison:
         return {"quantized_weights_compared": self.stored_count, "quantized_bit_exact": True}
 
 
-def _closest(expected: QuantizedWeight, found: list[compress.ShippedWeight]) -> str:
+def _closest(expected: QuantizedWeight, found: list[ShippedWeight]) -> str:
     """What tells ``expected`` from the stored weight of its method and shape with the fewest differing codes."""
     alike = [s for s in found if (s.weight.method, s.weight.shape) == (expected.method, expected.shape)]
     if not alike:
         return f"no {expected.method} weight of shape {list(expected.shape)} among the {len(found)} compressed ones"
     closest = min(alike, key=lambda s: int(torch.count_nonzero(s.weight.codes != expected.codes)))
-    return f"closest {compress.difference(expected, closest)}"
+    return f"closest {difference(expected, closest)}"
 
 
 def probe_tokens(vocab: int, count: int) -> list[int]:
@@ -257,7 +269,7 @@ def lockstep(runtime, reference, widths: dict[str, int], contract: dict, vocab: 
         got, ref = runtime.run(function, tokens, p0), reference.run(function, tokens, p0)
         stats["runtime_calls"] += 1
         _compare(function, p0, got, ref, stats)
-        return [int(t) for t in got["argmax_ids"]]
+        return [int(t) for t in got[ARGMAX_IDS]]
 
     stats["greedy_ids"] = " ".join(map(str, check_calls(call, widths, contract, vocab, prompt)))
     stats["max_state_delta"] = _compare_states(runtime.functions.states(), reference.functions.states())
@@ -324,10 +336,10 @@ def _compare_states(got: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> f
 
 def _compare(function, p0, got, ref, stats: dict) -> None:
     """Every row of one call: argmax ids equal but for near ties, returned floats within the fp16 bound."""
-    ref_ids, got_ids = ref["argmax_ids"], got["argmax_ids"]
+    ref_ids, got_ids = ref[ARGMAX_IDS], got[ARGMAX_IDS]
     stats["argmax_compared"] += len(ref_ids)
     if (ref_ids != got_ids).any():
-        logits = ref["logits"]
+        logits = ref[LOGITS]
         for row in np.nonzero(ref_ids != got_ids)[0]:
             gap = abs(float(logits[row, ref_ids[row]] - logits[row, got_ids[row]]))
             if gap >= NEAR_TIE_LOGITS:
@@ -336,7 +348,7 @@ def _compare(function, p0, got, ref, stats: dict) -> None:
                     f"{ref_ids[row]} (logit gap {gap:.3f} >= near-tie margin {NEAR_TIE_LOGITS})"
                 )
             stats["argmax_near_ties"] += 1
-    for name in ("taps", "hidden", "logits"):
+    for name in (TAPS, HIDDEN, LOGITS):
         if name in got and name in ref:
             a, b = np.asarray(got[name], dtype=np.float32), ref[name]
             delta = float(np.abs(a - b).max() / max(1.0, float(np.abs(b).max())))
@@ -352,10 +364,10 @@ def coreml_constants(path, modules, every_function: bool = True, digests: dict[s
     different weights). ``digests``: the package's weight digests by function (``coreml.Contents``), when already
     read."""
     digests = backends.load("coreml").contents(path).weight_digests if digests is None else digests
-    dense = compress.dense_weight_names(modules.core)  # quantized: compared as such (quantized_constants)
+    dense = dense_weight_names(modules.core)  # quantized: compared as such (quantized_constants)
     weights = packaged({name: p for name, p in modules.core.named_parameters(remove_duplicate=False)
                         if p.dim() == 2 and name not in dense}, modules.core)
-    wanted = {compress.digest(p.detach().numpy()): name for name, p in weights.items()}
+    wanted = {digest(p.detach().numpy()): name for name, p in weights.items()}
     stored_anywhere = set()
     for function in modules.functions:
         shipped = digests[function]
@@ -417,7 +429,7 @@ def _compare_ids(function: str, output: str, got: np.ndarray, want: np.ndarray, 
 
 # the ane host's selector walk: its scores come from the package's logits and projection (compared), per candidate
 # in the order of their logits, which two near-equal logits swap without changing the walk's ids (compared)
-HOST_WALKED = ("selector_scores",)
+HOST_WALKED = (SELECTOR_SCORES,)
 
 
 def decision_gap(expected: dict, row: int) -> tuple[float, str]:
@@ -426,7 +438,7 @@ def decision_gap(expected: dict, row: int) -> tuple[float, str]:
     top-k candidates (the k-th and (k+1)-th logits): across a tie there, another arithmetic walks over other
     candidates, and the pairwise term can then favour an id by far more than the tie (measured on a native-fp16
     runtime: an edge gap of 0.002 in the logits became a selector gap of 0.725)."""
-    scores, logits = expected.get("selector_scores"), expected.get("logits")
+    scores, logits = expected.get(SELECTOR_SCORES), expected.get(LOGITS)
     decided = scores if scores is not None else logits
     if decided is None:
         return np.inf, "top-2 score gap"
@@ -468,7 +480,7 @@ def recorded_calls(parts: list[Part], pieces: list, taps, contract: dict, vocab:
     driver = TargetDriver(chain, widths, contract)
     driver.reset()
     with like_the_runtime():
-        check_calls(lambda f, tokens, p0: [int(t) for t in driver.run(f, tokens, p0)["argmax_ids"]], widths,
+        check_calls(lambda f, tokens, p0: [int(t) for t in driver.run(f, tokens, p0)[ARGMAX_IDS]], widths,
                     contract, vocab, short=short)
     return [recorder.calls for _, _, recorder in chain.links]
 

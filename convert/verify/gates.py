@@ -49,23 +49,23 @@ Metrics, over every position of every window (n x length):
 
 from __future__ import annotations
 
+import functools
 import inspect
 import platform
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, computed_field
-from rich.table import Table
 
-from convert.errors import GateError, InputError, PackageError
+from convert.errors import InputError, PackageError
 from convert.export.functions import compute_copy
 from convert.export.lockstep import over_sessions
-from convert.fp16 import Peaks, device_arithmetic, limits
+from convert.export.names import ARGMAX_IDS, LOGITS, TAPS
+from convert.fp16 import Peaks, device_arithmetic
 from convert.inputs.thresholds import GateThresholds, default_thresholds
 from convert.models import family_of
 from convert.models.part import HIDDEN_OUT, Part
@@ -75,6 +75,17 @@ from convert.runtime.chain import coreai_chain, coreai_functions, link_inputs, m
 from convert.runtime.host import COMMIT, ModuleFunctions, TargetDriver, module_driver, module_lookup
 from convert.verify import checks
 from convert.verify.reference import memory_mapped, streamed_reference
+from convert.verify.report import (
+    WHOLE_RUN,
+    ArtifactResult,
+    DevicePass,
+    EvalIdentity,
+    Flip,
+    GateReport,
+    Metric,
+    NotRun,
+    RangeReport,
+)
 from convert.weights import rescale
 from convert.weights.quantize import calibration_text
 from convert.weights.target import TargetModules
@@ -82,26 +93,13 @@ from manifests.identity import REPORT_FILE as REPORT_FILE  # the report's name, 
 from manifests.schema import Rescale
 from quant.calibrate import fixture_corpus_text, sample_calibration
 
-# What an artifact gate ran (ArtifactResult.scope)
-WHOLE_RUN = "the .aimodel in lockstep with the torch modules: prefill, decodes, a verify after a rollback"
+# What a parted target's artifact gate ran (ArtifactResult.scope; a whole target's: ``report.WHOLE_RUN``)
 PARTS_CHAINED = ("every part's .aimodel chained on the runtime (its own rows passed from part to part) in lockstep "
                  "with the chained torch parts, the same calls as a whole target's; and each part replayed on its own")
 PARTS_REPLAYED = ("each part's .aimodel replayed on its own against the torch part over a decode, a kept decode and a "
                   "verify (10 rows at verify 8), fed the torch chain's rows; the prefill function and the runtime's "
                   "own rows carried across parts are not run at this size (every function's quantized constants are "
                   "still read back bit-exact)")
-
-
-class EvalIdentity(BaseModel):
-    """What the gate evaluated on; goes into the report and the manifest."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    corpus: str
-    corpus_sha256: str
-    n: int
-    length: int
-    seed: int
 
 
 @dataclass(frozen=True)
@@ -122,245 +120,9 @@ class EvalData:
         return cls.from_text(fixture_corpus_text("eval"), tokenizer, n, length, seed, corpus="fixture:eval")
 
 
-class Metric(BaseModel):
-    name: str
-    value: float
-    threshold: float | None  # None: reported, not gated
-    bound: Literal["max", "min"] | None
-    passed: bool
-
-    @classmethod
-    def gated(cls, name: str, value: float, threshold: float, bound: Literal["max", "min"]) -> Metric:
-        """A NaN value fails either way (both comparisons are false)."""
-        passed = value <= threshold if bound == "max" else value >= threshold
-        return cls(name=name, value=value, threshold=threshold, bound=bound, passed=bool(passed))
-
-    def failure(self) -> str:
-        """The failed metric as the failure line names it: its value and the bound it broke."""
-        return f"{self.name} {self.value:.4g} {'>' if self.bound == 'max' else '<'} {self.threshold:.4g}"
-
-    def cells(self) -> tuple[str, str, str]:
-        """The table's threshold, value and result cells."""
-        threshold = "-" if self.threshold is None else f"{'<=' if self.bound == 'max' else '>='} {self.threshold:.4g}"
-        result = "info" if self.threshold is None else ("pass" if self.passed else "[red]FAIL[/red]")
-        return threshold, f"{self.value:.6g}", result
-
-
-class Flip(BaseModel):
-    """A probe position where ``verify`` and the ``decode`` chain chose different ids."""
-
-    sample: int
-    position: int
-    block_id: int
-    chain_id: int
-    gap: float  # logits: the larger of the two computations' gaps between the two ids
-    near_tie: bool
-
-
-class NotRun(BaseModel):
-    what: str
-    reason: str
-
-
 # The arithmetic each graph layout's package computes in on the device (``convert.fp16``): the ane layout's programs run
 # on the Neural Engine, the stateful layout's on the GPU through Core ML.
 DEVICE_OF_LAYOUT = {"ane": "ane", "stateful": "gpu"}
-# What the range verdict judges: every product's input and output port and every module's output (a decoder layer's:
-# the residual stream after it); other stored intermediates are not (a silu's exp may rightly overflow to inf), but
-# one past fp16 shows at the input of the product that reads it.
-JUDGED_KINDS = ("input", "port", "output")
-TIGHTEST_SHOWN = 8
-
-
-class RangeEntry(BaseModel):
-    """One tensor's largest magnitude in the device pass against its limit (``tensor``: the module that computed it,
-    by its qualified name; ``kind``: ``input``, ``port`` or ``output``, ``convert.fp16.Peaks``)."""
-
-    tensor: str
-    kind: str
-    peak: float
-    limit: float
-    nonfinite: int = 0
-
-    @computed_field
-    @property
-    def headroom(self) -> float:
-        """limit / peak (above 1: inside the limit)."""
-        return self.limit / self.peak if self.peak > 0 else float("inf")
-
-    @property
-    def over(self) -> bool:
-        return self.nonfinite > 0 or self.peak > self.limit
-
-    def phrase(self) -> str:
-        what = f"{self.tensor} ({self.kind})"
-        if self.nonfinite:
-            return (f"{what}: {self.nonfinite} values past fp16 (inf or NaN; the largest finite {self.peak:.6g}, "
-                    f"limit {self.limit:.6g})")
-        return f"{what}: peak {self.peak:.6g} > limit {self.limit:.6g}"
-
-
-class RangeReport(BaseModel):
-    """The range verdict of a device pass: every judged tensor's peak against its limit (a product's port: 32,768 on
-    the ANE, fp16's 65,504 on the GPU; a product's input and a module's output: 65,504), in the order computed."""
-
-    device: str
-    limits: dict[str, float]
-    checked: int
-    over: list[RangeEntry]
-    tightest: list[RangeEntry]
-
-    @computed_field
-    @property
-    def passed(self) -> bool:
-        return not self.over
-
-    def over_phrase(self) -> str:
-        """The first tensor over its limit, and how many more (a failed verdict's words)."""
-        more = len(self.over) - 1
-        return f"{self.over[0].phrase()}{f' (and {more} more)' if more else ''}"
-
-    @classmethod
-    def of(cls, device: str, peaks: Peaks) -> RangeReport:
-        bounds = limits(device)
-        entries = [RangeEntry(tensor=name, kind=kind, peak=peak, limit=bounds[kind],
-                              nonfinite=peaks.nonfinite.get((name, kind), 0))
-                   for (name, kind), peak in peaks.peaks.items() if kind in JUDGED_KINDS]
-        return cls(device=device, limits=bounds, checked=len(entries), over=[e for e in entries if e.over],
-                   tightest=sorted(entries, key=lambda e: e.headroom)[:TIGHTEST_SHOWN])
-
-
-class DevicePass(BaseModel):
-    """The gate's second candidate: the shipped fp16 modules computed in the arithmetic of the device the recipe's
-    layout targets (``convert.fp16.DeviceArithmetic``) on the first ``windows`` windows, against the same fp32
-    reference, with its own bars and a range verdict."""
-
-    device: str
-    windows: int
-    metrics: list[Metric]
-    range: RangeReport
-    seconds: float
-
-    @computed_field
-    @property
-    def passed(self) -> bool:
-        return all(m.passed for m in self.metrics) and self.range.passed
-
-    def failures(self) -> list[str]:
-        failed = [f"device pass ({self.device}) {m.failure()}" for m in self.metrics if not m.passed]
-        if self.range.over:
-            failed.append(f"range ({self.device}): {self.range.over_phrase()}")
-        return failed
-
-
-class ArtifactResult(BaseModel):
-    """The shipped ``.aimodel`` on the Core AI runtime in lockstep with the modules (``checks.run_coreai``), or a
-    parted target's packages (``artifact_of_parts``); ``scope`` says which run it was."""
-
-    package: str
-    passed: bool
-    scope: str = WHOLE_RUN
-    error: str | None = None
-    runtime_calls: int = 0
-    argmax_compared: int = 0
-    argmax_near_ties: int = 0
-    max_output_delta: float = 0.0
-    reference_compared: int = 0
-    reference_near_ties: int = 0
-    greedy_ids: list[int] = []  # the package's greedy run (``checks.check_calls``), when it made one
-    seconds: float
-
-
-class GateReport(BaseModel):
-    thresholds: GateThresholds
-    data: EvalIdentity
-    candidate: str
-    greedy_tokens: int
-    metrics: list[Metric]
-    flips: list[Flip]
-    artifact: ArtifactResult | None = None
-    device: DevicePass | None = None
-    rescale: Rescale | None = None
-    not_run: list[NotRun]
-    seconds: float
-
-    @computed_field
-    @property
-    def passed(self) -> bool:
-        return (all(m.passed for m in self.metrics) and (self.artifact is None or self.artifact.passed)
-                and (self.device is None or self.device.passed))
-
-    def failures(self) -> list[str]:
-        """One phrase per failed check: metric, value, the bound it broke."""
-        failed = [m.failure() for m in self.metrics if not m.passed]
-        if self.device is not None:
-            failed += self.device.failures()
-        if self.artifact is not None and not self.artifact.passed:
-            failed.append(f"artifact {self.artifact.package}: {self.artifact.error}")
-        return failed
-
-    def raise_if_failed(self) -> None:
-        if not self.passed:
-            raise GateError(f"numeric gate failed: {'; '.join(self.failures())}")
-
-    def table(self) -> Table:
-        table = Table(title=f"numeric gate: {'PASS' if self.passed else 'FAIL'} ({self.data.corpus}, "
-                            f"{self.data.n} x {self.data.length} tokens, seed {self.data.seed})")
-        for column in ("metric", "threshold", "value", "result"):
-            table.add_column(column, justify="left" if column == "metric" else "right")
-        for m in self.metrics:
-            table.add_row(m.name, *m.cells())
-        if self.rescale is not None:
-            r = self.rescale
-            mlp = f", MLP / {max(r.mlp_scales.values()):g} in {len(r.mlp_scales)} layers" if r.mlp_scales else ""
-            table.add_row(f"range scales ({r.device}, {r.windows} windows, fp32 peaks)", f"{r.headroom:g}x headroom",
-                          f"residual x {r.residual_scale:g}{mlp}",
-                          "folded" if r.residual_scale != 1 or r.mlp_scales else "none needed")
-        if self.device is not None:
-            self._device_rows(table, self.device)
-        if self.artifact is None:
-            table.add_row("artifact (.aimodel on Core AI)", "argmax equal", "not run", "-")
-        else:
-            a = self.artifact
-            value = f"{a.argmax_compared} ids, {a.argmax_near_ties} near ties" if a.passed else "differs"
-            if a.passed and a.reference_compared:
-                value += f"; fp32 reference: {a.reference_compared} ids, {a.reference_near_ties} near ties"
-            table.add_row(f"artifact {a.package}", "argmax equal", value, "pass" if a.passed else "[red]FAIL[/red]")
-        return table
-
-    @staticmethod
-    def _device_rows(table: Table, device: DevicePass) -> None:
-        where = f"device pass ({device.device}, {device.windows} windows)"
-        for m in device.metrics:
-            if m.threshold is not None:  # the reported ones are in gate_report.json
-                table.add_row(f"{where}: {m.name}", *m.cells())
-        r = device.range
-        if r.passed:
-            tight = r.tightest[0] if r.tightest else None
-            value = (f"{r.checked} tensors; least headroom {tight.headroom:.3g}x at {tight.tensor} ({tight.kind}, "
-                     f"peak {tight.peak:.4g})") if tight else "nothing computed"
-        else:
-            value = r.over[0].phrase() + (f" (+{len(r.over) - 1})" if len(r.over) > 1 else "")
-        limits = ", ".join(f"{k} {v:.6g}" for k, v in r.limits.items())
-        table.add_row(f"{where}: range", f"within {limits}", value, "pass" if r.passed else "[red]FAIL[/red]")
-
-    def write_json(self, path: Path) -> Path:
-        path.write_text(self.model_dump_json(indent=2) + "\n")
-        return path
-
-    def manifest_entry(self) -> dict:
-        """What a published bundle records: pass, data identity, thresholds and every metric's value."""
-        return {
-            "passed": self.passed,
-            "data": self.data.model_dump(),
-            "thresholds": self.thresholds.model_dump(),
-            "metrics": {m.name: m.value for m in self.metrics},
-            "artifact": None if self.artifact is None else self.artifact.model_dump(exclude={"seconds", "greedy_ids"}),
-            "device": None if self.device is None else {
-                "device": self.device.device, "windows": self.device.windows, "passed": self.device.passed,
-                "metrics": {m.name: m.value for m in self.device.metrics},
-                "range": self.device.range.model_dump(exclude={"tightest"})},
-        }
 
 
 class RowFlip(NamedTuple):
@@ -542,7 +304,7 @@ def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThr
     pass over its pieces), its logits to disk as each window's are computed; then the reference, whose continuation
     follows the candidate's in one pass (``_reference_window``). The same schedule, arithmetic and metrics as
     ``run_gates``. ``keep(name, compute)``: where the candidate's windows (``"candidate"``) and the reference's
-    (``"reference"``) are kept once computed and restored from when the gate runs again (``build.GatePasses``: at
+    (``"reference"``) are kept once computed and restored from when the gate runs again (``gate_cache.GatePasses``: at
     27B each takes about an hour); without it they are computed. ``device``, ``device_windows``: ``run_gates``'
     device pass, its candidate streamed too (``"device"``), before the reference, whose one pass then also computes
     the windows where the device's greedy ids part from the fp32 candidate's."""
@@ -622,107 +384,131 @@ def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy
     left them. ``device`` (``convert.fp16.device_arithmetic``): each piece computes in that device's arithmetic;
     ``peaks``: noted as each piece computes, under the whole target's names (``target.layers.i``); with either, the
     windows run one after the other in this thread (the arithmetic and the watch are this thread's), not in step."""
-    outline = loader.outline
-    widths, args = outline.widths, outline.core.args
-    returned, hidden = list(outline.core.taps), args.hidden_size
-    schedules = [_schedule(w, widths, args.vocab_size, probe_accepts, generator) for w in windows]
-    drivers = [TargetDriver(None, widths, outline.contract) for _ in windows]
-    inputs = [[d.inputs(c.function, c.tokens, c.p0) for c in calls] for d, calls in zip(drivers, schedules,
-                                                                                        strict=True)]
-    units = loader.units()
-    results: list[_Window | None] = [None] * len(windows)
+    return _StreamedCandidate(loader, windows, taps, greedy_tokens, probe_accepts, generator, compute_dtype, consume,
+                              peaks, device).run(what)
 
-    with tempfile.TemporaryDirectory(prefix="spec-convert-gate-") as scratch:
-        def run(piece: ModuleFunctions, function: str, given: dict, rows) -> dict[str, np.ndarray]:
-            return piece.call(function, link_inputs(piece.modules.functions[function][1], given, rows))
 
-        def keep(piece: ModuleFunctions, w: int, u: int) -> None:  # window w's states of piece u, for the next pass
-            buffers = {k: torch.from_numpy(v.copy()) for k, v in piece.host_buffers().items()}
-            torch.save({**piece.modules.states(), **buffers}, Path(scratch) / f"{w}-{u}.pt")
+class _StreamedCandidate:
+    """``streamed_candidate``'s run: every window's schedule, host driver and inputs, the rows each piece passes to the
+    next, and the windows' results as the head computes them; each piece's states per window wait in ``scratch``
+    between the greedy passes."""
 
-        def restore(piece: ModuleFunctions, w: int, u: int) -> None:
-            buffers = piece.host_buffers()
-            for name, value in torch.load(Path(scratch) / f"{w}-{u}.pt").items():
-                if name in buffers:
-                    buffers[name][...] = value.numpy()
-                else:
-                    piece.modules.states()[name].copy_(value)
+    def __init__(self, loader, windows: list[list[int]], taps: list[int], greedy_tokens: int,
+                 probe_accepts: tuple[int, ...], generator: torch.Generator, compute_dtype: torch.dtype, consume,
+                 peaks: Peaks | None, device: str | None):
+        outline = loader.outline
+        widths, args = outline.widths, outline.core.args
+        self.loader, self.windows, self.taps, self.greedy_tokens = loader, windows, taps, greedy_tokens
+        self.compute_dtype, self.consume, self.peaks, self.device = compute_dtype, consume, peaks, device
+        self.returned, self.hidden = list(outline.core.taps), args.hidden_size
+        self.schedules = [_schedule(w, widths, args.vocab_size, probe_accepts, generator) for w in windows]
+        self.drivers = [TargetDriver(None, widths, outline.contract) for _ in windows]
+        self.inputs = [[d.inputs(c.function, c.tokens, c.p0) for c in calls]
+                       for d, calls in zip(self.drivers, self.schedules, strict=True)]
+        self.units = loader.units()
+        self.results: list[_Window | None] = [None] * len(windows)
+        self.watched = peaks is not None or device is not None
+        self.scratch: Path | None = None
 
-        watched = peaks is not None or device is not None
-
-        def each(unit: Part, work) -> None:
-            """``work(host, window)`` of every window over a host per window session of the unit's piece (the ane
-            layout's buffers carry between calls), its fp16 weights computing in ``compute_dtype`` a block at a
-            time, so that the sessions run in step read each block once (``export.lockstep``); one host, in this
-            thread, when ``watched``."""
-            piece = compute_copy(loader.load([unit])[0], compute_dtype, share_weights=True)
-            if not watched:
-                hosts = [ModuleFunctions(piece)] + [ModuleFunctions(piece.session()) for _ in windows[1:]]
-                over_sessions(len(windows), hosts, work)
-                return
-            if peaks is not None:
-                peaks.name({"layers.0": f"layers.{unit.layer_indices[0]}"} if unit.layer_indices else None,
-                           own=False, target=piece.core)
-            host = ModuleFunctions(piece)
-            with device_arithmetic(device, peaks):
-                for w in range(len(windows)):
-                    work(host, w)
-
-        passes = greedy_tokens
-        in_step = "one window after the other" if watched else "the windows in step"
-        with steps(f"{what}, one piece at a time, {in_step} ({len(units)} pieces x {passes} passes)",
-                   len(units) * passes, "loads") as advance:
-            rows = [[None] * len(calls) for calls in schedules]
-            tapped = [[{} for _ in calls] for calls in schedules]
-            for u, unit in enumerate(units):
-                own = unit.own_taps(returned)
-
-                def first(piece: ModuleFunctions, w: int, u=u, unit=unit, own=own) -> None:
-                    calls = schedules[w]
-                    piece.reset()
-                    outs = []
-                    for c, call in enumerate(calls):
-                        got = run(piece, call.function, inputs[w][c], rows[w][c])
-                        rows[w][c] = got.get(HIDDEN_OUT, rows[w][c])
-                        if own:
-                            tapped[w][c].update(zip(own, np.split(got["taps"], len(own), axis=-1), strict=True))
-                        if unit.head is not None:
-                            outs.append(_rows_of(call, got, tapped[w][c], returned))
-                    if greedy_tokens > 1:
-                        keep(piece, w, u)
-                    if unit.head is not None:
-                        results[w] = _window_of(calls, outs, len(windows[w]), taps, returned, hidden)
-                        results[w].greedy = [int(results[w].logits[-1].argmax())]
-                        if consume is not None:
-                            consume(w, results[w])
-
-                each(unit, first)
-                advance()
-            for step in range(1, greedy_tokens):
-                given = [drivers[w].inputs("decode", [results[w].greedy[-1]], len(windows[w]) + step - 1)
-                         for w in range(len(windows))]
-                rows = [None] * len(windows)
+    def run(self, what: str) -> list[_Window]:
+        """The first pass (steps 1-3 and the first greedy id) over every piece, then one pass a greedy token."""
+        windows, units, passes = self.windows, self.units, self.greedy_tokens
+        with tempfile.TemporaryDirectory(prefix="spec-convert-gate-") as scratch:
+            self.scratch = Path(scratch)
+            in_step = "one window after the other" if self.watched else "the windows in step"
+            with steps(f"{what}, one piece at a time, {in_step} ({len(units)} pieces x {passes} passes)",
+                       len(units) * passes, "loads") as advance:
+                rows = [[None] * len(calls) for calls in self.schedules]
+                tapped = [[{} for _ in calls] for calls in self.schedules]
                 for u, unit in enumerate(units):
-                    def later(piece: ModuleFunctions, w: int, u=u, unit=unit, step=step, given=given,
-                              rows=rows) -> None:
-                        restore(piece, w, u)
-                        got = run(piece, "decode", given[w], rows[w])
-                        if step + 1 < greedy_tokens:
-                            keep(piece, w, u)
-                        rows[w] = got.get(HIDDEN_OUT, rows[w])
-                        if unit.head is not None:
-                            results[w].greedy.append(int(got["argmax_ids"][0, 0]))
-
-                    each(unit, later)
+                    self.each(unit, functools.partial(self.first, u, unit, unit.own_taps(self.returned), rows, tapped))
                     advance()
-    return results
+                for step in range(1, passes):
+                    given = [self.drivers[w].inputs("decode", [self.results[w].greedy[-1]], len(windows[w]) + step - 1)
+                             for w in range(len(windows))]
+                    rows = [None] * len(windows)
+                    for u, unit in enumerate(units):
+                        self.each(unit, functools.partial(self.later, u, unit, step, given, rows))
+                        advance()
+        return self.results
+
+    def each(self, unit: Part, work) -> None:
+        """``work(host, window)`` of every window over a host per window session of the unit's piece (the ane
+        layout's buffers carry between calls), its fp16 weights computing in ``compute_dtype`` a block at a
+        time, so that the sessions run in step read each block once (``export.lockstep``); one host, in this
+        thread, when ``watched``."""
+        windows = self.windows
+        piece = compute_copy(self.loader.load([unit])[0], self.compute_dtype, share_weights=True)
+        if not self.watched:
+            hosts = [ModuleFunctions(piece)] + [ModuleFunctions(piece.session()) for _ in windows[1:]]
+            over_sessions(len(windows), hosts, work)
+            return
+        if self.peaks is not None:
+            self.peaks.name({"layers.0": f"layers.{unit.layer_indices[0]}"} if unit.layer_indices else None,
+                            own=False, target=piece.core)
+        host = ModuleFunctions(piece)
+        with device_arithmetic(self.device, self.peaks):
+            for w in range(len(windows)):
+                work(host, w)
+
+    def first(self, u: int, unit: Part, own: list[int], rows: list[list], tapped: list[list[dict]],
+              piece: ModuleFunctions, w: int) -> None:
+        """Window ``w``'s calls of steps 1-3 through piece ``u``, on the rows the previous piece returned; the head's
+        piece makes the window's result (``consume`` called with it)."""
+        calls = self.schedules[w]
+        piece.reset()
+        outs = []
+        for c, call in enumerate(calls):
+            got = self.call(piece, call.function, self.inputs[w][c], rows[w][c])
+            rows[w][c] = got.get(HIDDEN_OUT, rows[w][c])
+            if own:
+                tapped[w][c].update(zip(own, np.split(got[TAPS], len(own), axis=-1), strict=True))
+            if unit.head is not None:
+                outs.append(_rows_of(call, got, tapped[w][c], self.returned))
+        if self.greedy_tokens > 1:
+            self.keep(piece, w, u)
+        if unit.head is not None:
+            result = self.results[w] = _window_of(calls, outs, len(self.windows[w]), self.taps, self.returned,
+                                                  self.hidden)
+            result.greedy = [int(result.logits[-1].argmax())]
+            if self.consume is not None:
+                self.consume(w, result)
+
+    def later(self, u: int, unit: Part, step: int, given: list[dict], rows: list, piece: ModuleFunctions,
+              w: int) -> None:
+        """Greedy pass ``step`` of window ``w`` through piece ``u``: a decode of its last greedy id from the states
+        the previous pass kept."""
+        self.restore(piece, w, u)
+        got = self.call(piece, "decode", given[w], rows[w])
+        if step + 1 < self.greedy_tokens:
+            self.keep(piece, w, u)
+        rows[w] = got.get(HIDDEN_OUT, rows[w])
+        if unit.head is not None:
+            self.results[w].greedy.append(int(got[ARGMAX_IDS][0, 0]))
+
+    @staticmethod
+    def call(piece: ModuleFunctions, function: str, given: dict, rows) -> dict[str, np.ndarray]:
+        return piece.call(function, link_inputs(piece.modules.functions[function][1], given, rows))
+
+    def keep(self, piece: ModuleFunctions, w: int, u: int) -> None:
+        """Window ``w``'s states of piece ``u``, for the next pass."""
+        buffers = {k: torch.from_numpy(v.copy()) for k, v in piece.host_buffers().items()}
+        torch.save({**piece.modules.states(), **buffers}, self.scratch / f"{w}-{u}.pt")
+
+    def restore(self, piece: ModuleFunctions, w: int, u: int) -> None:
+        buffers = piece.host_buffers()
+        for name, value in torch.load(self.scratch / f"{w}-{u}.pt").items():
+            if name in buffers:
+                buffers[name][...] = value.numpy()
+            else:
+                piece.modules.states()[name].copy_(value)
 
 
 def _rows_of(call: _Call, got: dict[str, np.ndarray], tapped: dict[int, np.ndarray], returned: list[int]) -> dict:
     """A call's outputs as ``TargetDriver.run`` gives the whole target's: its real rows, the taps in order."""
     out = dict(got)
     if tapped:
-        out["taps"] = np.concatenate([tapped[t] for t in returned], axis=-1)
+        out[TAPS] = np.concatenate([tapped[t] for t in returned], axis=-1)
     return {k: np.asarray(v)[0, : len(call.tokens)] for k, v in out.items()}
 
 
@@ -995,23 +781,23 @@ def _window_of(calls: list[_Call], outs: list[dict[str, np.ndarray]], length: in
                returned: list[int], hidden: int) -> _Window:
     """The window's candidate logits and taps (and probe logits) from its calls' outputs (``TargetDriver.run``'s:
     real rows only); the greedy ids are added after."""
-    vocab = outs[0]["logits"].shape[-1]
+    vocab = outs[0][LOGITS].shape[-1]
     logits = torch.empty(length, vocab)
     features = {t: torch.empty(length, hidden) for t in taps}
     blocks, chains = {}, {}
     for call, out in zip(calls, outs, strict=True):
         if call.keep:
-            logits[call.p0 : call.p0 + call.keep] = torch.from_numpy(out["logits"][: call.keep])
+            logits[call.p0 : call.p0 + call.keep] = torch.from_numpy(out[LOGITS][: call.keep])
             for t in taps:
                 i = returned.index(t)
                 features[t][call.p0 : call.p0 + call.keep] = torch.from_numpy(
-                    out["taps"][: call.keep, i * hidden : (i + 1) * hidden])
+                    out[TAPS][: call.keep, i * hidden : (i + 1) * hidden])
         if call.probe is not None:
             index, kept = call.probe
             if call.block:
-                blocks[index] = (call.p0 + kept, torch.from_numpy(out["logits"][kept:]).clone())
+                blocks[index] = (call.p0 + kept, torch.from_numpy(out[LOGITS][kept:]).clone())
             else:
-                chains.setdefault(index, []).append(torch.from_numpy(out["logits"][0]))
+                chains.setdefault(index, []).append(torch.from_numpy(out[LOGITS][0]))
     probe = [(blocks[i][0], blocks[i][1], torch.stack(chains[i])) for i in sorted(blocks)]
     return _Window(logits, features, [], probe)
 
@@ -1026,7 +812,7 @@ def _candidate_window(modules: TargetModules, window: list[int], taps: list[int]
     result = _window_of(calls, outs, len(window), taps, list(modules.core.taps), modules.core.args.hidden_size)
     result.greedy = [int(result.logits[-1].argmax())]
     for q in range(len(window), len(window) + greedy_tokens - 1):
-        result.greedy.append(int(driver.run("decode", [result.greedy[-1]], q)["argmax_ids"][0]))
+        result.greedy.append(int(driver.run("decode", [result.greedy[-1]], q)[ARGMAX_IDS][0]))
     return result
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from convert.export.functions import ExportModules
+from convert.export.names import INPUT_IDS, POSITION_IDS
 from convert.export.spec import TORCH_DTYPES, FunctionSpec
 from convert.inputs.recipe import Target
 from convert.models import family_of
@@ -30,7 +31,7 @@ class TargetModules(ExportModules):
     def call(self, name: str, input_ids=None, position_ids=None, **extra) -> dict[str, torch.Tensor]:
         """Run function ``name`` in torch on the shared states (``call_with``). ``extra``: the function's other
         inputs by name (a hybrid target's ``accept`` and ``valid``, a part's ``hidden_states``)."""
-        given = {k: v for k, v in (("input_ids", input_ids), ("position_ids", position_ids)) if v is not None}
+        given = {k: v for k, v in ((INPUT_IDS, input_ids), (POSITION_IDS, position_ids)) if v is not None}
         return self.call_with(name, {**given, **extra})
 
 

@@ -7,8 +7,8 @@ slot position mod ring. ``draft`` takes the anchor's embedding row, the block's 
 ``ring_values`` [layers, kv heads, ring, head_dim] and one ring mask [ring, S] per distinct sliding window (the host
 computes them from the positions its slots hold: ``HostOwned.ring_mask_inputs``), and returns the block's ``logits``
 and, with a candidate selector, its projection of the block's rows (``selector_projected``): the host takes the top-k,
-reads the codebooks (the bundle's selector.safetensors) and walks (``core.selector_walk``), or takes the argmax. So the
-graph holds no lookup, no top-k, no argmax, no integer arithmetic and no state.
+reads the codebooks (the bundle's selector.safetensors) and walks (``convert.export.selector.selector_walk``), or takes
+the argmax. So the graph holds no lookup, no top-k, no argmax, no integer arithmetic and no state.
 """
 
 from __future__ import annotations
@@ -17,13 +17,25 @@ import torch
 from torch import nn
 
 from convert.export.ane import channels_first, head_outputs, host_work, logits_parts, pointwise, rms_norm, rows_of
+from convert.export.names import (
+    ANCHOR_EMBEDDING,
+    ARGMAX_IDS,
+    DRAFT_IDS,
+    RING_KEYS,
+    RING_VALUES,
+    ROPE_COS,
+    ROPE_SIN,
+    SELECTOR_PROJECTED,
+    SELECTOR_SCORES,
+    TAPS,
+)
 from convert.fp16 import noted_output, within
 from convert.models.dflash2.config import DFlash2Args
 from convert.models.dflash2.core import DFlash2Core, GroupedConv
 from convert.models.qwen3.ane import attention, keys_values, mlp
 
-RING = {"ring_keys": "ring_key_rows", "ring_values": "ring_value_rows"}  # the host's ring and each call's rows
-PROJECTED = "selector_projected"
+RING = {RING_KEYS: "ring_key_rows", RING_VALUES: "ring_value_rows"}  # the host's ring and each call's rows
+PROJECTED = SELECTOR_PROJECTED
 
 
 def ring_mask_name(window: int | None) -> str:
@@ -106,20 +118,20 @@ def host_contract(args: DFlash2Args, ring_rows: int, head_ranges: list[tuple[int
     windows = dict.fromkeys(args.layer_windows)
     contract = {
         "name": "spec-convert/dflash2-host-ring", "version": 1, "rollback": "positional", "pending_rows": {},
-        "inputs": {"taps": "the target's tapped rows of the context positions [1, S, taps x hidden] (context_update, "
+        "inputs": {TAPS: "the target's tapped rows of the context positions [1, S, taps x hidden] (context_update, "
                            "context_append)",
-                   "anchor_embedding": "the anchor token's embedding row [1, 1, hidden] (draft)",
-                   "rope_cos": "cos of the call's positions times RoPE's inverse frequencies [S, head_dim / 2]",
-                   "rope_sin": "their sin, as rope_cos",
+                   ANCHOR_EMBEDDING: "the anchor token's embedding row [1, 1, hidden] (draft)",
+                   ROPE_COS: "cos of the call's positions times RoPE's inverse frequencies [S, head_dim / 2]",
+                   ROPE_SIN: "their sin, as rope_cos",
                    **{ring_mask_name(w): f"[ring, S]: 0 where the slot holds a position below the draft's first"
                                          f"{'' if w is None else f' and within {w} of the query'}, -1e4 elsewhere"
                       for w in windows},
-                   "ring_keys": "the host's ring of context keys [layers, kv heads, ring, head_dim], slot = position "
+                   RING_KEYS: "the host's ring of context keys [layers, kv heads, ring, head_dim], slot = position "
                                 "mod ring",
-                   "ring_values": "the host's ring of context values, as ring_keys"},
+                   RING_VALUES: "the host's ring of context values, as ring_keys"},
         "buffers": {buffer: {"rows": rows, "axis": 2, "ring": ring_rows} for buffer, rows in RING.items()},
         "ring_masks": {ring_mask_name(w): w for w in windows},
-        **host_work(args.rope_theta, args.head_dim, embedded=None), "argmax_ids": "draft_ids",
+        **host_work(args.rope_theta, args.head_dim, embedded=None), ARGMAX_IDS: DRAFT_IDS,
         **logits_parts(head_ranges),
         "rules": [
             "the package keeps no state: the host owns ring_keys and ring_values, passes them to draft, and after a "
@@ -134,5 +146,5 @@ def host_contract(args: DFlash2Args, ring_rows: int, head_ranges: list[tuple[int
     }
     if args.has_selector:
         contract["selector"] = {"projection": PROJECTED, "file": "selector.safetensors", "top_k": args.selector_top_k,
-                                "ids": "draft_ids", "scores": "selector_scores"}
+                                "ids": DRAFT_IDS, "scores": SELECTOR_SCORES}
     return contract

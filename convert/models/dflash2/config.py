@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from convert import fields
 from convert.errors import InputError, quote
+from convert.export.names import RING_KEYS, RING_LAPS, RING_VALUES
 from convert.models.qwen3.config import layer_shapes
 
 ARCHITECTURES = ("DFlash2DraftModel", "DFlashDraftModel")
@@ -15,30 +16,42 @@ TAP_CONVENTION = "output-of-layer-0-based"
 SELECTOR_FILE = "selector.safetensors"
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 ALIASES = (("midlayer.", "layers.0."), ("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm."))
-STATE_NAMES = ("ring_keys", "ring_values", "ring_laps")
+STATE_NAMES = (RING_KEYS, RING_VALUES, RING_LAPS)
 MASK_BIAS = -1e4  # additive bias of a hidden key; exp(-1e4) is 0 in fp16 and fp32, and -1e4 is finite in fp16
+# options declared all or none (a DFlash2DraftModel has both)
+GROUPS = {"conv": ("conv_kernel_size", "conv_group_size"), "selector": ("selector_rank", "selector_top_k")}
+
+
+def _integer(draft: bool = False, **how):
+    """A drafter's integer field (0 or more; a size's lower bound is ``DFlash2Args.check``'s): top-level, or
+    (``draft``) dflash_config's, then the top level's (as upstream's _draft_value)."""
+    found = dict(sources=("draft", ""), skip_null=True, prefix="dflash_config.") if draft else {}
+    return fields.declared(kind=fields.NATURAL, **found, **how)
 
 
 @dataclass(frozen=True)
 class DFlash2Args:
     architecture: str
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    layer_windows: tuple[int | None, ...]  # per draft layer: the sliding window, None = unlimited
+    hidden_size: int = _integer()
+    intermediate_size: int = _integer()
+    num_hidden_layers: int = _integer(maximum=fields.MAX_LAYERS)
+    num_attention_heads: int = _integer()
+    num_key_value_heads: int = _integer(zero_unset=True, default=lambda r: r["num_attention_heads"])
+    head_dim: int = _integer(zero_unset=True, default=lambda r: r["hidden_size"] // r["num_attention_heads"]
+                             if r["num_attention_heads"] else 0)
+    vocab_size: int = _integer()
+    rms_norm_eps: float = fields.declared(kind=float, default=1e-6)
+    rope_theta: float = fields.rope_theta()
+    # per draft layer: the sliding window, None = unlimited
+    layer_windows: tuple[int | None, ...] = fields.derived(
+        lambda r: _layer_windows(r.sources[""], r["num_hidden_layers"], r.where))
     target_layer_ids: tuple[int, ...]
-    block_size: int
-    mask_token_id: int
-    conv_kernel_size: int | None = None
-    conv_group_size: int | None = None
-    selector_rank: int | None = None
-    selector_top_k: int | None = None
+    block_size: int = _integer(draft=True)
+    mask_token_id: int = _integer(draft=True)
+    conv_kernel_size: int | None = _integer(draft=True, default=None, init=None)
+    conv_group_size: int | None = _integer(draft=True, default=None, init=None)
+    selector_rank: int | None = _integer(draft=True, default=None, init=None)
+    selector_top_k: int | None = _integer(draft=True, default=None, init=None)
     tap_convention: str = TAP_CONVENTION
 
     @property
@@ -56,82 +69,29 @@ class DFlash2Args:
 
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> DFlash2Args:
+        """The drafter's args from its config.json (``dflash_config`` holds the drafting fields); what it does not
+        implement is refused, never ignored."""
         archs = fields.strings(config, "architectures", where) or []
         found = [a for a in archs if a in ARCHITECTURES]
         if len(archs) != 1 or not found:
             raise InputError(f"{where}: field 'architectures' is {quote(archs)}; expected one of "
                              f"{list(ARCHITECTURES)}")
-        architecture = found[0]
-        draft = config.get("dflash_config")
+        architecture, draft = found[0], config.get("dflash_config")
         if not isinstance(draft, dict):
             raise InputError(f"{where}: field 'dflash_config' is missing; a DFlash drafter needs it")
-        _refuse_unsupported(config, draft, where)
-
-        def value(name):  # dflash_config wins, then the top level (as upstream's _draft_value)
-            return draft[name] if draft.get(name) is not None else config.get(name)
-
-        def integer(name, in_draft=False, required=True, maximum=fields.INT_LIMIT - 1):
-            """A top-level field, or (``in_draft``) a dflash_config field that may also sit at the top level."""
-            raw = value(name) if in_draft else config.get(name)
-            field = f"dflash_config.{name}" if in_draft else name
-            if raw is None:
-                if required:
-                    raise InputError(f"{where}: field {field!r} is missing; a {architecture} drafter needs it")
-                return None
-            if isinstance(raw, bool) or not isinstance(raw, int) or not 0 <= raw <= maximum:
-                bound = "below 2**31" if maximum == fields.INT_LIMIT - 1 else f"at most {maximum}"
-                raise InputError(f"{where}: field {field!r} is {quote(raw)}; expected a non-negative integer ({bound})")
-            return raw
-
-        taps = draft.get("target_layer_ids")
-        if not isinstance(taps, list) or not taps or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < fields.INT_LIMIT for t in taps):
-            raise InputError(
-                f"{where}: field 'dflash_config.target_layer_ids' is {quote(taps)}; expected the explicit list of "
-                "tapped target layers (0-based, output of layer i); it is never recomputed from a formula"
-            )
-        if len(set(taps)) != len(taps):
-            raise InputError(f"{where}: field 'dflash_config.target_layer_ids' {taps} repeats a layer")
-        target_layers = integer("num_target_layers", required=False)
-        if target_layers is not None and max(taps) >= target_layers:
-            raise InputError(f"{where}: field 'dflash_config.target_layer_ids' {taps} names a layer past the target's "
-                             f"num_target_layers {target_layers}")
-        hidden, heads = integer("hidden_size"), integer("num_attention_heads")
-        layers = integer("num_hidden_layers", maximum=fields.MAX_LAYERS)
-        if value("block_size") is None:
+        rope = _refuse_unsupported(config, draft, where)
+        r = fields.Reader(cls, where, {"": config, "draft": draft, "rope": rope},
+                          missing=f"field {{field!r}} is missing; a {architecture} drafter needs it")
+        taps = _target_layer_ids(r, draft, where)
+        r.take("hidden_size", "num_attention_heads", "num_hidden_layers")
+        if r.raw("block_size") is None:
             raise InputError(f"{where}: field 'dflash_config.block_size' (or top-level 'block_size') is missing")
-        conv = {k: value(k) for k in ("conv_kernel_size", "conv_group_size")}
-        selector = {k: value(k) for k in ("selector_rank", "selector_top_k")}
-        for group, kind in ((conv, "conv"), (selector, "selector")):
-            declared = [k for k, v in group.items() if v is not None]
-            if (declared and len(declared) != len(group)) or (architecture == "DFlash2DraftModel" and not declared):
-                missing = [k for k, v in group.items() if v is None]
-                raise InputError(
-                    f"{where}: field 'dflash_config.{missing[0]}' is missing; a {architecture} {kind} needs "
-                    f"{' and '.join(group)}"
-                )
-        rope = fields.mapping(config, "rope_parameters", where)
-        theta = fields.number(config, "rope_theta", where, 10000.0)
-        args = cls(
-            architecture=architecture,
-            hidden_size=hidden,
-            intermediate_size=integer("intermediate_size"),
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=integer("num_key_value_heads", required=False) or heads,
-            head_dim=integer("head_dim", required=False) or (hidden // heads if heads else 0),
-            vocab_size=integer("vocab_size"),
-            rms_norm_eps=fields.number(config, "rms_norm_eps", where, 1e-6),
-            rope_theta=fields.number(rope, "rope_theta", where, theta, field="rope_parameters.rope_theta"),
-            layer_windows=_layer_windows(config, layers, where),
-            target_layer_ids=tuple(taps),
-            block_size=integer("block_size", in_draft=True),
-            mask_token_id=integer("mask_token_id", in_draft=True),
-            conv_kernel_size=integer("conv_kernel_size", in_draft=True, required=False),
-            conv_group_size=integer("conv_group_size", in_draft=True, required=False),
-            selector_rank=integer("selector_rank", in_draft=True, required=False),
-            selector_top_k=integer("selector_top_k", in_draft=True, required=False),
-        )
+        for kind, group in GROUPS.items():
+            missing = [k for k in group if r.raw(k) is None]
+            if 0 < len(missing) < len(group) or (architecture == "DFlash2DraftModel" and missing):
+                raise InputError(f"{where}: field 'dflash_config.{missing[0]}' is missing; a {architecture} {kind} "
+                                 f"needs {' and '.join(group)}")
+        args = r.build(architecture=architecture, target_layer_ids=taps)
         args.check(where)
         return args
 
@@ -141,9 +101,7 @@ class DFlash2Args:
                      "vocab_size", "num_key_value_heads"):
             if getattr(self, name) < 1:
                 raise InputError(f"{where}: field {name!r} is {getattr(self, name)}; expected at least 1")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise InputError(f"{where}: num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_key_value_heads}")
+        fields.check_heads(self.num_attention_heads, self.num_key_value_heads, where)
         if self.head_dim % 2:
             raise InputError(f"{where}: head_dim {self.head_dim} is odd; rotate-half RoPE needs an even head_dim")
         if self.block_size < 2:
@@ -167,8 +125,9 @@ class DFlash2Args:
         return sum(math.prod(s) for s in expected_shapes(self).values())
 
 
-def _refuse_unsupported(config: dict, draft: dict, where: str) -> None:
-    """Options that change the forward and that this converter does not implement: refused, never ignored."""
+def _refuse_unsupported(config: dict, draft: dict, where: str) -> dict:
+    """Options that change the forward and that this converter does not implement: refused, never ignored; gives
+    ``rope_parameters``."""
     checks = (
         ("is_causal", config.get("is_causal"), lambda v: v is True, "a causal draft block"),
         ("dflash_config.causal", draft.get("causal"), lambda v: v is True, "a causal draft block"),
@@ -186,11 +145,25 @@ def _refuse_unsupported(config: dict, draft: dict, where: str) -> None:
     for field, found, unsupported, what in checks:
         if unsupported(found):
             raise InputError(f"{where}: field {field!r} is {quote(found)}: {what} is not supported")
-    rope = fields.mapping(config, "rope_parameters", where)
-    scaling = fields.mapping(config, "rope_scaling", where)
-    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise InputError(f"{where}: rope type {quote(rope_type)} is not supported (only 'default')")
+    return fields.rope(config, where, "")
+
+
+def _target_layer_ids(r: fields.Reader, draft: dict, where: str) -> tuple[int, ...]:
+    """The tapped target layers: an explicit list, no layer twice, each below ``num_target_layers`` if given."""
+    taps = draft.get("target_layer_ids")
+    if not isinstance(taps, list) or not taps or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < fields.INT_LIMIT for t in taps):
+        raise InputError(
+            f"{where}: field 'dflash_config.target_layer_ids' is {quote(taps)}; expected the explicit list of "
+            "tapped target layers (0-based, output of layer i); it is never recomputed from a formula"
+        )
+    if len(set(taps)) != len(taps):
+        raise InputError(f"{where}: field 'dflash_config.target_layer_ids' {taps} repeats a layer")
+    target_layers = r.read(fields.Declared("num_target_layers", kind=fields.NATURAL, default=None))
+    if target_layers is not None and max(taps) >= target_layers:
+        raise InputError(f"{where}: field 'dflash_config.target_layer_ids' {taps} names a layer past the target's "
+                         f"num_target_layers {target_layers}")
+    return tuple(taps)
 
 
 def _layer_windows(config: dict, layers: int, where: str) -> tuple[int | None, ...]:

@@ -8,6 +8,8 @@ from torch import nn
 
 from convert.errors import InputError
 from convert.export.functions import set_parameter
+from convert.export.names import DRAFT_IDS, LOGITS, ROPE_COS, ROPE_SIN, SELECTOR_SCORES
+from convert.export.selector import selector_scores, selector_walk
 from convert.models.dflash2.config import MASK_BIAS, DFlash2Args, expected_shapes
 from convert.models.qwen3.core import MLP, RMSNorm, rotate, scaled_scores
 
@@ -123,29 +125,6 @@ class CandidateSelector(nn.Module):
         return selector_walk(projected, logits, anchor, self.top_k, *self.codebook_lookups(), rows)
 
 
-def selector_scores(projected, unary, candidates, predecessors, predecessor_rows, successor_rows):
-    """``unary + successor[cand] @ (predecessor[pred] * projected)`` with the codebooks' rows from the lookups."""
-    context = predecessor_rows(predecessors) * projected
-    return unary + (successor_rows(candidates) @ context.unsqueeze(-1)).squeeze(-1)
-
-
-def selector_walk(projected, logits, anchor, top_k: int, predecessor_rows, successor_rows, rows: int | None = None):
-    """The candidate selector's greedy walk from ``anchor`` [1] over the rows of ``projected`` [n, rank] (the hidden
-    rows' projection) and ``logits`` [n, V]: ids [n], scores [n, k], candidates [n, k]. The stateful draft computes it
-    in its graph; the ane layout's host computes it from the draft's outputs (``convert.runtime.host.HostOwned.walk``),
-    with the codebooks' rows from the bundle's selector.safetensors. Unrolled (``rows``, default ``n``, a Python int
-    never read from a shape in the graph), each step on [1, ...] slices."""
-    unary, candidates = torch.topk(logits, top_k, dim=-1)
-    predecessor, ids, scores = anchor, [], []
-    for i in range(len(logits) if rows is None else rows):
-        s = selector_scores(projected[i:i + 1], unary[i:i + 1], candidates[i:i + 1], predecessor, predecessor_rows,
-                            successor_rows)
-        predecessor = torch.gather(candidates[i:i + 1], 1, s.argmax(-1, keepdim=True))[:, 0]
-        ids.append(predecessor)
-        scores.append(s)
-    return torch.cat(ids), torch.cat(scores), candidates
-
-
 class DFlash2Weights(nn.Module):
     """The drafter's own parameters under their canonical checkpoint names (no target tensors)."""
 
@@ -206,8 +185,8 @@ class DFlash2Core(DFlash2Weights):
         # rows for every position of a block that starts below max_positions
         rows = max_positions + self.draft_width
         angles = torch.arange(rows, dtype=torch.int64).float()[:, None] * self.inv_freq[None, :]
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        self.register_buffer(ROPE_COS, angles.cos(), persistent=False)
+        self.register_buffer(ROPE_SIN, angles.sin(), persistent=False)
         # constants rather than torch.arange in forward: coremltools warns on every int64 arange it meets
         self.register_buffer("ring_slots", torch.arange(ring_rows, dtype=torch.int32), persistent=False)
         self.register_buffer("kv_head_index", torch.arange(args.num_key_value_heads)[:, None], persistent=False)
@@ -265,13 +244,13 @@ class DFlash2Core(DFlash2Weights):
             h = layer(h, attend)
         hidden = self.norm(h[1:])
         logits = self.lm_head(hidden)
-        out = {"logits": logits[None]}
+        out = {LOGITS: logits[None]}
         if args.has_selector:
             ids, scores, _ = self.candidate_selector.walk(hidden, logits, anchor_id[0].long(), self.draft_width - 1)
-            out["selector_scores"] = scores[None]
+            out[SELECTOR_SCORES] = scores[None]
         else:
             ids = logits.argmax(-1)
-        out["draft_ids"] = ids.to(torch.int32)[None]
+        out[DRAFT_IDS] = ids.to(torch.int32)[None]
         self._touch(positions, ring_keys, ring_values, ring_laps)
         return out
 

@@ -10,6 +10,19 @@ import torch
 from convert.errors import InputError
 from convert.export.ane import logits_specs, split_head
 from convert.export.functions import ExportModules, FunctionModule, parameters_on_meta
+from convert.export.names import (
+    ANCHOR_EMBEDDING,
+    ANCHOR_ID,
+    DRAFT_IDS,
+    LOGITS,
+    POSITION_IDS,
+    RING_KEYS,
+    RING_LAPS,
+    RING_VALUES,
+    ROPE_COS,
+    ROPE_SIN,
+    TAPS,
+)
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.dflash2.ane import PROJECTED, RING, DFlash2AneCore, host_contract, ring_mask_name
 from convert.models.dflash2.config import DFlash2Args
@@ -52,19 +65,19 @@ def function_specs(args: DFlash2Args, update_width: int = 64, append_width: int 
                           drafter_head_ranges(args.vocab_size, head_ranges))
     fdtype = DTYPE_NAMES[dtype]
     ring = (args.num_hidden_layers, args.num_key_value_heads, ring_rows, args.head_dim)
-    states = (TensorSpec("ring_keys", ring, fdtype), TensorSpec("ring_values", ring, fdtype),
-              TensorSpec("ring_laps", (1, ring_rows), fdtype))
+    states = (TensorSpec(RING_KEYS, ring, fdtype), TensorSpec(RING_VALUES, ring, fdtype),
+              TensorSpec(RING_LAPS, (1, ring_rows), fdtype))
     specs = []
     for name, width in (("context_update", update_width), ("context_append", append_width)):
-        inputs = (TensorSpec("taps", (1, width, args.feature_size), fdtype),
-                  TensorSpec("position_ids", (1, width), "int32"))
+        inputs = (TensorSpec(TAPS, (1, width, args.feature_size), fdtype),
+                  TensorSpec(POSITION_IDS, (1, width), "int32"))
         specs.append(FunctionSpec(name, inputs, (TensorSpec("written", (1, width), "int32"),), states))
-    inputs = (TensorSpec("anchor_embedding", (1, 1, args.hidden_size), fdtype),
-              TensorSpec("anchor_id", (1, 1), "int32"),
-              TensorSpec("position_ids", (1, draft_width), "int32"))
-    outputs = [TensorSpec("draft_ids", (1, draft_width - 1), "int32")]
+    inputs = (TensorSpec(ANCHOR_EMBEDDING, (1, 1, args.hidden_size), fdtype),
+              TensorSpec(ANCHOR_ID, (1, 1), "int32"),
+              TensorSpec(POSITION_IDS, (1, draft_width), "int32"))
+    outputs = [TensorSpec(DRAFT_IDS, (1, draft_width - 1), "int32")]
     if logits:
-        outputs.append(TensorSpec("logits", (1, draft_width - 1, args.vocab_size), fdtype))
+        outputs.append(TensorSpec(LOGITS, (1, draft_width - 1, args.vocab_size), fdtype))
     specs.append(FunctionSpec("draft", inputs, tuple(outputs), states))
     return specs
 
@@ -74,17 +87,17 @@ def _ane_specs(args: DFlash2Args, update_width: int, append_width: int, ring_row
     ring = (args.num_hidden_layers, args.num_key_value_heads, ring_rows, args.head_dim)
 
     def rope(width: int) -> tuple[TensorSpec, ...]:
-        return (TensorSpec("rope_cos", (width, args.head_dim // 2), fdtype),
-                TensorSpec("rope_sin", (width, args.head_dim // 2), fdtype))
+        return (TensorSpec(ROPE_COS, (width, args.head_dim // 2), fdtype),
+                TensorSpec(ROPE_SIN, (width, args.head_dim // 2), fdtype))
 
     specs = []
     for name, width in (("context_update", update_width), ("context_append", append_width)):
         rows = (args.num_hidden_layers, args.num_key_value_heads, width, args.head_dim)
-        specs.append(FunctionSpec(name, (TensorSpec("taps", (1, width, args.feature_size), fdtype), *rope(width)),
+        specs.append(FunctionSpec(name, (TensorSpec(TAPS, (1, width, args.feature_size), fdtype), *rope(width)),
                                   tuple(TensorSpec(out, rows, fdtype) for out in RING.values()), ()))
     masks = tuple(TensorSpec(ring_mask_name(w), (ring_rows, draft_width), fdtype)
                   for w in dict.fromkeys(args.layer_windows))
-    inputs = (TensorSpec("anchor_embedding", (1, 1, args.hidden_size), fdtype), *rope(draft_width),
+    inputs = (TensorSpec(ANCHOR_EMBEDDING, (1, 1, args.hidden_size), fdtype), *rope(draft_width),
               *(TensorSpec(buffer, ring, fdtype) for buffer in RING), *masks)
     outputs = logits_specs(head_ranges, draft_width - 1, fdtype)
     if args.has_selector:

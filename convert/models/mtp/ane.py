@@ -23,6 +23,19 @@ from convert.export.ane import (
     rms_norm,
     rows_of,
 )
+from convert.export.names import (
+    ARGMAX_IDS,
+    DRAFT_IDS,
+    HIDDEN,
+    HIDDEN_OUT,
+    HISTORY_MASK,
+    KEY_HISTORY,
+    KEY_ROWS,
+    ROPE_COS,
+    ROPE_SIN,
+    VALUE_HISTORY,
+    VALUE_ROWS,
+)
 from convert.fp16 import noted_output, within
 from convert.models.mtp.config import MTPArgs
 from convert.models.mtp.core import MTPCore
@@ -58,8 +71,8 @@ class MTPAneCore(MTPCore):
             keys.append(k[None])
             values.append(v[None])
         hidden_out = rms_norm(self.norm, x)
-        return {**head_outputs(self.lm_head, hidden_out), "hidden_out": rows_of(hidden_out)[None],
-                "key_rows": torch.cat(keys), "value_rows": torch.cat(values)}
+        return {**head_outputs(self.lm_head, hidden_out), HIDDEN_OUT: rows_of(hidden_out)[None],
+                KEY_ROWS: torch.cat(keys), VALUE_ROWS: torch.cat(values)}
 
 
 def host_contract(args: MTPArgs, head_ranges: list[tuple[int, int]]) -> dict:
@@ -69,15 +82,15 @@ def host_contract(args: MTPArgs, head_ranges: list[tuple[int, int]]) -> dict:
         "name": "spec-convert/mtp-host-history", "version": 1, "rollback": "positional", "pending_rows": {},
         "inputs": {EMBEDDED: "the embedding rows of the call's tokens [1, S, hidden], looked up by the host in the "
                              "target bundle's embeddings.safetensors (the head borrows the target's table)",
-                   "hidden": "the target's final-norm hidden rows of the positions before the tokens' (or the head's "
+                   HIDDEN: "the target's final-norm hidden rows of the positions before the tokens' (or the head's "
                              "own hidden_out for a chained draft_step)",
-                   "rope_cos": "cos of the call's positions times RoPE's inverse frequencies [S, rotary_dim / 2]",
-                   "rope_sin": "their sin, as rope_cos",
-                   "history_mask": "[1, context]: 0 for rows 1 .. the call's first position - 1, -1e4 for the rest",
-                   "key_history": "the host's key rows [1, kv heads, context, head_dim], row p at position p",
-                   "value_history": "the host's value rows, as key_history"},
+                   ROPE_COS: "cos of the call's positions times RoPE's inverse frequencies [S, rotary_dim / 2]",
+                   ROPE_SIN: "their sin, as rope_cos",
+                   HISTORY_MASK: "[1, context]: 0 for rows 1 .. the call's first position - 1, -1e4 for the rest",
+                   KEY_HISTORY: "the host's key rows [1, kv heads, context, head_dim], row p at position p",
+                   VALUE_HISTORY: "the host's value rows, as key_history"},
         "buffers": {buffer: {"rows": rows, "axis": 2} for buffer, rows in HISTORY.items()},
-        **host_work(args.rope_theta, args.rotary_dim, embedded=EMBEDDED, first_row=1), "argmax_ids": "draft_ids",
+        **host_work(args.rope_theta, args.rotary_dim, embedded=EMBEDDED, first_row=1), ARGMAX_IDS: DRAFT_IDS,
         **logits_parts(head_ranges),
         "rules": [
             "the functions take no input_ids and no position_ids: the host passes token_embeddings (the target "

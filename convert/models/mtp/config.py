@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from convert import fields
-from convert.errors import InputError, quote
-from convert.models.qwen3.config import Qwen3Args, layer_shapes
+from convert.errors import InputError
+from convert.export.names import KEY_CACHE, VALUE_CACHE
+from convert.models.qwen3.config import DecoderArgs, Qwen3Args, layer_shapes
 
 QWEN35, DEEPSEEK = "qwen3.5", "deepseek"
 ZERO_CENTRED_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
@@ -17,7 +18,7 @@ ZERO_CENTRED_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "
 QWEN_NEXT_FAMILY = ZERO_CENTRED_MODEL_TYPES
 FAMILY_PARTIAL_ROTARY, FAMILY_HEAD_DIM = 0.25, 256
 DRAFT_STEPS = 3  # drafts per cycle: accept gives the first, draft_step the others; accept has S = DRAFT_STEPS + 1
-STATE_NAMES = ("key_cache", "value_cache")
+STATE_NAMES = (KEY_CACHE, VALUE_CACHE)
 HEAD_COUNT_FIELDS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
 DEEPSEEK_ALIASES = {  # DeepSeek key (under model.layers.N.) -> canonical key
     "eh_proj.weight": "fc.weight",
@@ -31,23 +32,18 @@ MOE_MARKERS = ("mlp.experts.", "mlp.gate.weight", "mlp.shared_expert", "e_score_
 
 
 @dataclass(frozen=True)
-class MTPArgs:
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    tie_word_embeddings: bool
-    attention_bias: bool
-    max_position_embeddings: int
-    num_hidden_layers: int  # the target's: DeepSeek's head sits at model.layers.{num_hidden_layers}
+class MTPArgs(DecoderArgs):
+    """The head's args: a Qwen3 decoder's sizes (``num_hidden_layers`` the target's: DeepSeek's head sits at
+    model.layers.{num_hidden_layers}) read from the target's config, ``text_config`` when present."""
+
+    head_dim: int = fields.declared(default=lambda r: FAMILY_HEAD_DIM if r["family"] else
+                                    r["hidden_size"] // r["num_attention_heads"])
+    tie_word_embeddings: bool = fields.declared(kind=bool, default=False, sources=("", "top"))
     mtp_layers: int
     zero_centred_norm: bool
     model_type: str
-    attn_output_gate: bool  # q_proj gives [query | gate] per head; attention output * sigmoid(gate) before o_proj
+    # q_proj gives [query | gate] per head; attention output * sigmoid(gate) before o_proj
+    attn_output_gate: bool = fields.declared(kind=bool, sources=("", "top"), default=lambda r: r["family"])
     rotary_dim: int  # int(head_dim * partial_rotary_factor): the rotated leading dims of a q/k head
 
     @classmethod
@@ -66,57 +62,16 @@ class MTPArgs:
         if count != 1:
             raise InputError(f"{where}: {count_field}={count}: only a single MTP head layer is supported for now")
         model_type = str(text.get("model_type") or top.get("model_type") or "")
-        zero_centred = model_type in ZERO_CENTRED_MODEL_TYPES
-        family = model_type in QWEN_NEXT_FAMILY
-        rope = fields.mapping(text, "rope_parameters", where)
-        scaling = fields.mapping(text, "rope_scaling", where)
-        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-        if rope_type != "default":
-            raise InputError(f"{where}: rope type {quote(rope_type)} is not supported for an MTP head (only "
-                             "'default')")
-        # transformers' PreTrainedConfig.convert_rope_params_to_dict: rope_parameters first, then the top-level
-        # field, then the config class's default (0.25 for the Qwen3-Next / Qwen3.5 configs, else none: 1.0)
-        partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor"))
-        partial = fields.check_number(partial if partial is not None else FAMILY_PARTIAL_ROTARY if family else 1.0,
-                                      "partial_rotary_factor", where, positive=False)
-        gate = text.get("attn_output_gate", top.get("attn_output_gate"))
-        need = " needed for an MTP head"
-        hidden = fields.integer(text, "hidden_size", where, needed=need)
-        heads = fields.integer(text, "num_attention_heads", where, needed=need)
-        head_dim = fields.integer(text, "head_dim", where, FAMILY_HEAD_DIM if family else hidden // heads)
-        # compute_default_rope_parameters: dim = int(head_dim * partial_rotary_factor)
-        rotary_dim = int(head_dim * partial) if 0 < partial <= 1 else 0
-        if not (0 < partial <= 1 and rotary_dim > 0 and rotary_dim % 2 == 0):
-            raise InputError(
-                f"{where}: partial_rotary_factor={partial} gives {rotary_dim} rotary dims of head_dim {head_dim}: "
-                "an MTP head needs a positive even number, at most head_dim"
-            )
-        kv_heads = fields.integer(text, "num_key_value_heads", where, heads)
-        if heads % kv_heads:
-            raise InputError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
-                             f"{kv_heads}")
-        tie = text.get("tie_word_embeddings", top.get("tie_word_embeddings"))
-        theta = fields.number(text, "rope_theta", where, 10000.0)
-        return cls(
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            intermediate_size=fields.integer(text, "intermediate_size", where, needed=need),
-            vocab_size=fields.integer(text, "vocab_size", where, needed=need),
-            rms_norm_eps=fields.number(text, "rms_norm_eps", where, 1e-6),
-            rope_theta=fields.number(rope, "rope_theta", where, theta, field="rope_parameters.rope_theta"),
-            tie_word_embeddings=fields.check_flag(False if tie is None else tie, "tie_word_embeddings", where),
-            attention_bias=fields.flag(text, "attention_bias", where),
-            max_position_embeddings=fields.integer(text, "max_position_embeddings", where, 32768),
-            num_hidden_layers=fields.integer(text, "num_hidden_layers", where, maximum=fields.MAX_LAYERS,
-                                             needed=need),
-            mtp_layers=count,
-            zero_centred_norm=zero_centred,
-            model_type=model_type,
-            attn_output_gate=fields.check_flag(family if gate is None else gate, "attn_output_gate", where),
-            rotary_dim=rotary_dim,
-        )
+        family = model_type in QWEN_NEXT_FAMILY  # transformers' defaults: gated, partial rotary 0.25, head_dim 256
+        rope = fields.rope(text, where, " for an MTP head")
+        partial = fields.partial_rotary(rope, text, where, FAMILY_PARTIAL_ROTARY if family else 1.0)
+        r = fields.Reader(cls, where, {"": text, "top": top, "rope": rope},
+                          missing="missing field {field!r} needed for an MTP head", family=family)
+        _, heads = r.take("hidden_size", "num_attention_heads")
+        rotary_dim = fields.rotary_dim(partial, r["head_dim"], where, "an MTP head ")
+        fields.check_heads(heads, r["num_key_value_heads"], where)
+        return r.build(mtp_layers=count, zero_centred_norm=model_type in ZERO_CENTRED_MODEL_TYPES,
+                       model_type=model_type, rotary_dim=rotary_dim)
 
     @property
     def q_rows(self) -> int:

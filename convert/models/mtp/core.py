@@ -7,6 +7,7 @@ from torch import nn
 
 from convert.errors import InputError
 from convert.export.functions import set_parameter
+from convert.export.names import DRAFT_IDS, HIDDEN_OUT, LOGITS
 from convert.models.mtp.checkpoint import HeadWeights
 from convert.models.mtp.config import MTPArgs
 from convert.models.qwen3.core import DecoderLayer, RMSNorm, register_positions
@@ -91,7 +92,7 @@ class MTPCore(MTPHead):
         x = self.fused_input(input_ids[0].long(), hidden[0])  # [S, H]
         hidden_out = self.norm(self.decoder(x, position_ids, key_cache, value_cache))
         logits = self.lm_head(hidden_out)[None]
-        return {"draft_ids": logits.argmax(-1).to(torch.int32), "hidden_out": hidden_out[None], "logits": logits}
+        return {DRAFT_IDS: logits.argmax(-1).to(torch.int32), HIDDEN_OUT: hidden_out[None], LOGITS: logits}
 
     def decoder(self, x, position_ids, key_cache, value_cache):
         """The head's decoder layers over rows x [S, H] at ``position_ids`` [1, S] int32, writing their cache rows."""

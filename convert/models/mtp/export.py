@@ -11,6 +11,17 @@ import torch
 from convert.errors import InputError
 from convert.export.ane import logits_specs, split_head
 from convert.export.functions import ExportModules, NamedFunction, parameters_on_meta
+from convert.export.names import (
+    DRAFT_IDS,
+    HIDDEN,
+    HIDDEN_OUT,
+    HISTORY_MASK,
+    INPUT_IDS,
+    LOGITS,
+    POSITION_IDS,
+    ROPE_COS,
+    ROPE_SIN,
+)
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.mtp.ane import EMBEDDED, MTPAneCore, host_contract
 from convert.models.mtp.checkpoint import HeadWeights, borrowed_tables
@@ -46,26 +57,26 @@ def function_specs(
         rows = (1, width, args.hidden_size)
         if ane:
             rope = (width, args.rotary_dim // 2)
-            inputs = (TensorSpec(EMBEDDED, rows, fdtype), TensorSpec("hidden", rows, fdtype),
-                      TensorSpec("rope_cos", rope, fdtype), TensorSpec("rope_sin", rope, fdtype),
-                      TensorSpec("history_mask", (1, context), fdtype),
+            inputs = (TensorSpec(EMBEDDED, rows, fdtype), TensorSpec(HIDDEN, rows, fdtype),
+                      TensorSpec(ROPE_COS, rope, fdtype), TensorSpec(ROPE_SIN, rope, fdtype),
+                      TensorSpec(HISTORY_MASK, (1, context), fdtype),
                       *(TensorSpec(buffer, cache, fdtype) for buffer in HISTORY))
             new_rows = (args.mtp_layers, args.num_key_value_heads, width, args.head_dim)
-            outputs = (*logits_specs(head_ranges, width, fdtype), TensorSpec("hidden_out", rows, fdtype),
+            outputs = (*logits_specs(head_ranges, width, fdtype), TensorSpec(HIDDEN_OUT, rows, fdtype),
                        *(TensorSpec(out, new_rows, fdtype) for out in HISTORY.values()))
             specs.append(FunctionSpec(name=name, inputs=inputs, outputs=outputs, states=states))
             continue
         inputs = (
-            TensorSpec("input_ids", (1, width), "int32"),
-            TensorSpec("hidden", rows, fdtype),
-            TensorSpec("position_ids", (1, width), "int32"),
+            TensorSpec(INPUT_IDS, (1, width), "int32"),
+            TensorSpec(HIDDEN, rows, fdtype),
+            TensorSpec(POSITION_IDS, (1, width), "int32"),
         )
         outputs = [
-            TensorSpec("draft_ids", (1, width), "int32"),
-            TensorSpec("hidden_out", rows, fdtype),
+            TensorSpec(DRAFT_IDS, (1, width), "int32"),
+            TensorSpec(HIDDEN_OUT, rows, fdtype),
         ]
         if logits:
-            outputs.append(TensorSpec("logits", (1, width, args.vocab_size), fdtype))
+            outputs.append(TensorSpec(LOGITS, (1, width, args.vocab_size), fdtype))
         specs.append(FunctionSpec(name=name, inputs=inputs, outputs=tuple(outputs), states=states))
     return specs
 
@@ -77,7 +88,7 @@ class MTPModules(ExportModules):
     def call(self, name: str, input_ids=None, hidden=None, position_ids=None, **extra) -> dict[str, torch.Tensor]:
         """Run function ``name`` in torch on the shared states (``call_with``): the stateful functions' ids, hidden
         rows and positions, or the ane functions' inputs by name (``extra``)."""
-        given = {k: v for k, v in (("input_ids", input_ids), ("hidden", hidden), ("position_ids", position_ids))
+        given = {k: v for k, v in ((INPUT_IDS, input_ids), (HIDDEN, hidden), (POSITION_IDS, position_ids))
                  if v is not None}
         return self.call_with(name, {**given, **extra})
 

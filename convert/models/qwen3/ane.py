@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from convert.export.ane import attend, channels_first, history_bias, pointwise, rms_norm, silu
+from convert.export.names import KEY_ROWS, VALUE_ROWS
 from convert.fp16 import noted_output, within
 from convert.models.part import ane_outputs, host_rows
 from convert.models.qwen3.core import MLP, Attention, DecoderLayer, Qwen3Core
@@ -40,7 +41,7 @@ class Qwen3AneCore(Qwen3Core):
                 values.append(v)
                 if i in self.taps:
                     tapped.append((self.taps.index(i), x))
-            out = {"key_rows": torch.cat([k[None] for k in keys]), "value_rows": torch.cat([v[None] for v in values])}
+            out = {KEY_ROWS: torch.cat([k[None] for k in keys]), VALUE_ROWS: torch.cat([v[None] for v in values])}
         return {**ane_outputs(self, x, tapped), **out}
 
 

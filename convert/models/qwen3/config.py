@@ -6,10 +6,22 @@ from dataclasses import dataclass
 
 from convert import fields
 from convert.errors import InputError, quote
+from convert.export.names import (
+    HIDDEN_STATES,
+    HISTORY_MASK,
+    KEY_CACHE,
+    KEY_HISTORY,
+    KEY_ROWS,
+    ROPE_COS,
+    ROPE_SIN,
+    VALUE_CACHE,
+    VALUE_HISTORY,
+    VALUE_ROWS,
+)
 
 FAMILY = "qwen3"
 ARCHITECTURES = ("Qwen3ForCausalLM",)
-STATE_NAMES = ("key_cache", "value_cache")
+STATE_NAMES = (KEY_CACHE, VALUE_CACHE)
 HOST_CONTRACT = {
     "name": "spec-convert/positional",
     "version": 1,
@@ -26,18 +38,18 @@ HOST_CONTRACT = {
     ],
 }
 
-HISTORY = {"key_history": "key_rows", "value_history": "value_rows"}  # the ane layout's host buffers and their rows
+HISTORY = {KEY_HISTORY: KEY_ROWS, VALUE_HISTORY: VALUE_ROWS}  # the ane layout's host buffers and their rows
 ANE_HOST_CONTRACT = {  # the ane layout (convert/models/qwen3/ane.py): the same rollback, the history the host's
     "name": "spec-convert/positional-host-history",
     "version": 2,
     "rollback": "positional",
-    "inputs": {"hidden_states": "the embedding rows of the call's ids [1, S, hidden], looked up by the host from "
+    "inputs": {HIDDEN_STATES: "the embedding rows of the call's ids [1, S, hidden], looked up by the host from "
                                 "embeddings.safetensors (the first part's, or the whole target's)",
-               "rope_cos": "cos of the call's positions times RoPE's inverse frequencies [S, head_dim / 2]",
-               "rope_sin": "their sin, as rope_cos",
-               "history_mask": "[1, context]: 0 for the rows below the call's first position, -1e4 for the rest",
-               "key_history": "the host's key rows [layers, kv heads, context, head_dim], row c at position c",
-               "value_history": "the host's value rows, as key_history"},
+               ROPE_COS: "cos of the call's positions times RoPE's inverse frequencies [S, head_dim / 2]",
+               ROPE_SIN: "their sin, as rope_cos",
+               HISTORY_MASK: "[1, context]: 0 for the rows below the call's first position, -1e4 for the rest",
+               KEY_HISTORY: "the host's key rows [layers, kv heads, context, head_dim], row c at position c",
+               VALUE_HISTORY: "the host's value rows, as key_history"},
     "pending_rows": {},
     "buffers": {buffer: {"rows": rows, "axis": 2} for buffer, rows in HISTORY.items()},
     "rules": [
@@ -65,24 +77,37 @@ def accepts(config: dict) -> bool:
         text.get("model_type") == "qwen3"
 
 
+NEXTN_LAYERS = fields.Declared("num_nextn_predict_layers", minimum=0, default=0)
+
+
 @dataclass(frozen=True)
-class Qwen3Args:
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    attention_bias: bool
-    bos_token_id: int | None
-    eos_token_id: int | None
-    pad_token_id: int | None
-    mtp_layers: int = 0  # an MTP head declared by the config: its tensors are convert/models/mtp's, not ours
+class DecoderArgs:
+    """The sizes of a Qwen3 decoder, each declared as config.json gives it (``convert/fields.py``): a Qwen3 target's
+    and an MTP head's (one Qwen3 decoder layer on a target, ``convert/models/mtp``) alike."""
+
+    hidden_size: int = fields.declared()
+    num_hidden_layers: int = fields.declared(maximum=fields.MAX_LAYERS)
+    num_attention_heads: int = fields.declared()
+    num_key_value_heads: int = fields.declared(default=lambda r: r["num_attention_heads"])
+    head_dim: int = fields.declared(default=lambda r: r["hidden_size"] // r["num_attention_heads"])
+    intermediate_size: int = fields.declared()
+    vocab_size: int = fields.declared()
+    rms_norm_eps: float = fields.declared(kind=float, default=1e-6)
+    rope_theta: float = fields.rope_theta()
+    tie_word_embeddings: bool = fields.declared(kind=bool, default=False)
+    max_position_embeddings: int = fields.declared(default=32768)
+    attention_bias: bool = fields.declared(kind=bool, default=False)
+
+
+@dataclass(frozen=True)
+class Qwen3Args(DecoderArgs):
+    bos_token_id: int | None = fields.declared(kind=fields.TOKEN, default=None)
+    eos_token_id: int | None = fields.declared(kind=fields.TOKEN, default=None)
+    pad_token_id: int | None = fields.declared(kind=fields.TOKEN, default=None)
+    # an MTP head declared by the config (mtp_num_hidden_layers, else num_nextn_predict_layers): its tensors are
+    # convert/models/mtp's, not ours
+    mtp_layers: int = fields.declared("mtp_num_hidden_layers", minimum=0, zero_unset=True, init=0,
+                                      default=lambda r: r.read(NEXTN_LAYERS))
 
     rope_type = "default"
     family = FAMILY
@@ -96,45 +121,18 @@ class Qwen3Args:
         if archs and not set(archs) & set(ARCHITECTURES):
             raise InputError(f"{where}: architectures {quote(archs)} is not a Qwen3 dense model "
                              f"({', '.join(ARCHITECTURES)})")
-        rope = fields.mapping(config, "rope_parameters", where)
-        scaling = fields.mapping(config, "rope_scaling", where)
-        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-        if rope_type != "default":
-            raise InputError(f"{where}: rope type {quote(rope_type)} is not supported yet (only 'default')")
+        rope = fields.rope(config, where)
         if fields.flag(config, "use_sliding_window", where):
             raise InputError(f"{where}: use_sliding_window=true is not supported (full attention only)")
         layer_types = fields.strings(config, "layer_types", where) or []
         if any(t != "full_attention" for t in layer_types):
             kinds = sorted(set(layer_types))
             raise InputError(f"{where}: layer_types {quote(kinds)}: only full_attention layers are supported")
-        need = " needed for a Qwen3 model"
-        hidden = fields.integer(config, "hidden_size", where, needed=need)
-        heads = fields.integer(config, "num_attention_heads", where, needed=need)
-        kv_heads = fields.integer(config, "num_key_value_heads", where, heads)
-        if heads % kv_heads:
-            raise InputError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
-                             f"{kv_heads}")
-        theta = fields.number(config, "rope_theta", where, 10000.0)
-        return cls(
-            hidden_size=hidden,
-            num_hidden_layers=fields.integer(config, "num_hidden_layers", where, maximum=fields.MAX_LAYERS,
-                                             needed=need),
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=fields.integer(config, "head_dim", where, hidden // heads),
-            intermediate_size=fields.integer(config, "intermediate_size", where, needed=need),
-            vocab_size=fields.integer(config, "vocab_size", where, needed=need),
-            rms_norm_eps=fields.number(config, "rms_norm_eps", where, 1e-6),
-            rope_theta=fields.number(rope, "rope_theta", where, theta, field="rope_parameters.rope_theta"),
-            tie_word_embeddings=fields.flag(config, "tie_word_embeddings", where),
-            max_position_embeddings=fields.integer(config, "max_position_embeddings", where, 32768),
-            attention_bias=fields.flag(config, "attention_bias", where),
-            bos_token_id=fields.token_id(config.get("bos_token_id"), "bos_token_id", where),
-            eos_token_id=fields.token_id(config.get("eos_token_id"), "eos_token_id", where),
-            pad_token_id=fields.token_id(config.get("pad_token_id"), "pad_token_id", where),
-            mtp_layers=fields.integer(config, "mtp_num_hidden_layers", where, 0, minimum=0)
-            or fields.integer(config, "num_nextn_predict_layers", where, 0, minimum=0),
-        )
+        r = fields.Reader(cls, where, {"": config, "rope": rope},
+                          missing="missing field {field!r} needed for a Qwen3 model")
+        _, heads, kv_heads = r.take("hidden_size", "num_attention_heads", "num_key_value_heads")
+        fields.check_heads(heads, kv_heads, where)
+        return r.build()
 
     @property
     def parameter_count(self) -> int:

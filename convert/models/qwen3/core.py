@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from convert.export.ane import rope_rows
+from convert.export.names import ROPE_COS, ROPE_SIN
 from convert.models.layout import Layout
 from convert.models.part import Part, build_embedding, build_head, part_input, part_outputs
 from convert.models.qwen3.checkpoint import load_checkpoint_tensors
@@ -167,8 +168,8 @@ def register_positions(module: nn.Module, rotary_dim: int, theta: float, rows: i
     (``inv_freq`` as transformers' ``compute_default_rope_parameters``), the cache row numbers and the KV head index
     (constants rather than aranges in forward: coremltools warns on every int64 arange it meets)."""
     cos, sin = rope_rows(torch.arange(rows), rotary_dim, theta)
-    module.register_buffer("rope_cos", cos, persistent=False)
-    module.register_buffer("rope_sin", sin, persistent=False)
+    module.register_buffer(ROPE_COS, cos, persistent=False)
+    module.register_buffer(ROPE_SIN, sin, persistent=False)
     module.register_buffer("cache_rows", torch.arange(rows, dtype=torch.int32), persistent=False)
     module.register_buffer("kv_head_index", torch.arange(kv_heads)[:, None], persistent=False)
 

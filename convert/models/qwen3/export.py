@@ -8,6 +8,7 @@ from torch import nn
 
 from convert.export import functions as export
 from convert.export.ane import host_work
+from convert.export.names import HISTORY_MASK, POSITION_IDS, ROPE_COS, ROPE_SIN
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.part import Part, function_widths, part_tensors, with_ladder
 from convert.models.qwen3.ane import Qwen3AneCore
@@ -42,9 +43,9 @@ def _specs_at(args: Qwen3Args, target, dtype: torch.dtype, part: Part) -> list[F
         if ane:  # positions as the host computes them, its history in, the call's rows out (its host contract)
             rows = (layers, args.num_key_value_heads, width, args.head_dim)
             rope = (width, args.head_dim // 2)
-            inputs = tuple(t for t in inputs if t.name != "position_ids") + (
-                TensorSpec("rope_cos", rope, fdtype), TensorSpec("rope_sin", rope, fdtype),
-                TensorSpec("history_mask", (1, target.context), fdtype),
+            inputs = tuple(t for t in inputs if t.name != POSITION_IDS) + (
+                TensorSpec(ROPE_COS, rope, fdtype), TensorSpec(ROPE_SIN, rope, fdtype),
+                TensorSpec(HISTORY_MASK, (1, target.context), fdtype),
                 *(TensorSpec(buffer, cache, fdtype) for buffer in HISTORY))
             outputs += tuple(TensorSpec(out, rows, fdtype) for out in HISTORY.values())
         specs.append(FunctionSpec(name, inputs, outputs, states))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from convert.export.ane import channels_first, history_bias, pointwise, rms_norm, rows_of
+from convert.export.names import CONV_STATE, KEY_ROWS, PENDING_BA, PENDING_QKV, RECURRENT_STATE, VALUE_ROWS
 from convert.fp16 import noted_output, within
 from convert.models.part import ane_outputs, host_rows
 from convert.models.qwen3.ane import attend_heads, mlp, rotate
@@ -26,8 +27,8 @@ from convert.models.qwen3.config import HISTORY
 from convert.models.qwen3_5.config import LINEAR
 from convert.models.qwen3_5.core import Commit, GatedAttention, GatedDeltaNet, Qwen35Core
 
-GDN_NEXT = {"conv_state": "conv_state_next", "recurrent_state": "recurrent_state_next"}  # replaced after each call
-GDN_PENDING = {"pending_qkv": "pending_qkv_rows", "pending_ba": "pending_ba_rows"}  # decode / verify: leading rows
+GDN_NEXT = {CONV_STATE: "conv_state_next", RECURRENT_STATE: "recurrent_state_next"}  # replaced after each call
+GDN_PENDING = {PENDING_QKV: "pending_qkv_rows", PENDING_BA: "pending_ba_rows"}  # decode / verify: leading rows
 
 
 class Qwen35AneCore(Qwen35Core):
@@ -67,8 +68,8 @@ class Qwen35AneCore(Qwen35Core):
                         attn = layer.self_attn
                         h, k, v = gated_attention(attn, h, cos, sin, bias, key_history[attn.layer_index],
                                                   value_history[attn.layer_index], width)
-                        rows["key_rows"].append(k)
-                        rows["value_rows"].append(v)
+                        rows[KEY_ROWS].append(k)
+                        rows[VALUE_ROWS].append(v)
                     x = x + h
                     x = x + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
                 noted_output(layer, x)

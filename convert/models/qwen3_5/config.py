@@ -8,6 +8,7 @@ import torch
 
 from convert import fields
 from convert.errors import InputError, quote
+from convert.export.names import CONV_STATE, KEY_CACHE, PENDING_BA, PENDING_QKV, RECURRENT_STATE, VALUE_CACHE
 from convert.models.qwen3.config import Qwen3Args
 
 FAMILY = "qwen3_5"
@@ -25,7 +26,7 @@ DEFAULTS = dict(head_dim=256, partial_rotary_factor=0.25, full_attention_interva
 # Device-safe scaling (docs/hybrid.md): powers of two, so exact in fp32 and fp16 alike.
 QUERY_SCALE, VALUE_SCALE = 16.0, 64.0
 CHUNK = 64  # rows per chunk of the delta rule (a call's rows are processed in chunks of at most this many)
-STATE_NAMES = ("key_cache", "value_cache", "conv_state", "recurrent_state", "pending_qkv", "pending_ba")
+STATE_NAMES = (KEY_CACHE, VALUE_CACHE, CONV_STATE, RECURRENT_STATE, PENDING_QKV, PENDING_BA)
 HOST_CONTRACT_NAME, HOST_CONTRACT_VERSION = "spec-convert/commit-next-call", 1
 ANE_HOST_CONTRACT_NAME, ANE_HOST_CONTRACT_VERSION = "spec-convert/commit-next-call-host-buffers", 1  # layout ane
 LAZY_FUNCTIONS = ("decode", "verify")  # rows left pending, committed by the next call's `accept`
@@ -39,28 +40,29 @@ def accepts(config: dict) -> bool:
 
 @dataclass(frozen=True)
 class Qwen35Args:
-    hidden_size: int
-    num_hidden_layers: int
+    hidden_size: int = fields.declared()
+    num_hidden_layers: int = fields.declared(maximum=fields.MAX_LAYERS)
     layer_types: tuple[str, ...]
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+    num_attention_heads: int = fields.declared()
+    num_key_value_heads: int = fields.declared(default=lambda r: r["num_attention_heads"])
+    head_dim: int = fields.declared(default=DEFAULTS["head_dim"])
     rotary_dim: int
-    rope_theta: float
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    attention_bias: bool
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-    bos_token_id: int | None
-    eos_token_id: int | None
-    pad_token_id: int | None
+    rope_theta: float = fields.rope_theta(DEFAULTS["rope_theta"])
+    intermediate_size: int = fields.declared(default=DEFAULTS["intermediate_size"])
+    vocab_size: int = fields.declared(default=DEFAULTS["vocab_size"])
+    rms_norm_eps: float = fields.declared(kind=float, default=DEFAULTS["rms_norm_eps"])
+    # a nested config's tying is the top-level field (what Qwen3_5ForConditionalGeneration ties by)
+    tie_word_embeddings: bool = fields.declared(kind=bool, default=False, sources=("top",))
+    max_position_embeddings: int = fields.declared(default=DEFAULTS["max_position_embeddings"])
+    attention_bias: bool = fields.declared(kind=bool, default=False)
+    linear_num_key_heads: int = fields.declared(default=DEFAULTS["linear_num_key_heads"])
+    linear_num_value_heads: int = fields.declared(default=DEFAULTS["linear_num_value_heads"])
+    linear_key_head_dim: int = fields.declared(default=DEFAULTS["linear_key_head_dim"])
+    linear_value_head_dim: int = fields.declared(default=DEFAULTS["linear_value_head_dim"])
+    linear_conv_kernel_dim: int = fields.declared(default=DEFAULTS["linear_conv_kernel_dim"])
+    bos_token_id: int | None = fields.declared(kind=fields.TOKEN, default=None, sources=("", "top"))
+    eos_token_id: int | None = fields.declared(kind=fields.TOKEN, default=None, sources=("", "top"))
+    pad_token_id: int | None = fields.declared(kind=fields.TOKEN, default=None, sources=("", "top"))
 
     rope_type = "default"
     family = FAMILY
@@ -70,68 +72,26 @@ class Qwen35Args:
     def from_config(cls, config: dict, where: str = "config.json") -> Qwen35Args:
         """The args from config.json (``text_config`` when nested); a field of the wrong type or a size below 1 is
         refused naming it (``convert/fields.py``); an absent field takes transformers' default (``DEFAULTS``)."""
-        nested = "text_config" in config
         text = fields.section(config, where)
         if text.get("hidden_act", "silu") != "silu":
             raise InputError(f"{where}: hidden_act {quote(text['hidden_act'])}: only silu is supported")
-        rope = fields.mapping(text, "rope_parameters", where)
-        scaling = fields.mapping(text, "rope_scaling", where)
-        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-        if rope_type != "default":
-            raise InputError(f"{where}: rope type {quote(rope_type)} is not supported yet (only 'default')")
-        need = " needed for a Qwen3.5 model"
-        layers = fields.integer(text, "num_hidden_layers", where, maximum=fields.MAX_LAYERS, needed=need)
-        hidden = fields.integer(text, "hidden_size", where, needed=need)
-        heads = fields.integer(text, "num_attention_heads", where, needed=need)
+        rope = fields.rope(text, where)
+        r = fields.Reader(cls, where, {"": text, "top": config, "rope": rope},
+                          missing="missing field {field!r} needed for a Qwen3.5 model")
+        layers, _, heads = r.take("num_hidden_layers", "hidden_size", "num_attention_heads")
         layer_types = _layer_types(text, layers, where)
-
-        def size(name: str) -> int:  # a size field, transformers' default when absent
-            return fields.integer(text, name, where, DEFAULTS[name])
-
-        head_dim = size("head_dim")
-        partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor"))
-        partial = fields.check_number(DEFAULTS["partial_rotary_factor"] if partial is None else partial,
-                                      "partial_rotary_factor", where, positive=False)
-        rotary_dim = int(head_dim * partial) if 0 < partial <= 1 else 0  # compute_default_rope_parameters
-        if not (0 < partial <= 1 and rotary_dim > 0 and rotary_dim % 2 == 0):
-            raise InputError(f"{where}: partial_rotary_factor={partial} gives {rotary_dim} rotary dims of head_dim "
-                             f"{head_dim}: needs a positive even number, at most head_dim")
-        key_heads, value_heads = size("linear_num_key_heads"), size("linear_num_value_heads")
+        head_dim = r["head_dim"]
+        partial = fields.partial_rotary(rope, text, where, DEFAULTS["partial_rotary_factor"])
+        rotary_dim = fields.rotary_dim(partial, head_dim, where)
+        key_heads, value_heads = r.take("linear_num_key_heads", "linear_num_value_heads")
         if LINEAR in layer_types and value_heads % key_heads:
             raise InputError(f"{where}: linear_num_value_heads {value_heads} is not a multiple of linear_num_key_heads "
                              f"{key_heads} (value head j reads key head j // (value heads / key heads))")
-        kv_heads = fields.integer(text, "num_key_value_heads", where, heads)
-        if FULL in layer_types and heads % kv_heads:
-            raise InputError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
-                             f"{kv_heads}")
-        eos = text.get("eos_token_id", config.get("eos_token_id"))
-        # a nested config's tying is the top-level field (what Qwen3_5ForConditionalGeneration ties by)
-        tie = fields.flag(config if nested else text, "tie_word_embeddings", where)
-        theta = fields.number(text, "rope_theta", where, DEFAULTS["rope_theta"])
-        return cls(
-            hidden_size=hidden,
-            num_hidden_layers=layers,
-            layer_types=layer_types,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            rotary_dim=rotary_dim,
-            rope_theta=fields.number(rope, "rope_theta", where, theta, field="rope_parameters.rope_theta"),
-            intermediate_size=size("intermediate_size"),
-            vocab_size=size("vocab_size"),
-            rms_norm_eps=fields.number(text, "rms_norm_eps", where, DEFAULTS["rms_norm_eps"]),
-            tie_word_embeddings=tie,
-            max_position_embeddings=size("max_position_embeddings"),
-            attention_bias=fields.flag(text, "attention_bias", where),
-            linear_num_key_heads=key_heads,
-            linear_num_value_heads=value_heads,
-            linear_key_head_dim=size("linear_key_head_dim"),
-            linear_value_head_dim=size("linear_value_head_dim"),
-            linear_conv_kernel_dim=size("linear_conv_kernel_dim"),
-            bos_token_id=fields.token_id(text.get("bos_token_id", config.get("bos_token_id")), "bos_token_id", where),
-            eos_token_id=fields.token_id(eos, "eos_token_id", where),
-            pad_token_id=fields.token_id(text.get("pad_token_id", config.get("pad_token_id")), "pad_token_id", where),
-        )
+        kv_heads = r["num_key_value_heads"]
+        if FULL in layer_types:
+            fields.check_heads(heads, kv_heads, where)
+        r.take("tie_word_embeddings")  # checked before the rest, as it always was
+        return r.build(layer_types=layer_types, rotary_dim=rotary_dim)
 
     @property
     def linear_layers(self) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from convert.export.ane import rms_norm, silu
+from convert.export.names import CONV_STATE, KEY_CACHE, PENDING_BA, PENDING_QKV, RECURRENT_STATE, VALUE_CACHE
 from convert.export.spec import DTYPE_NAMES, TensorSpec
 from convert.models.layout import Layout
 from convert.models.part import Part, build_embedding, build_head, part_input, part_outputs
@@ -295,10 +296,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x, attention: tuple, call: Call, core: Qwen35Core, states: dict):
         h = self.input_layernorm(x)
         if self.kind == LINEAR:
-            h = self.linear_attn(h, call, core, states["conv_state"], states["recurrent_state"],
-                                 states["pending_qkv"], states["pending_ba"])
+            h = self.linear_attn(h, call, core, states[CONV_STATE], states[RECURRENT_STATE],
+                                 states[PENDING_QKV], states[PENDING_BA])
         else:
-            h = self.self_attn(h, *attention, states["key_cache"], states["value_cache"])
+            h = self.self_attn(h, *attention, states[KEY_CACHE], states[VALUE_CACHE])
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -368,8 +369,8 @@ class Qwen35Core(nn.Module):
         tapped = []
         if self.layers:
             attention = position_inputs(self, position_ids, x.dtype)
-            states = {"key_cache": key_cache, "value_cache": value_cache, "conv_state": conv_state,
-                      "recurrent_state": recurrent_state, "pending_qkv": pending_qkv, "pending_ba": pending_ba}
+            states = {KEY_CACHE: key_cache, VALUE_CACHE: value_cache, CONV_STATE: conv_state,
+                      RECURRENT_STATE: recurrent_state, PENDING_QKV: pending_qkv, PENDING_BA: pending_ba}
             call = Call(width, accept, valid)
             for i, layer in zip(self.part.layer_indices, self.layers, strict=True):
                 x = layer(x, attention, call, self, states)
@@ -390,14 +391,14 @@ def state_specs(args: Qwen35Args, context: int, pending: int, dtype: str,
     specs = []
     if full:
         kv = (full, a.num_key_value_heads, context, a.head_dim)
-        specs += [TensorSpec("key_cache", kv, dtype), TensorSpec("value_cache", kv, dtype)]
+        specs += [TensorSpec(KEY_CACHE, kv, dtype), TensorSpec(VALUE_CACHE, kv, dtype)]
     if linear:
         specs += [
-            TensorSpec("conv_state", (linear, a.linear_conv_kernel_dim - 1, a.conv_dim), dtype),
-            TensorSpec("recurrent_state", (linear, a.linear_num_value_heads, a.linear_key_head_dim,
+            TensorSpec(CONV_STATE, (linear, a.linear_conv_kernel_dim - 1, a.conv_dim), dtype),
+            TensorSpec(RECURRENT_STATE, (linear, a.linear_num_value_heads, a.linear_key_head_dim,
                                            a.linear_value_head_dim), dtype),
-            TensorSpec("pending_qkv", (linear, pending, a.conv_dim), dtype),
-            TensorSpec("pending_ba", (linear, pending, 2 * a.linear_num_value_heads), dtype),
+            TensorSpec(PENDING_QKV, (linear, pending, a.conv_dim), dtype),
+            TensorSpec(PENDING_BA, (linear, pending, 2 * a.linear_num_value_heads), dtype),
         ]
     return tuple(specs)
 

@@ -10,6 +10,26 @@ from torch import nn
 
 from convert.export.ane import host_work
 from convert.export.functions import NamedFunction
+from convert.export.names import (
+    ACCEPT,
+    COMMIT_MASK,
+    COMMIT_SELECT,
+    CONV_STATE,
+    HIDDEN_STATES,
+    HISTORY_MASK,
+    KEY_CACHE,
+    KEY_HISTORY,
+    PENDING_BA,
+    PENDING_QKV,
+    POSITION_IDS,
+    RECURRENT_STATE,
+    ROPE_COS,
+    ROPE_SIN,
+    VALID,
+    VALID_MASK,
+    VALID_SELECT,
+    VALUE_HISTORY,
+)
 from convert.export.spec import DTYPE_NAMES, FunctionSpec, TensorSpec
 from convert.models.part import Part, function_widths, part_tensors, with_ladder
 from convert.models.qwen3 import export as qwen3
@@ -60,12 +80,12 @@ def _specs_at(args: Qwen35Args, target, dtype: torch.dtype, part: Part) -> list[
         inputs, outputs = part_tensors(args, target, part, width, fdtype)
         if part.layer_indices and ane:
             extra_in, extra_out = ane_tensors(args, target, part, name, width, fdtype)
-            inputs = tuple(t for t in inputs if t.name != "position_ids") + extra_in
+            inputs = tuple(t for t in inputs if t.name != POSITION_IDS) + extra_in
             outputs += extra_out
         elif part.layer_indices:
-            inputs += (TensorSpec("accept", (1,), "int32"),)
+            inputs += (TensorSpec(ACCEPT, (1,), "int32"),)
             if name not in LAZY_FUNCTIONS:
-                inputs += (TensorSpec("valid", (1,), "int32"),)
+                inputs += (TensorSpec(VALID, (1,), "int32"),)
         specs.append(FunctionSpec(name, inputs, outputs, states))
     return specs
 
@@ -80,19 +100,19 @@ def ane_tensors(args: Qwen35Args, target, part: Part, function: str, width: int,
     kernel = a.linear_conv_kernel_dim - 1
     states = {s.name: s for s in state_specs(a, target.context, p, dtype, part.layer_indices)}
     inputs, outputs = [], []
-    if "key_cache" in states:
-        kv = states["key_cache"].shape
+    if KEY_CACHE in states:
+        kv = states[KEY_CACHE].shape
         rope = (width, a.rotary_dim // 2)
-        inputs += [TensorSpec("rope_cos", rope, dtype), TensorSpec("rope_sin", rope, dtype),
-                   TensorSpec("history_mask", (1, target.context), dtype),
+        inputs += [TensorSpec(ROPE_COS, rope, dtype), TensorSpec(ROPE_SIN, rope, dtype),
+                   TensorSpec(HISTORY_MASK, (1, target.context), dtype),
                    *(TensorSpec(buffer, kv, dtype) for buffer in HISTORY)]
         outputs += [TensorSpec(rows, (kv[0], kv[1], width, kv[3]), dtype) for rows in HISTORY.values()]
-    if "conv_state" in states:
+    if CONV_STATE in states:
         inputs += [TensorSpec(name, states[name].shape, dtype) for name in (*GDN_NEXT, *GDN_PENDING)]
-        inputs += [TensorSpec("commit_mask", (1, p), dtype), TensorSpec("commit_select", (kernel, kernel + p), dtype)]
+        inputs += [TensorSpec(COMMIT_MASK, (1, p), dtype), TensorSpec(COMMIT_SELECT, (kernel, kernel + p), dtype)]
         if function not in LAZY_FUNCTIONS:
-            inputs += [TensorSpec("valid_mask", (1, width), dtype),
-                       TensorSpec("valid_select", (kernel, kernel + width), dtype)]
+            inputs += [TensorSpec(VALID_MASK, (1, width), dtype),
+                       TensorSpec(VALID_SELECT, (kernel, kernel + width), dtype)]
         outputs += [TensorSpec(out, states[name].shape, dtype) for name, out in GDN_NEXT.items()]
         if function in LAZY_FUNCTIONS:
             outputs += [TensorSpec(out, (states[name].shape[0], width, states[name].shape[2]), dtype)
@@ -116,27 +136,27 @@ def ane_contract(args: Qwen35Args, target, contract: dict) -> dict:
         "name": ANE_HOST_CONTRACT_NAME,
         "version": ANE_HOST_CONTRACT_VERSION,
         "inputs": {
-            "hidden_states": "the embedding rows of the call's ids [1, S, hidden], looked up by the host from "
+            HIDDEN_STATES: "the embedding rows of the call's ids [1, S, hidden], looked up by the host from "
                              "embeddings.safetensors (the first part's, or the whole target's)",
-            "commit_mask": "[1, pending]: 1 for the previous call's pending rows below accept, 0 for the rest",
-            "commit_select": "[K-1, K-1+pending]: one-hot, row i picks row accept+i of [conv_state | pending_qkv]",
-            "valid_mask": "prefill: [1, S], 1 for its rows below valid",
-            "valid_select": "prefill: [K-1, K-1+S], one-hot, row i picks row valid+i of [committed history | rows]",
-            "rope_cos": "cos of the call's positions times RoPE's inverse frequencies [S, rotary_dim / 2]",
-            "rope_sin": "their sin, as rope_cos",
-            "history_mask": "[1, context]: 0 for the rows below the call's first position, -1e4 for the rest",
-            "key_history": "the host's key rows [attention layers, kv heads, context, head_dim], row c at position c",
-            "value_history": "the host's value rows, as key_history",
-            "conv_state": "the host's committed conv history [GDN layers, K-1, conv_dim]",
-            "recurrent_state": "the host's committed recurrent state [GDN layers, value heads, key dim, value dim]",
-            "pending_qkv": "the rows the previous decode / verify left pending [GDN layers, pending, conv_dim]",
-            "pending_ba": "their [b | a] rows [GDN layers, pending, 2 x value heads]",
+            COMMIT_MASK: "[1, pending]: 1 for the previous call's pending rows below accept, 0 for the rest",
+            COMMIT_SELECT: "[K-1, K-1+pending]: one-hot, row i picks row accept+i of [conv_state | pending_qkv]",
+            VALID_MASK: "prefill: [1, S], 1 for its rows below valid",
+            VALID_SELECT: "prefill: [K-1, K-1+S], one-hot, row i picks row valid+i of [committed history | rows]",
+            ROPE_COS: "cos of the call's positions times RoPE's inverse frequencies [S, rotary_dim / 2]",
+            ROPE_SIN: "their sin, as rope_cos",
+            HISTORY_MASK: "[1, context]: 0 for the rows below the call's first position, -1e4 for the rest",
+            KEY_HISTORY: "the host's key rows [attention layers, kv heads, context, head_dim], row c at position c",
+            VALUE_HISTORY: "the host's value rows, as key_history",
+            CONV_STATE: "the host's committed conv history [GDN layers, K-1, conv_dim]",
+            RECURRENT_STATE: "the host's committed recurrent state [GDN layers, value heads, key dim, value dim]",
+            PENDING_QKV: "the rows the previous decode / verify left pending [GDN layers, pending, conv_dim]",
+            PENDING_BA: "their [b | a] rows [GDN layers, pending, 2 x value heads]",
         },
         "buffers": {**{buffer: {"rows": rows, "axis": 2} for buffer, rows in HISTORY.items()},
                     **{buffer: {"rows": rows, "axis": 0, "write": "whole"} for buffer, rows in GDN_NEXT.items()},
                     **{buffer: {"rows": rows, "axis": 1, "write": "leading"} for buffer, rows in GDN_PENDING.items()}},
-        "commits": {"accept": {"mask": "commit_mask", "select": "commit_select"},
-                    "valid": {"mask": "valid_mask", "select": "valid_select"}},
+        "commits": {ACCEPT: {"mask": COMMIT_MASK, "select": COMMIT_SELECT},
+                    VALID: {"mask": VALID_MASK, "select": VALID_SELECT}},
         **host_work(args.rope_theta, args.rotary_dim, target.ladder),
         "rules": [
             *contract["rules"],
@@ -157,9 +177,9 @@ def commit_contract(target) -> dict:
         "version": HOST_CONTRACT_VERSION,
         "rollback": "commit-next-call",
         "inputs": {
-            "accept": "int32 [1], every function: how many rows of the previous call to keep, counted from its "
+            ACCEPT: "int32 [1], every function: how many rows of the previous call to keep, counted from its "
                       "first row (0..that call's real rows); 0 after a prefill, at a session's start and after a reset",
-            "valid": "int32 [1], prefill only: its real rows (the rest is right padding); a prefill commits them "
+            VALID: "int32 [1], prefill only: its real rows (the rest is right padding); a prefill commits them "
                      "itself and leaves nothing pending",
         },
         "pending_rows": {name: width for name, width in function_widths(target) if name in LAZY_FUNCTIONS},

@@ -63,3 +63,45 @@ def mtp_residual_scaled(source: Path, out: Path, factor: float) -> Path:
     def factors(key: str) -> float:
         return factor if key.startswith("mtp.") and (key == "mtp.fc.weight" or key.endswith(RESIDUAL_WRITERS)) else 1
     return rescaled(source, out, factors)
+
+
+class DrafterCalls:
+    """Records a pair's drafter calls in the devices' arithmetic (``drafter_accept.DeviceFunctions`` replaced by
+    ``DrafterCalls.functions()``): each call's argmax id and top-two logit margin per row. Two runs accept the same away
+    from near ties (``part_at_a_near_tie``) when their drafter calls agree id for id, or part first at a row whose two
+    best logits are a near tie in both."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def functions(self):
+        import numpy as np
+
+        from convert.runtime.host import DeviceFunctions
+        calls = self.calls
+
+        class Recording(DeviceFunctions):
+            def call(self, function, inputs):
+                out = super().call(function, inputs)
+                logits = [v.reshape(-1, v.shape[-1]) for k, v in sorted(out.items()) if k.startswith("logits")]
+                if self.peaks is not None and logits:  # the drafter side: the one whose peaks are watched
+                    joined = np.concatenate(logits, axis=-1)
+                    top = np.sort(joined, axis=-1)[:, -2:]
+                    calls.append({"function": function, "ids": joined.argmax(-1).tolist(),
+                                  "margin": (top[:, 1] - top[:, 0]).tolist()})
+                return out
+        return Recording
+
+
+def first_parting(a: list[dict], b: list[dict]) -> int | None:
+    """The index of the first drafter call whose ids differ between two recordings, None when none does."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x["ids"] != y["ids"]), None)
+
+
+def part_at_a_near_tie(a: list[dict], b: list[dict], margin: float) -> bool:
+    """Whether the first call at which two recordings part has, at every row whose id differs, its two best logits
+    closer than ``margin`` in both runs (a near tie: fp16 at two magnitudes may order them either way)."""
+    first = first_parting(a, b)
+    x, y = a[first], b[first]
+    rows = [r for r, (i, j) in enumerate(zip(x["ids"], y["ids"], strict=True)) if i != j]
+    return all(x["margin"][r] < margin and y["margin"][r] < margin for r in rows)

@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parent.parent / "data"
 TARGET_MANIFEST = DATA / "tiny_target_manifest.json"
 
 

@@ -6,7 +6,8 @@ stdout is the first run's and whether stderr holds the Swift runtime's abort), t
 (-6: SIGABRT, which a shell shows as 134). Results in docs/benchmarks.md.
 
     .venv/bin/spec-convert build recipes/tiny_qwen3.yaml -o bundles/gen
-    .venv/bin/python -m bench.generate_exits bundles/gen [--runs 50] [--prompt 'def f(x):'] [-n 4] [--held-back S]
+    .venv/bin/python -m bench.archive.generate_exits bundles/gen [--runs 50] [--prompt 'def f(x):'] [-n 4]
+        [--held-back S]
 
 ``--held-back S`` runs the same command with every thread but the main one held up to S seconds after it wakes the
 event loop (``_write_to_self``: the runtime's hand-back of a result), as the OS deschedules the runtime's threads on a

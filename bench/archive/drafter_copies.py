@@ -7,21 +7,19 @@ with seeded fp16 weights and, as a lean target lends it, the 248320-row head as 
 codes); while a thread samples this process's resident memory (``VmRSS``) every 20 ms it makes each copy and runs a
 context_update (64 rows) and a draft call (block of 8) through it, and checks that both copies return the same ids.
 
-    PYTHONPATH=. python3 -m bench.drafter_copies [--json out.json]
+    PYTHONPATH=. python3 -m bench.archive.drafter_copies [--json out.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 import torch
 
+from bench.common import Sampler, arguments, machine
 from bench.lean_target import ternary
-from bench.part_memory import Sampler
 from bench.release_rehearsal import drafter_config
-from bench.scale import _machine
 from convert.export.functions import compute_copy, parameters_on_meta
 from convert.export.quantized import CodesLinear, HalfLinear
 from convert.models.dflash2 import DFlash2Args
@@ -64,8 +62,7 @@ def run_calls(modules, generator: torch.Generator) -> tuple[np.ndarray, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=str, default=None)
+    parser = arguments(__doc__)
     a = parser.parse_args()
     args = DFlash2Args.from_config(drafter_config())
     sampler = Sampler()
@@ -86,7 +83,7 @@ def main() -> None:
     for label in results:
         made = phases[f"fp32 compute copy, {label}"]
         results[label]["copy_gib"] = round(made["end_gib"] - made["start_gib"], 2)
-    record = {"machine": _machine("cpu"), "threads": torch.get_num_threads(), "own_parameters": own,
+    record = {"machine": machine("cpu"), "threads": torch.get_num_threads(), "own_parameters": own,
               "same_ids": results["plain"]["ids"] == results["sharing"]["ids"], "copies": results,
               "phases": sampler.phases}
     sampler.report(f"{own / 1e9:.2f}B own parameters; an fp32 copy holds {results['plain']['copy_gib']} GiB plain, "

@@ -1,5 +1,5 @@
 """Where a layer's quantize time goes at the 27B geometry: each capture pass, the outputs pass and the solves, timed
-(CUDA synchronised) around ``bench.scale``'s run. Usage: PYTHONPATH=. python3 -m bench.profile_passes"""
+(CUDA synchronised) around ``bench.scale``'s run. Usage: PYTHONPATH=. python3 -m bench.archive.profile_passes"""
 
 from __future__ import annotations
 

@@ -73,3 +73,42 @@ def toy_functions(dtype: torch.dtype = torch.float32, widths=None, with_logits=T
         )
         out[name] = (FunctionModule(core, spec, states), spec)
     return out
+
+
+class ScatterToyCore(ToyCore):
+    """ToyCore whose KV write is ``cache.index_put_((layer, heads, rows), x)``: scatter_nd in Core ML."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__(seed)
+        # a buffer rather than torch.arange in forward: coremltools warns on every int64 arange it folds
+        self.register_buffer("kv_heads", torch.arange(KV_HEADS, dtype=torch.int32)[:, None], persistent=False)
+
+    def forward(self, input_ids, position_ids, key_cache, value_cache):
+        s = input_ids.shape[1]
+        h = self.embed[input_ids[0].long()]
+        visible = self.slots[None, :] <= position_ids[0][:, None]
+        bias = torch.where(visible, 0.0, -1e4).to(h.dtype)
+        rows = position_ids[0][None, :].expand(KV_HEADS, -1)  # [Hkv, S]
+        heads = self.kv_heads.expand_as(rows)
+        for layer in range(LAYERS):
+            k = (h @ self.k_proj[layer].T).view(s, KV_HEADS, HEAD_DIM).transpose(0, 1)
+            v = (h @ self.v_proj[layer].T).view(s, KV_HEADS, HEAD_DIM).transpose(0, 1)
+            layers = torch.full_like(rows, layer)
+            key_cache.index_put_((layers, heads, rows), k.to(key_cache.dtype))
+            value_cache.index_put_((layers, heads, rows), v.to(value_cache.dtype))
+            keys = key_cache[layer].to(h.dtype)
+            values = value_cache[layer].to(h.dtype)
+            scores = k @ keys.transpose(1, 2) / HEAD_DIM**0.5 + bias
+            attn = torch.softmax(scores, dim=-1) @ values
+            h = h + attn.transpose(0, 1).reshape(s, KV_HEADS * HEAD_DIM) @ self.o_proj[layer].T
+        logits = (h @ self.lm_head.T)[None]
+        return {"argmax_ids": logits.argmax(-1).to(torch.int32), "logits": logits}
+
+
+def scatter_toy_functions(dtype: torch.dtype = torch.float16):
+    """toy_functions() (same specs, weights and shared states) over a ScatterToyCore."""
+    plain = toy_functions(dtype)
+    first_module, first_spec = next(iter(plain.values()))
+    states = {s.name: getattr(first_module, s.name) for s in first_spec.states}
+    core = ScatterToyCore().to(dtype).eval()
+    return {name: (FunctionModule(core, spec, states), spec) for name, (_, spec) in plain.items()}

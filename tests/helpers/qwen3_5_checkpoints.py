@@ -9,9 +9,10 @@ import json
 from pathlib import Path
 
 import torch
-from checkpoints import write_checkpoint as write_dense
-from checkpoints import write_tokenizer
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+
+from tests.helpers.checkpoints import write_checkpoint as write_dense
+from tests.helpers.checkpoints import write_tokenizer
 
 L, F = "linear_attention", "full_attention"
 

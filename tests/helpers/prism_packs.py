@@ -3,7 +3,7 @@ from the published description by this file's own code, never through convert/in
 each fact comes from: mlx-vlm's loader, MLX's affine 2-bit layout, the hadamard.json keys).
 
 ``write_pack(directory, unfolded, seed)`` first saves a seeded random Qwen3.5 vision-language checkpoint with
-transformers' ``save_pretrained`` (``tests/qwen3_5_checkpoints.py``, fp32, tokenizer included) to ``unfolded``. Every
+transformers' ``save_pretrained`` (``qwen3_5_checkpoints.py``, fp32, tokenizer included) to ``unfolded``. Every
 matrix the published pack rotates (each Gated DeltaNet ``in_proj_qkv`` / ``in_proj_z`` / ``out_proj``, each attention
 ``q/k/v/o_proj``, each MLP ``gate/up/down_proj``, ``lm_head``, and ``embed_tokens`` inversely) gets ternary codes
 (0, 1, 2 with zero point 1, so -s, 0, +s), one fp16 scale per 128 input columns and one +-1 sign vector per input
@@ -31,9 +31,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from checkpoints import write_tokenizer
-from qwen3_5_checkpoints import F, L, write_checkpoint
 from safetensors.torch import load_file, save_file
+
+from tests.helpers.checkpoints import write_tokenizer
+from tests.helpers.qwen3_5_checkpoints import F, L, write_checkpoint
 
 GEOMETRY = dict(
     vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, layer_types=[L, F],

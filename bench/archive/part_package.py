@@ -10,12 +10,11 @@ rows, and packages part ``--part`` as the build's part process does, in this pro
 step (the build's own stage lines print beside them), the process's peak resident memory (``ru_maxrss``) and the
 packages' bytes: what the whole build's packaging stage costs, part by part.
 
-    PYTHONPATH=. python3 -m bench.part_package --workdir DIR [--part 0] [--json out.json]
+    PYTHONPATH=. python3 -m bench.archive.part_package --workdir DIR [--part 0] [--json out.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -26,14 +25,14 @@ from pathlib import Path
 
 import torch
 
+from bench.common import arguments, write_json
 from bench.release_rehearsal import RECIPE, du
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--workdir", type=Path, required=True, help="bench.release_rehearsal's work directory")
     parser.add_argument("--part", type=int, default=0, help="which part of the plan (its index)")
-    parser.add_argument("--json", type=Path)
     options = parser.parse_args()
     work = options.workdir.resolve()
     os.environ.update(HF_HUB_CACHE=str(work / "hf-cache"), HF_HUB_OFFLINE="1", SPEC_CONVERT_CACHE=str(work / "cache"))
@@ -81,8 +80,7 @@ def main() -> None:
         "output_bytes": du(out), "functions": [f["name"] for f in record["functions"]],
     }
     print(json.dumps(report, indent=1))
-    if options.json:
-        options.json.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(options.json, report)
 
 
 if __name__ == "__main__":

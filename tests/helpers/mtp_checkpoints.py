@@ -19,8 +19,9 @@ import json
 from pathlib import Path
 
 import torch
-from checkpoints import write_checkpoint
 from safetensors.torch import load_file, save_file
+
+from tests.helpers.checkpoints import write_checkpoint
 
 BLOCK = (  # the dense block's tensors, relative to its prefix, with their shapes as functions of the sizes
     ("input_layernorm.weight", lambda h, q, kv, d, i: (h,)),
@@ -60,7 +61,7 @@ def head_tensors(
     """A seeded random dense MTP head for a Qwen3-shaped ``config`` (a config.json dict), keys as in ``layout``.
 
     Norm gains are drawn around 1 (plain) or around 0 (zero-centred, where the model applies 1 + w);
-    matrices N(0, 0.08) as in tests/checkpoints.py, so argmax ids are well separated. ``gated`` doubles
+    matrices N(0, 0.08) as in tests/helpers/checkpoints.py, so argmax ids are well separated. ``gated`` doubles
     q_proj's rows (the attention output gate).
     """
     h, q, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]

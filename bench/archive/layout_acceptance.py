@@ -9,12 +9,11 @@ of each layout there), the acceptance (rounds, tokens a round, prompts with the 
 weights, where the two drafters first draft another id (each drafter's decision gap there: a near tie is under
 ``NEAR_TIE_LOGITS``, 0.25).
 
-    PYTHONPATH=. .venv/bin/python bench/layout_acceptance.py [--json docs/bench-logs/layout-acceptance.json]
+    PYTHONPATH=. .venv/bin/python bench/archive/layout_acceptance.py [--json docs/bench-logs/layout-acceptance.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import tempfile
@@ -24,10 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.common import arguments, write_json
 from bench.layouts import ROOT, layout_recipe
 from convert.export.functions import compute_copy
 from convert.export.quantized import CodesLinear, apply_quantized
-from convert.pipeline import drafter
+from convert.pipeline import drafter, drafter_accept, drafter_calibration
 from convert.pipeline.build import shipped_modules
 from convert.pipeline.drafter_build import held_out_prompts, shipped_drafter
 from convert.pipeline.plan import make_plan
@@ -53,8 +53,8 @@ def greedy_comparison(references: dict) -> dict:
 
 
 def acceptance(kind, target32, modules, prompts, tokens, embeddings, references) -> tuple[dict, list]:
-    stats, runs = drafter.accept(kind, target32, compute_copy(modules, torch.float32, share_weights=True), prompts,
-                                 tokens, embeddings, references)
+    stats, runs = drafter_accept.accept(kind, target32, compute_copy(modules, torch.float32, share_weights=True),
+                                        prompts, tokens, embeddings, references)
     return {key: stats[key] for key in ("rounds", "tokens_per_round", "lossless", "near_ties")}, runs
 
 
@@ -66,7 +66,7 @@ def draft_divergence(kind: str, sides: dict, prompt: list[int], tokens: int) -> 
     recorded = {}
     for layout, (target32, drafter32, embeddings) in sides.items():
         target, drafted = drafter.drivers(kind, target32, drafter32, embeddings)
-        drafted.functions = drafter.Recording(drafted.functions)
+        drafted.functions = drafter_calibration.Recording(drafted.functions)
         speculative.speculate(kind, target, drafted, prompt, tokens)
         recorded[layout] = [call for call in drafted.functions.calls if call[0] != "reset"]
     for index, calls in enumerate(zip(*recorded.values(), strict=False)):
@@ -98,7 +98,7 @@ def measure_pair(name: str, work: Path) -> dict:
     apply_quantized(same.core, codes, codes_only=True)
     (prompts, _), tokens = held_out_prompts(plan), plan.drafter.config.accept.tokens
     kind = plan.drafter.kind
-    references = {layout: drafter.greedy_references(built[layout][2], prompts, tokens) for layout in LAYOUTS}
+    references = {layout: drafter_accept.greedy_references(built[layout][2], prompts, tokens) for layout in LAYOUTS}
     result = {"kind": kind, "drafter_quantization": plan.drafter.config.quantization.method, "prompts": len(prompts),
               "tokens": tokens, "greedy": greedy_comparison(references), "quantized_linears_shared": len(codes)}
     runs = {}
@@ -123,8 +123,7 @@ def measure_pair(name: str, work: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser = arguments(__doc__)
     parser.add_argument("pairs", nargs="*", default=PAIRS, help="fixture pair recipes (default: the four)")
     args = parser.parse_args()
     results = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "pairs": {}}
@@ -133,8 +132,7 @@ def main() -> None:
             start = time.time()
             results["pairs"][name] = {**measure_pair(name, Path(scratch)), "seconds": round(time.time() - start, 1)}
             print(json.dumps({name: results["pairs"][name]}, indent=1), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,11 @@ here, so each window's continuation is seeded ids: a pass's cost does not depend
 seconds of each pass, the process's peak resident memory (``ru_maxrss``) and the plan's estimate of the gate's
 reference term beside it.
 
-    PYTHONPATH=. python3 -m bench.gate_reference --workdir DIR [--json out.json]
+    PYTHONPATH=. python3 -m bench.archive.gate_reference --workdir DIR [--json out.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -24,13 +23,13 @@ from pathlib import Path
 
 import torch
 
+from bench.common import arguments, write_json
 from bench.release_rehearsal import RECIPE
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--workdir", type=Path, required=True, help="bench.release_rehearsal's work directory")
-    parser.add_argument("--json", type=Path)
     options = parser.parse_args()
     work = options.workdir.resolve()
     os.environ.update(HF_HUB_CACHE=str(work / "hf-cache"), HF_HUB_OFFLINE="1", SPEC_CONVERT_CACHE=str(work / "cache"))
@@ -73,8 +72,7 @@ def main() -> None:
         "logits_finite": all(bool(torch.isfinite(r.logits).all()) for r in results),
     }
     print(json.dumps(report, indent=1))
-    if options.json:
-        options.json.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(options.json, report)
 
 
 if __name__ == "__main__":
