@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from convert.errors import quote
 
+ARGMAX_IDS = "argmax_ids"  # the head's argmax output's name (convert/export/names.py takes it from here)
 SCHEMA_VERSION = "2"  # 2: architecture families beyond Qwen3 dense, the host contract
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 DRAFTER_SCHEMA_PATH = Path(__file__).with_name("drafter_manifest.schema.json")
@@ -185,7 +186,7 @@ class HostContract(Model):
     argmax: Literal["function", "host"] = Field(
         "function", description="function: the head returns argmax_ids (and a split head its max_logit); host: the "
         "head returns logits and the host takes their argmax (the lowest id among equal maxima)")
-    argmax_ids: str = Field("argmax_ids", description="with argmax host: the output the host returns the ids as")
+    argmax_ids: str = Field(ARGMAX_IDS, description="with argmax host: the output the host returns the ids as")
     buffers: dict[str, HostBuffer] = Field(
         default_factory=dict, description="the ane layout's host-owned buffers by input name (none: the package keeps "
         "its states itself)")

@@ -4,6 +4,8 @@ from the manifest's functions and host contract (docs/bundle.md, docs/layouts.md
 
 from __future__ import annotations
 
+from manifests.schema import ARGMAX_IDS as ARGMAX_IDS  # re-exported: one spelling, the schema's
+
 # inputs a caller passes
 INPUT_IDS = "input_ids"  # [1, S] int32 token ids
 POSITION_IDS = "position_ids"  # [1, S] int32 absolute positions
@@ -30,7 +32,8 @@ VALUE_ROWS = "value_rows"
 
 # outputs
 LOGITS = "logits"
-ARGMAX_IDS = "argmax_ids"  # the head's argmax a row (a package's own, or the host's from its logits)
+# ARGMAX_IDS: the head's argmax a row (a package's own, or the host's from its logits), named where the manifest
+# schema, a layer below, gives it as the host contract's default
 MAX_LOGIT = "max_logit"  # a split head's part: its rows' largest logit, with which the host merges the parts' ids
 DRAFT_IDS = "draft_ids"
 HIDDEN_OUT = "hidden_out"  # an MTP head's own rows for its next chained step
