@@ -29,11 +29,13 @@ from convert.pipeline.plan import make_plan
 from convert.runtime import speculative
 from convert.runtime.host import module_driver
 from convert.weights.target import build_modules
+from tests.helpers import recipes
 from tests.helpers.checkpoints import write_checkpoint
 from tests.helpers.dflash2_checkpoints import tiny_config as drafter_config
 from tests.helpers.dflash2_checkpoints import write_drafter
 from tests.helpers.mtp_checkpoints import write_target_with_head
 from tests.helpers.qwen3_5_checkpoints import write_checkpoint as write_hybrid
+from tests.helpers.recipes import gate, tiny_target
 from tests.helpers.toymodel import scatter_toy_functions
 
 TARGET_WRITERS = {"qwen3": lambda d: write_checkpoint(d, hidden_size=64, num_hidden_layers=2),
@@ -90,33 +92,22 @@ def test_a_target_family_keeps_its_contract(tmp_path, name):
     assert float(abs(verified["logits"] - torch.stack(list(reference[1:5])).numpy()).max()) < 1e-3
 
 
-def dflash2_pair(tmp: Path) -> tuple[str, str]:
+def dflash2_pair(tmp: Path) -> tuple[dict, dict]:
+    """A seeded target and DFlash2 drafter: (the target's recipe fields beyond the pair's, the drafter's)."""
     write_checkpoint(tmp / "target", hidden_size=64, num_hidden_layers=4)
     draft = {"target_layer_ids": [0, 2, 3], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
              "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
     write_drafter(tmp / "drafter", config=drafter_config(vocab_size=4096, dflash_config=draft))
-    return ("  taps: [0, 2, 3]\n", f"  source: path:{tmp / 'drafter'}\n  context_update: 16\n  ring: 64\n")
+    return {"taps": [0, 2, 3]}, {"source": f"path:{tmp / 'drafter'}", "context_update": 16, "ring": 64}
 
 
-def mtp_pair(tmp: Path) -> tuple[str, str]:
+def mtp_pair(tmp: Path) -> tuple[dict, dict]:
+    """A seeded target with its MTP head (the head in the target's checkpoint)."""
     write_target_with_head(tmp / "target")
-    return "  hidden: true\n", ""
+    return {"hidden": True}, {}
 
 
 DRAFTER_SETUPS = {"dflash2": (dflash2_pair, "fc.weight"), "mtp": (mtp_pair, "mtp.fc.weight")}
-PAIR = """\
-name: pair
-target:
-  source: path:{target}
-  graphs: {{prefill: 16, decode: 1, verify: 4}}
-  context: 128
-  logits: true
-  gate: {{data: {{samples: 1, length: 64}}}}
-{target_extra}drafter:
-  kind: {kind}
-{drafter_extra}  quantization: {{method: none}}
-backends: [coreai]
-"""
 
 
 @pytest.mark.parametrize("kind", list(DRAFTERS))
@@ -124,10 +115,11 @@ def test_a_drafter_family_keeps_its_contract(tmp_path, kind):
     module = drafter_family(kind)
     assert isinstance(module, DrafterFamily) and module.KIND == kind
     setup, key = DRAFTER_SETUPS[kind]
-    target_extra, drafter_extra = setup(tmp_path)
-    recipe = tmp_path / "pair.yaml"
-    recipe.write_text(PAIR.format(target=tmp_path / "target", target_extra=target_extra, kind=kind,
-                                  drafter_extra=drafter_extra))
+    target_fields, drafter_fields = setup(tmp_path)
+    target = tiny_target(tmp_path / "target", graphs={"prefill": 16, "decode": 1, "verify": 4}, logits=True,
+                         gate=gate(1, 64), **target_fields)
+    recipe = recipes.recipe(tmp_path, "pair", target=target, backends=["coreai"],
+                            drafter={"kind": kind, **drafter_fields, "quantization": {"method": "none"}})
     plan = make_plan(recipe)
     dplan = plan.drafter
     assert dplan.family is module and [s.name for s in dplan.specs] == list(dplan.widths)

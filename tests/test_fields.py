@@ -19,20 +19,13 @@ from convert.models.qwen3 import Qwen3Args
 from convert.models.qwen3.config import DecoderArgs
 from convert.models.qwen3_5 import Qwen35Args
 from tests.helpers import checkpoints, mtp_checkpoints, qwen3_5_checkpoints
+from tests.helpers.configs import MTP, QWEN3, QWEN3_5
 from tests.helpers.dflash2_checkpoints import tiny_config as dflash2_config
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 READERS = {"qwen3": Qwen3Args, "qwen3_5": Qwen35Args, "dflash2": DFlash2Args, "mtp": MTPArgs}
 WHERE = "ckpt/config.json"
 
-QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 4096, "hidden_size": 64,
-         "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 24, "max_position_embeddings": 512, "tie_word_embeddings": False, "bos_token_id": 0,
-         "eos_token_id": 1, "pad_token_id": 2, "rms_norm_eps": 1e-6, "attention_bias": False,
-         "use_sliding_window": False, "layer_types": ["full_attention"] * 3,
-         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
-QWEN3_5 = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", **qwen3_5_checkpoints.text_config()}
-MTP = {**QWEN3, "mtp_num_hidden_layers": 1}
 BASES = {
     "QWEN3": QWEN3,
     "QWEN3_5": QWEN3_5,

@@ -31,8 +31,8 @@ from convert.models.dflash2 import DFlash2Args
 from convert.models.mtp import MTPArgs
 from convert.models.qwen3 import Qwen3Args
 from convert.models.qwen3_5 import Qwen35Args
+from tests.helpers.configs import MTP, QWEN3, QWEN3_5
 from tests.helpers.dflash2_checkpoints import tiny_config as dflash2_config
-from tests.helpers.qwen3_5_checkpoints import text_config as qwen3_5_config
 
 SETTINGS = settings(max_examples=80, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -230,14 +230,6 @@ def test_shard_index_gives_shards_inside_the_checkpoint_or_refuses(sharded, weig
 
 # ---------------------------------------------------------------------------------------------------- config.json
 
-QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 4096, "hidden_size": 64,
-         "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 24, "max_position_embeddings": 512, "tie_word_embeddings": False, "bos_token_id": 0,
-         "eos_token_id": 1, "pad_token_id": 2, "rms_norm_eps": 1e-6, "attention_bias": False,
-         "use_sliding_window": False, "layer_types": ["full_attention"] * 3,
-         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
-QWEN3_5 = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", **qwen3_5_config()}
-MTP = {**QWEN3, "mtp_num_hidden_layers": 1}
 # what the unedited configs give: each property test checks it first, so that a reader refusing every config fails
 DECODER = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24, intermediate_size=96,
                vocab_size=4096, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
