@@ -1,7 +1,8 @@
 """`spec-convert verify` on a real pair bundle (a quantized tiny Qwen3 target and a random DFlash2 drafter, both
 formats), every file of it damaged in turn; `inspect`'s summary, `--details` and `--json` on the same bundle.
 
-One build for the module (about a minute and a half on 2 cores); each check runs in-process on a copy."""
+The bundle is the session's shared dense pair (tests/helpers/pairs.py: one build for this module and
+tests/test_pair.py); each check runs in-process on a copy."""
 
 import json
 import re
@@ -14,15 +15,10 @@ from click.testing import CliRunner
 from convert.cli import main
 from convert.commands import verify as verify_command
 from manifests.identity import REPORT_FILE
-from tests.helpers.checkpoints import write_checkpoint
-from tests.helpers.dflash2_checkpoints import tiny_config, write_drafter
 from tests.helpers.manifest_samples import recorded_paths
-from tests.helpers.recipes import gate, recipe, tiny_dflash2, tiny_target
+from tests.helpers.pairs import dense_pair
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
-
-TAPS = [0, 2, 3]
-
 
 def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
@@ -30,26 +26,14 @@ def run(*args):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("verify-pair")
-    write_checkpoint(tmp / "target", hidden_size=64, num_hidden_layers=4)
-    draft = {"target_layer_ids": TAPS, "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
-             "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
-    write_drafter(tmp / "drafter", config=tiny_config(vocab_size=4096, dflash_config=draft))
-    # random weights quantized to 4 bits agree with their fp32 selves on few argmax ids: the bars are set out of the way
-    bars = gate(2, 48, greedy_tokens=8, top1_min=0, greedy_match_min=0, cosine_min=0, tap_cosine_min=0, mean_kl_max=10,
-                p99_kl_max=50, max_kl_max=100, device_top1_min=0, device_greedy_match_min=0, device_mean_kl_max=10)
-    target = tiny_target(tmp / "target", taps=TAPS, quantization={"method": "affine4", "group_size": 32}, gate=bars)
-    path = recipe(tmp, "vb", target=target, backends=["coreai", "coreml"], drafter=tiny_dflash2(tmp / "drafter"))
-    result = run("build", path, "--output", tmp / "vb")
-    assert result.exit_code == 0, result.output
-    (tmp / "build-output.txt").write_text(result.output)
-    return tmp / "vb"
+    """The session's shared dense pair bundle (tests/helpers/pairs.py); read only."""
+    return dense_pair(tmp_path_factory) / "pair"
 
 
 @pytest.fixture
 def bundle(built, tmp_path) -> Path:
-    shutil.copytree(built, tmp_path / "vb")
-    return tmp_path / "vb"
+    shutil.copytree(built, tmp_path / "pair")
+    return tmp_path / "pair"
 
 
 def manifest(folder: Path) -> dict:
@@ -117,12 +101,13 @@ def test_every_file_with_a_flipped_byte_is_named(built, tmp_path):
     """Each file of the bundle with one byte inverted, in turn (then restored): exit 1 naming it, every file but the
     manifests by its sha256 (the manifest's prefix shown), the compile outputs under compiled/ and the gate report
     included; a manifest as damaged. No file of the bundle is exempt."""
-    bundle = tmp_path / "vb"
+    bundle = tmp_path / "pair"
     shutil.copytree(built, bundle)
     hashes = {f"{part}/{path}": sha256 for part in ("target", "drafter") for path, sha256 in _hashes(bundle / part)}
     files = files_of(bundle)
     assert len(files) == len(hashes) + 2, sorted(set(files) ^ set(hashes))  # + the 2 manifests
-    assert f"target/{REPORT_FILE}" in hashes and len(hashes) == 22 + 1 + 4, sorted(hashes)  # + 2 compiled/ a part
+    # + the gate report, 2 compiled/ a part, the drafter's LICENSE
+    assert f"target/{REPORT_FILE}" in hashes and len(hashes) == 22 + 1 + 4 + 1, sorted(hashes)
     assert all(any(name.startswith(f"{part}/compiled/") for name in hashes) for part in ("target", "drafter"))
     checked = []
     for name in files:
@@ -206,7 +191,7 @@ def test_compile_rehashes_its_outputs(bundle):
 
 def test_every_difference_is_listed_and_the_first_named(bundle):
     """Two files damaged: both listed on stderr, the error names the first, a truncated one by its sizes."""
-    weights = bundle / "target" / "vb.mlpackage" / "Data" / "com.apple.CoreML" / "weights" / "weight.bin"
+    weights = bundle / "target" / "pair.mlpackage" / "Data" / "com.apple.CoreML" / "weights" / "weight.bin"
     size = weights.stat().st_size
     with weights.open("r+b") as f:
         f.truncate(size - 1)
@@ -214,7 +199,7 @@ def test_every_difference_is_listed_and_the_first_named(bundle):
     files = manifest(bundle / "target")["packages"][1]["files"]
     j = next(j for j, f in enumerate(files) if f["path"].endswith("weights/weight.bin"))
     result = run("verify", bundle)
-    last = refused(result, "2 differences, the first: target/vb.mlpackage/Data/com.apple.CoreML/weights/weight.bin: "
+    last = refused(result, "2 differences, the first: target/pair.mlpackage/Data/com.apple.CoreML/weights/weight.bin: "
                    f"{size - 1:,} bytes, the manifest's packages[1].files[{j}] records {size:,}")
     differences = [line for line in result.stderr.splitlines() if line.startswith("difference: ")]
     assert len(differences) == 2 and "drafter/selector.safetensors: sha256" in differences[1], result.stderr
@@ -228,9 +213,9 @@ def test_a_missing_file(bundle):
 
 
 def test_extra_files_are_differences(bundle):
-    (bundle / "target" / "vb.aimodel" / "notes.txt").write_text("hello")
-    refused(run("verify", bundle), "target/vb.aimodel/notes.txt: in the bundle, not in its manifest (5 bytes)")
-    (bundle / "target" / "vb.aimodel" / "notes.txt").unlink()
+    (bundle / "target" / "pair.aimodel" / "notes.txt").write_text("hello")
+    refused(run("verify", bundle), "target/pair.aimodel/notes.txt: in the bundle, not in its manifest (5 bytes)")
+    (bundle / "target" / "pair.aimodel" / "notes.txt").unlink()
     (bundle / "README").write_text("x")
     refused(run("verify", bundle), "README: in the bundle, not in a part of the pair")
     (bundle / "README").unlink()
