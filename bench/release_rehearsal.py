@@ -70,10 +70,11 @@ def snapshot_dir(cache: Path, repo: str, revision: str) -> Path:
     return repo_dir / "snapshots" / commit
 
 
-def text_config() -> dict:
-    """The Qwen3.5-27B text settings the recipe's contract pins."""
-    return dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-                layer_types=[L, L, L, F] * 16, full_attention_interval=4, num_attention_heads=24,
+def text_config(layers: int = 64) -> dict:
+    """The Qwen3.5-27B text settings the recipe's contract pins (``layers``: its first layers only, for benchmarks at
+    the 27B width that the recipe does not plan)."""
+    return dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=layers,
+                layer_types=([L, L, L, F] * 16)[:layers], full_attention_interval=4, num_attention_heads=24,
                 num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
                 linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=248320,
                 rms_norm_eps=1e-6, max_position_embeddings=262144, mtp_num_hidden_layers=1,
@@ -179,7 +180,7 @@ class ShardWriter:
         (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
 
-def write_pack(directory: Path, seed: int = 0) -> None:
+def write_pack(directory: Path, seed: int = 0, layers: int = 64) -> None:
     from transformers import Qwen3_5Config
 
     from bench.scale import _write_tokenizer
@@ -187,7 +188,7 @@ def write_pack(directory: Path, seed: int = 0) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     vision = dict(depth=2, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
                   temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=5120, num_position_embeddings=2304)
-    config = {"text_config": text_config(), "vision_config": vision, "tie_word_embeddings": False}
+    config = {"text_config": text_config(layers), "vision_config": vision, "tie_word_embeddings": False}
     shapes = model_shapes(config)
     generator = torch.Generator().manual_seed(seed)
     widths = sorted({shape[1] for key, shape in shapes.items() if module_path(key)})

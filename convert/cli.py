@@ -98,20 +98,25 @@ def main() -> None:
 @click.option("--no-cache", is_flag=True, help="compute every stage again; read and write no cache")
 @click.option("--strict", is_flag=True, help="fail (exit 1, nothing published) on any finding of the placement lint: "
               "an op, state, dtype or dim a program the ANE runs whole does not hold (docs/layouts.md)")
+@click.option("--device", "torch_device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="cpu",
+              show_default=True, help="where the torch stages compute (auto: CUDA, else MPS, else the CPU); the plan's "
+              "'torch stages' line says which stages use it (docs/benchmarks.md)")
 @user_errors
 def build(recipe: Path, output: Path | None, dry_run: bool, cache_dir: Path | None, no_cache: bool,
-          strict: bool) -> None:
+          strict: bool, torch_device: str) -> None:
     """Build the bundle a recipe describes. Expensive stages are cached: an interrupted build resumes."""
     from convert.cache import BuildCache
     from convert.pipeline.build import build as run_build
     from convert.pipeline.plan import make_plan
     from convert.pipeline.plan_text import describe_plan
     from convert.pipeline.plan_text import dry_run as plan_dry_run
+    from convert.torch_device import resolve
 
+    device = resolve(torch_device)
     if dry_run:
-        click.echo("\n".join(plan_dry_run(recipe, output, cache_dir)))
+        click.echo("\n".join(plan_dry_run(recipe, output, cache_dir, device)))
         return
-    plan = make_plan(recipe, output, cache_dir)
+    plan = make_plan(recipe, output, cache_dir, torch_device=device)
     click.echo("\n".join(describe_plan(plan)))
     manifest = run_build(plan, BuildCache(cache_dir, enabled=not no_cache), strict)
     click.echo(f"bundle: {plan.output} (export id {manifest.export_id[:16]})")

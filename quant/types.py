@@ -129,7 +129,7 @@ def walsh_hadamard(rows: torch.Tensor, block: int) -> torch.Tensor:
         raise ValueError(f"a block of {block} columns does not split rows of {rows.shape[-1]}")
     a = 1 << (block.bit_length() - 1) // 2
     b = block // a
-    signs_a, signs_b = (torch.round(hadamard(n) * math.sqrt(n)).to(rows.dtype) for n in (a, b))
+    signs_a, signs_b = (torch.round(hadamard(n) * math.sqrt(n)).to(rows.device, rows.dtype) for n in (a, b))
     blocks = rows.reshape(-1, a, b)
     turned = torch.matmul(torch.matmul(signs_a, blocks), signs_b)
     return (turned / math.sqrt(block)).reshape(rows.shape)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("convert", "quant", "manifests")
 LAYERS = (
     ("convert", "quant", "manifests", "convert.errors", "convert.progress", "convert.processes", "convert.fp16",
-     "convert.fields", "convert.paths"),
+     "convert.fields", "convert.paths", "convert.torch_device"),
     ("convert.export", "convert.cache"),
     ("convert.inputs", "convert.backends"),
     ("convert.models",),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -71,9 +72,9 @@ class ExportModules:
         module, spec = self.functions[name]
         if set(given) != {t.name for t in spec.inputs}:
             raise ValueError(f"{name} takes inputs {[t.name for t in spec.inputs]}, got {sorted(given)}")
-        tensors = []
+        tensors, where = [], torch_device_of(self.core)
         for t in spec.inputs:
-            value = torch.as_tensor(given[t.name]).to(TORCH_DTYPES[t.dtype]).reshape(-1)
+            value = torch.as_tensor(given[t.name]).to(where, TORCH_DTYPES[t.dtype]).reshape(-1)
             if value.numel() != torch.Size(t.shape).numel():
                 raise ValueError(f"{name} takes {t.name} of shape {list(t.shape)}, got {value.numel()} values")
             tensors.append(value.reshape(t.shape))
@@ -105,20 +106,26 @@ class ExportModules:
         return dataclasses.replace(self, functions=functions)
 
 
-def compute_copy(modules, dtype: torch.dtype, in_place: bool = False, share_weights: bool = False):
+def compute_copy(modules, dtype: torch.dtype, in_place: bool = False, share_weights: bool = False,
+                 device: torch.device | None = None):
     """A copy of target or drafter modules (a ``core`` and ``functions`` of (FunctionModule, spec)) computing in
     ``dtype``: the weights as shipped, upcast exactly, fresh shared states, float specs retyped (so inputs are cast
     to ``dtype`` too). The gates and the acceptance runs compute in fp32 this way: fp16 torch on CPU is 3-7x slower.
     ``in_place``: ``modules`` themselves become that copy (a streamed stage's piece: no second copy in memory).
     ``share_weights``: the copy's linears hold the original's weights, upcast a block at a time at each call
-    (``export.quantized.HalfLinear``): the same outputs, no second copy of the linears' weights."""
+    (``export.quantized.HalfLinear``): the same outputs, no second copy of the linears' weights. ``device``: the
+    torch device the copy computes on (``convert.torch_device``; default where the modules are), its states there,
+    its calls' inputs moved there (``call_with``)."""
     if in_place:
         new = modules
-    elif share_weights:
+    elif share_weights and (device is None or device.type == "cpu"):  # a GPU's copy is its own memory anyway
         new = copy.deepcopy(modules, half_linears(modules.core))
     else:
         new = copy.deepcopy(modules)
     new.core.to(dtype)
+    if device is not None:
+        for module, _ in new.functions.values():
+            module.to(device)  # the shared core once, each function's own constants
     name = {torch.float32: "float32", torch.float16: "float16"}[dtype]
     specs = {}
     for function, (module, spec) in new.functions.items():
@@ -126,13 +133,22 @@ def compute_copy(modules, dtype: torch.dtype, in_place: bool = False, share_weig
                                tuple(_retype(t, name) for t in spec.outputs),
                                tuple(_retype(t, name) for t in spec.states))
         specs[function] = (module, retyped)
-    states = {s.name: torch.zeros(s.shape, dtype=dtype) for s in next(iter(specs.values()))[1].states}
+    where = device or torch_device_of(new.core)
+    states = {s.name: torch.zeros(s.shape, dtype=dtype, device=where) for s in next(iter(specs.values()))[1].states}
     for module, spec in specs.values():
         module.spec = spec
         for state in spec.states:
             module._buffers[state.name] = states[state.name]
     new.functions = specs
     return new
+
+
+def torch_device_of(core: nn.Module) -> torch.device:
+    """The torch device a core computes on: its first real parameter's or buffer's (the CPU for one on meta)."""
+    for tensor in itertools.chain(core.parameters(), core.buffers()):
+        if tensor.device != META:
+            return tensor.device
+    return torch.device("cpu")
 
 
 def _retype(tensor: TensorSpec, dtype_name: str) -> TensorSpec:

@@ -46,7 +46,7 @@ def blocked_products(inputs: Sequence[torch.Tensor], blocks: list[tuple[int, int
         weight, block_bias = rows(lo, hi), None if bias is None else bias[lo:hi]
         for n, members in classes.items():
             if n in stacked and _stacks_exactly(n, len(members), tuple(weight.shape), weight.dtype, bias is not None,
-                                                torch.get_num_threads()):
+                                                torch.get_num_threads(), weight.device):
                 for i, out in zip(members, nn.functional.linear(stacked[n], weight, block_bias).split(n), strict=True):
                     parts[i].append(out)
             else:
@@ -58,16 +58,16 @@ def blocked_products(inputs: Sequence[torch.Tensor], blocks: list[tuple[int, int
 
 @functools.cache
 def _stacks_exactly(rows: int, count: int, shape: tuple[int, int], dtype: torch.dtype, bias: bool,
-                    threads: int) -> bool:
-    """Whether this machine's GEMM gives each of ``count`` inputs of ``rows`` rows, stacked, its product's rows bit for
-    bit as it gives them alone, for a weight block of ``shape``: tried once on seeded values. Which kernel and which
-    order of the inner sum a GEMM takes depends on the shapes (a single row takes another path on this project's CPUs),
-    never on the values, and two sum orders over thousands of random terms agree essentially never; so one agreement
-    on random values is the same sum, for every value."""
+                    threads: int, device: torch.device | None = None) -> bool:
+    """Whether this machine's GEMM on ``device`` gives each of ``count`` inputs of ``rows`` rows, stacked, its
+    product's rows bit for bit as it gives them alone, for a weight block of ``shape``: tried once on seeded values.
+    Which kernel and which order of the inner sum a GEMM takes depends on the shapes (a single row takes another path
+    on this project's CPUs), never on the values, and two sum orders over thousands of random terms agree essentially
+    never; so one agreement on random values is the same sum, for every value."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(shape, generator=generator).to(dtype)
-    bias_values = torch.randn(shape[0], generator=generator).to(dtype) if bias else None
-    inputs = [torch.randn(rows, shape[1], generator=generator).to(dtype) for _ in range(count)]
+    weight = torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+    bias_values = torch.randn(shape[0], generator=generator).to(device=device, dtype=dtype) if bias else None
+    inputs = [torch.randn(rows, shape[1], generator=generator).to(device=device, dtype=dtype) for _ in range(count)]
     joined = nn.functional.linear(torch.cat(inputs), weight, bias_values).split(rows)
     return all(torch.equal(nn.functional.linear(x, weight, bias_values), out)
                for x, out in zip(inputs, joined, strict=True))

@@ -301,15 +301,16 @@ fewer sums in another order on this project's CPUs (16 and more matched at every
 _WORKSPACES = threading.local()
 
 
-def _workspace(role: str, count: int, dtype: torch.dtype) -> torch.Tensor:
-    """A flat buffer of ``count`` elements for ``role``, grown as needed and reused by every ``CodesLinear`` and
-    ``HalfLinear`` call of this thread: one set a thread, since the drafter stage's sessions run in threads
-    (``export.lockstep``), and an anchor row made in one (``embedding_rows``) must not write the buffers a group's
-    linear is computing from in another."""
+def _workspace(role: str, count: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """A flat buffer of ``count`` elements for ``role`` on ``device`` (default the CPU), grown as needed and reused by
+    every ``CodesLinear`` and ``HalfLinear`` call of this thread: one set a thread, since the drafter stage's sessions
+    run in threads (``export.lockstep``), and an anchor row made in one (``embedding_rows``) must not write the buffers
+    a group's linear is computing from in another."""
     buffers = _WORKSPACES.__dict__
-    buffer = buffers.get((role, dtype))
+    key = (role, dtype, torch.device(device or "cpu"))
+    buffer = buffers.get(key)
     if buffer is None or buffer.numel() < count:
-        buffer = buffers[role, dtype] = torch.empty(count, dtype=dtype)
+        buffer = buffers[key] = torch.empty(count, dtype=dtype, device=key[2])
     return buffer[:count]
 
 
@@ -349,7 +350,7 @@ class HalfLinear(_SharedTensors):
             return nn.functional.linear(x, self.weight, self.bias)
 
         def upcast(lo: int, hi: int) -> torch.Tensor:
-            dense = _workspace("dense", (hi - lo) * self.weight.shape[1], x.dtype).view(hi - lo, -1)
+            dense = _workspace("dense", (hi - lo) * self.weight.shape[1], x.dtype, x.device).view(hi - lo, -1)
             return dense.copy_(self.weight[lo:hi])
 
         return blocked_linear(self, x, row_blocks(*self.weight.shape), upcast, self.bias)

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from convert.inputs.prism import VIEW_FILE, UnfoldedPack
 from convert.inputs.sources import CheckpointReader, tensor_shapes
 
 Reader = CheckpointReader | UnfoldedPack
 
 
-def open_checkpoint(directory: Path) -> Reader:
-    """A reader of ``directory``'s tensors (``get(key)``, ``rows(key, start, stop)``)."""
+def open_checkpoint(directory: Path, device: torch.device | None = None) -> Reader:
+    """A reader of ``directory``'s tensors (``get(key)``, ``rows(key, start, stop)``); a pack's view unfolds its
+    matrices on ``device`` (``UnfoldedPack``; default the CPU)."""
     directory = Path(directory)
-    return UnfoldedPack(directory) if (directory / VIEW_FILE).is_file() else CheckpointReader(directory)
+    return UnfoldedPack(directory, device) if (directory / VIEW_FILE).is_file() else CheckpointReader(directory)
 
 
 def checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:

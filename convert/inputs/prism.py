@@ -375,12 +375,14 @@ def codes(module: PackedModule, start: int = 0, stop: int | None = None) -> torc
         return unpack_codes(f.get_slice(module.key + ".weight")[start:stop])
 
 
-def dequantize(module: PackedModule, start: int = 0, stop: int | None = None) -> torch.Tensor:
-    """The rotated weight W' = scales * codes + biases per group of 128 input columns, rows ``start:stop``, fp32;
-    exact, since read_pack checked biases = -scales: each value is an fp16 scale times code - 1 (at most 13 bits)."""
-    words = codes(module, start, stop)
+def dequantize(module: PackedModule, start: int = 0, stop: int | None = None,
+               device: torch.device | None = None) -> torch.Tensor:
+    """The rotated weight W' = scales * codes + biases per group of 128 input columns, rows ``start:stop``, fp32 on
+    ``device`` (default the CPU); exact, since read_pack checked biases = -scales: each value is an fp16 scale times
+    code - 1 (at most 13 bits)."""
+    words = codes(module, start, stop).to(device)
     groups = words.to(torch.float32).reshape(words.shape[0], -1, GROUP_SIZE)
-    scales, biases = (t[start:stop].to(torch.float32)[..., None] for t in (module.scales, module.biases))
+    scales, biases = (t[start:stop].to(device, torch.float32)[..., None] for t in (module.scales, module.biases))
     return (groups * scales + biases).reshape(words.shape[0], module.width)
 
 
@@ -388,15 +390,17 @@ def dequantize(module: PackedModule, start: int = 0, stop: int | None = None) ->
 UNFOLD_ELEMENTS = 1 << 23
 
 
-def unfold(module: PackedModule, start: int = 0, stop: int | None = None) -> torch.Tensor:
+def unfold(module: PackedModule, start: int = 0, stop: int | None = None,
+           device: torch.device | None = None) -> torch.Tensor:
     """The logical weight W = W' H S (so that W x = W' H(s * x)), rows ``start:stop``: computed in fp64 a chunk of
-    rows at a time, returned fp32. The embedding's rows are cast to fp16 before the transform, as mlx-vlm's lookup
-    does (``embedding_table``)."""
+    rows at a time, returned fp32, on ``device`` (a torch device with fp64: in fp64 every sum of the transform is
+    exact, so any device gives the CPU's bits; default the CPU). The embedding's rows are cast to fp16 before the
+    transform, as mlx-vlm's lookup does (``embedding_table``)."""
     stop = module.rows if stop is None else stop
-    out = torch.empty(stop - start, module.width, dtype=torch.float32)
+    out = torch.empty(stop - start, module.width, dtype=torch.float32, device=device)
     step = max(1, UNFOLD_ELEMENTS // module.width)
     for lo in range(start, stop, step):
-        rows = dequantize(module, lo, min(lo + step, stop))
+        rows = dequantize(module, lo, min(lo + step, stop), device)
         if module.embedding:  # mlx-vlm's embedding casts the looked-up rows to fp16 before the transform
             rows = rows.to(torch.float16)
         out[lo - start : lo - start + rows.shape[0]] = _rotate_rows(rows.to(torch.float64), module.block, module.signs)
@@ -407,7 +411,7 @@ def _rotate_rows(rows: torch.Tensor, block: int, signs: torch.Tensor | None) -> 
     """(rows H) S with H block-diagonal over the columns, in the rows' dtype; rows unchanged when not rotated."""
     if not block:
         return rows
-    return walsh_hadamard(rows, block) * signs.to(rows.dtype)
+    return walsh_hadamard(rows, block) * signs.to(rows.device, rows.dtype)
 
 
 def embedding_table(module: PackedModule) -> torch.Tensor:
@@ -520,7 +524,10 @@ class UnfoldedPack:
     matrix is ``unfold``-ed (only the rows asked for), a dense tensor read and put in the Hugging Face layout
     (``hf_layout``). The same values ``write_unfolded`` stores, with ``CheckpointReader``'s ``get`` and ``rows``."""
 
-    def __init__(self, view: Path):
+    def __init__(self, view: Path, device: torch.device | None = None):
+        """``device``: where packed matrices are unfolded and returned (``unfold``; dense tensors are read to the
+        CPU)."""
+        self.device = device
         recorded = read_json(view / VIEW_FILE).get("pack")
         if not isinstance(recorded, str) or not (Path(recorded) / "config.json").is_file():
             raise InputError(f"{view / VIEW_FILE}: the pack it unfolds ({recorded!r}) is gone; remove {view} and "
@@ -540,14 +547,14 @@ class UnfoldedPack:
 
     def get(self, key: str) -> torch.Tensor:
         if key in self.modules:
-            return unfold(self.modules[key])
+            return unfold(self.modules[key], device=self.device)
         file, name, _ = self._dense(key)
         return hf_layout(name, _load(file, name))
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of tensor ``key``, unfolding only those."""
         if key in self.modules:
-            return unfold(self.modules[key], start, stop)
+            return unfold(self.modules[key], start, stop, self.device)
         return self.get(key)[start:stop]
 
     def _dense(self, key: str) -> tuple[Path, str, tuple[int, ...]]:

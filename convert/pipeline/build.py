@@ -153,7 +153,7 @@ def quantize_stage(plan: Plan, cache: BuildCache, file_hashes: dict[str, str] | 
         return exact_result(plan, scales)
     return quantize_checkpoint(plan.snapshot.directory, plan.args, plan.recipe.target, plan.layout, quant,
                                plan.recipe_path.resolve().parent, cache=cache, in_memory=in_memory,
-                               file_hashes=file_hashes, scales=scales)
+                               file_hashes=file_hashes, scales=scales, device=plan.torch_device)
 
 
 def build(plan: Plan, cache: BuildCache | None = None, strict: bool = False) -> Manifest:

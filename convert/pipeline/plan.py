@@ -50,6 +50,7 @@ class Plan:
     checkpoint_bytes: int
     parts: list[Part]
     drafter: DrafterPlan | None = None
+    torch_device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))  # --device
 
     @property
     def target_dir(self) -> Path:
@@ -114,12 +115,13 @@ def planned_recipe(recipe_path: Path) -> Recipe:
 
 
 def make_plan(recipe_path: Path, output: str | Path | None = None, cache_root: Path | None = None,
-              refuse: bool = True) -> Plan:
+              refuse: bool = True, torch_device: torch.device | None = None) -> Plan:
     """Validate the recipe and the checkpoint's config and headers; reads no weights (but a Prism pack's, which is
     unfolded once into ``cache_root``, default the build cache's directory:
     ``convert.inputs.prism.unfolded_snapshot``; within ``sources.headers_only()`` a pack on the hub is planned from its
     headers, ``_pack_headers_view``). ``refuse``: raise when the build would not fit ``target.max_host_memory_gb``
-    (``refusal``); the dry run says so in its summary instead."""
+    (``refusal``); the dry run says so in its summary instead. ``torch_device``: where the torch stages compute
+    (``convert.torch_device.resolve``'s; default the CPU; ``torch_stages`` says which do)."""
     recipe = planned_recipe(recipe_path)
     snapshot = resolve(recipe.target.source, recipe_path.resolve().parent)
     contract.check(source_config(snapshot.directory), recipe.target.contract, str(snapshot.directory / "config.json"),
@@ -147,7 +149,7 @@ def make_plan(recipe_path: Path, output: str | Path | None = None, cache_root: P
         check_group_widths(drafter.config.quantization, own_linear_shapes(drafter), "drafter.quantization",
                            "quantize the drafter with the other 4-bit method, or not (method: none)")
     plan = Plan(recipe, recipe_path, out, snapshot, args, layout, function_specs(args, recipe.target, SHIP_DTYPE),
-                checkpoint_bytes, plan_parts(args, recipe.target), drafter)
+                checkpoint_bytes, plan_parts(args, recipe.target), drafter, torch_device or torch.device("cpu"))
     if refuse:
         check_host_memory(plan)
     return plan
@@ -186,3 +188,18 @@ def _pack_headers_view(snapshot: Snapshot) -> tuple[Snapshot, dict[str, tuple[in
 def host_buffer_names(args, target) -> tuple[str, ...]:
     """The inputs the host owns (the ane layout's history; none in the stateful layout)."""
     return tuple(family_of(args).host_contract(args, target).get("buffers", {}))
+
+
+def torch_stages(plan: Plan) -> list[tuple[str, torch.device]]:
+    """Each torch stage of the build and the torch device it computes on: ``plan.torch_device`` where the stage
+    honours it, the CPU where it does not yet (issue #43)."""
+    cpu, device = torch.device("cpu"), plan.torch_device
+    quant = plan.recipe.target.quantization
+    stages = [("quantize", device)] if quant.format and quant.format != "exact2" else []
+    if plan.snapshot.packed is not None:  # written unfolded while planning, or unfolded as the reference reads it
+        stages.append(("pack unfold", device if (plan.snapshot.directory / prism.VIEW_FILE).is_file() else cpu))
+    stages += [("gate reference", device), ("gate candidate and device pass", device),
+               ("package checks' recorded calls", cpu)]
+    if plan.recipe.drafter is not None:
+        stages.append(("drafter stage", cpu))
+    return stages

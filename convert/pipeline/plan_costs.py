@@ -69,10 +69,14 @@ def drafter_stage_parts(plan) -> str:
 
 # Measured rates the summary's time estimates scale (an estimate, never a promise; a stage not measured says so).
 # The quantize stage: ``convert.weights.quantize.COST_MODEL`` (bench/scale.py at the 27B geometry, one H200 and 2 CPU
-# cores). The gate: the 27B gate on this repo's 2-core CPU machine (docs/benchmarks.md, "The gate's candidate at full
-# size", 2026-12-05): the candidate about 2.25 h and the streamed reference 50 min, about 3.1 h, for 26,895,998,464
-# parameters over 16 windows of 256 tokens and 16 greedy tokens; scaled by parameters x windows x (length + greedy).
-GATE_CPU_SECONDS = 3.1 * 3600
+# cores). The gate: the 27B gate on this repo's 2-core CPU machine (docs/lab/2026-12-05-gate-candidate-in-step.md and
+# -gate-streamed-reference.md): the candidate about 2.25 h and the streamed reference 3,022 s, about 3.1 h, for
+# 26,895,998,464 parameters over 16 windows of 256 tokens and 16 greedy tokens; scaled by parameters x windows x
+# (length + greedy). On one GPU (``build --device cuda``, docs/lab/2026-12-06-torch-stages-on-a-gpu.md): the
+# reference 40.7 s on one H200; the candidate not measured there.
+GATE_REFERENCE_CPU_SECONDS = 3022
+GATE_CANDIDATE_CPU_SECONDS = 2.25 * 3600
+GATE_REFERENCE_GPU_SECONDS = 40.7
 
 
 GATE_MEASURED_PARAMETERS = 26_895_998_464
@@ -111,12 +115,17 @@ def cpu_seconds(plan) -> dict[str, float]:
         quantize = quantize_seconds(plan.args, target).get(CPU_MACHINE)
         if quantize is not None:
             seconds["quantize"] = quantize
-    data = target.gate.data
-    seconds["gate"] = GATE_CPU_SECONDS * parameters / GATE_MEASURED_PARAMETERS * data.samples * (
-        data.length + target.gate.greedy_tokens) / GATE_MEASURED_TOKENS
+    seconds["gate"] = (GATE_REFERENCE_CPU_SECONDS + GATE_CANDIDATE_CPU_SECONDS) * gate_scale(plan)
     seconds["packaging"] = PACKAGING_CPU_SECONDS * parameters / PACKAGING_MEASURED_PARAMETERS * \
         len(plan.recipe.backends) / PACKAGING_MEASURED_FORMATS
     return seconds
+
+
+def gate_scale(plan) -> float:
+    """The plan's gate against the measured one: parameters x windows x (length + greedy tokens)."""
+    target, data = plan.recipe.target, plan.recipe.target.gate.data
+    return plan.args.parameter_count / GATE_MEASURED_PARAMETERS * data.samples * (
+        data.length + target.gate.greedy_tokens) / GATE_MEASURED_TOKENS
 
 
 def peak_memory_bytes(plan) -> int:

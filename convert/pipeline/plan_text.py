@@ -34,8 +34,18 @@ from convert.pipeline.partition import (
     plan_parts,
     shipped_line,
 )
-from convert.pipeline.plan import Plan, host_buffer_names, make_plan, planned_recipe
-from convert.pipeline.plan_costs import CPU_MACHINE, GB, GPU_MACHINE, cpu_seconds, drafter_stage_parts, refusal
+from convert.pipeline.plan import Plan, host_buffer_names, make_plan, planned_recipe, torch_stages
+from convert.pipeline.plan_costs import (
+    CPU_MACHINE,
+    GATE_REFERENCE_GPU_SECONDS,
+    GB,
+    GPU_MACHINE,
+    cpu_seconds,
+    drafter_stage_parts,
+    gate_scale,
+    refusal,
+)
+from convert.torch_device import describe
 from convert.verify import placement
 from convert.weights.quantize import (
     estimate_lines,
@@ -114,6 +124,7 @@ def describe_plan(plan: Plan) -> list[str]:
         *host_buffer_lines(plan.specs, plan.host_buffers, args, recipe.target),
         *placement_lines(args, recipe.target, plan.parts),
         *estimate_lines(args, recipe.target),
+        torch_stages_line(plan),
         memory_line(recipe.target, plan.peak_memory_bytes),
         *([f"  estimated drafter stage: {plan.drafter_stage_bytes / 1e9:.1f} GB ({drafter_stage_parts(plan)})"]
           if plan.drafter else []),
@@ -123,14 +134,24 @@ def describe_plan(plan: Plan) -> list[str]:
     return lines
 
 
-def dry_run(recipe_path: Path, output: str | Path | None = None, cache_root: Path | None = None) -> list[str]:
+def torch_stages_line(plan: Plan) -> str:
+    """``  torch stages: quantize, gate reference on cuda (NVIDIA H100 80GB HBM3); ... on cpu (2 threads)``."""
+    by_device: dict[torch.device, list[str]] = {}
+    for name, device in torch_stages(plan):
+        by_device.setdefault(device, []).append(name)
+    return "  torch stages: " + "; ".join(f"{', '.join(names)} on {describe(device)}"
+                                          for device, names in by_device.items())
+
+
+def dry_run(recipe_path: Path, output: str | Path | None = None, cache_root: Path | None = None,
+            torch_device: torch.device | None = None) -> list[str]:
     """``build --dry-run``: the plan's summary, then its signatures. Loads no weights: an ``hf://`` source that is not
     in the Hugging Face cache is planned from its config, tokenizer files and safetensors headers
     (``sources.headers_only``); one that cannot be reached either, from the recipe's contracts (``describe_contract``).
     A build the plan would refuse is said so in the summary (exit 0: the plan is what was asked for)."""
     with headers_only():
         try:
-            plan = make_plan(recipe_path, output, cache_root, refuse=False)
+            plan = make_plan(recipe_path, output, cache_root, refuse=False, torch_device=torch_device)
         except SourceUnavailable as unavailable:
             return describe_contract(planned_recipe(recipe_path), recipe_path, unavailable)
         return [*summary_lines(plan), *describe_plan(plan)]
@@ -139,8 +160,8 @@ def dry_run(recipe_path: Path, output: str | Path | None = None, cache_root: Pat
 def summary_lines(plan: Plan, contract_note: str = "") -> list[str]:
     """The plan's first lines: what is built (parts, formats, sizes), what a build downloads, the estimated peak host
     memory against the budget (and, when the build would be refused, a plain line saying so and what to change), the
-    estimated time per stage on the CPU and on one GPU (from ``GATE_CPU_SECONDS`` ... and ``COST_MODEL``) and the disk
-    it takes."""
+    estimated time per stage on the CPU and on one GPU (from ``plan_costs``' measured rates and ``COST_MODEL``) and the
+    disk it takes."""
     recipe, args, target = plan.recipe, plan.args, plan.recipe.target
     formats = len(recipe.backends)
     sizes = plan.sizes
@@ -255,7 +276,8 @@ def time_lines(plan: Plan) -> list[str]:
                      f"{_hours(seconds.get(GPU_MACHINE))}")
     data = target.gate.data
     gate, packaging = cpu["gate"], cpu["packaging"]
-    lines.append(f"    gate ({data.samples} x {data.length} tokens): {_hours(gate)} | not measured")
+    lines.append(f"    gate ({data.samples} x {data.length} tokens): {_hours(gate)} | the reference "
+                 f"{_hours(GATE_REFERENCE_GPU_SECONDS * gate_scale(plan))}, the candidate not measured (--device)")
     lines.append(f"    packaging ({len(plan.parts)} part{'s' if len(plan.parts) > 1 else ''} x "
                  f"{len(plan.recipe.backends)} formats): {_hours(packaging)} | the same (the converters run on the "
                  "CPU)")

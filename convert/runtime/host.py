@@ -373,7 +373,7 @@ def module_lookup(core):
     table = getattr(core, "embed_tokens", None)
     if table is None:
         return None
-    return lambda ids: torch.cat([embedding_rows(table, i, i + 1) for i in ids.tolist()]).numpy()
+    return lambda ids: torch.cat([embedding_rows(table, i, i + 1) for i in ids.tolist()]).cpu().numpy()
 
 
 def module_codebooks(core):
@@ -382,7 +382,7 @@ def module_codebooks(core):
     selector = getattr(core, "candidate_selector", None)
     if selector is None:
         return None
-    return tuple(table_lookup(table.detach().numpy())
+    return tuple(table_lookup(table.detach().cpu().numpy())
                  for table in (selector.predecessor_codebook, selector.successor_codebook))
 
 
@@ -455,7 +455,7 @@ class _ModuleCalls:
 
 
 def numpy_outputs(out: dict) -> dict[str, np.ndarray]:
-    return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in out.items()}
+    return {k: (v.float() if v.is_floating_point() else v).cpu().numpy() for k, v in out.items()}
 
 
 def module_driver(modules) -> TargetDriver:

@@ -160,6 +160,7 @@ def run_gates(
     progress: bool = True,
     device: str | None = None,
     device_windows: int = 0,
+    torch_device: torch.device | None = None,
 ) -> GateReport:
     """Gate ``modules`` (weights as shipped) against ``reference`` (a transformers causal LM in fp32).
 
@@ -167,14 +168,17 @@ def run_gates(
     per entry, compared with the decode chain after keeping that many of its rows (default: ``default_probe``).
     The modules' own states are left untouched: the candidate runs on a copy in ``compute_dtype``.
     ``device`` (``DEVICE_OF_LAYOUT``): the second candidate, the fp16 modules in that device's arithmetic on the first
-    ``device_windows`` windows (``DevicePass``).
+    ``device_windows`` windows (``DevicePass``). ``torch_device``: where the reference and both candidates compute
+    (``convert.torch_device``; default the CPU); the statistics are taken on the CPU.
     """
     start = time.perf_counter()
     taps = list(modules.core.taps) if taps is None else list(taps)
     probe_accepts = default_probe(modules) if probe_accepts is None else tuple(probe_accepts)
     _check_reference(reference, modules)
     _check_inputs(modules, data, taps, greedy_tokens, probe_accepts)
-    candidate = compute_copy(modules, compute_dtype)
+    torch_device = torch_device or torch.device("cpu")
+    reference.to(torch_device)
+    candidate = compute_copy(modules, compute_dtype, device=torch_device)
     generator = torch.Generator().manual_seed(data.identity.seed)
     stats = _Stats(taps)
     windows = data.tokens.tolist()
@@ -193,23 +197,25 @@ def run_gates(
         device_result = None
         if device_windows:
             device_result = device_pass(reference, modules, windows[:device_windows], kept, device, thresholds, taps,
-                                 greedy_tokens, probe_accepts, data.identity.seed, lambda: bar.advance(task))
+                                 greedy_tokens, probe_accepts, data.identity.seed, lambda: bar.advance(task),
+                                 torch_device)
     weights = str(next(modules.core.parameters()).dtype).removeprefix("torch.")
     report = _report(stats, thresholds, data, f"export modules, weights as shipped ({weights}), computed in "
-                     f"{str(compute_dtype).removeprefix('torch.')}", greedy_tokens, start)
+                     f"{str(compute_dtype).removeprefix('torch.')}{_on(torch_device)}", greedy_tokens, start)
     report.device = device_result
     return report
 
 
 def device_pass(reference, modules: TargetModules, windows: list[list[int]], kept: list[tuple[_Window, _Window]],
                 device: str, thresholds: GateThresholds, taps: list[int], greedy_tokens: int,
-                probe_accepts: tuple[int, ...], seed: int, advance=lambda: None) -> DevicePass:
+                probe_accepts: tuple[int, ...], seed: int, advance=lambda: None,
+                torch_device: torch.device | None = None) -> DevicePass:
     """``DevicePass``: the shipped fp16 modules computed in ``device``'s arithmetic on ``windows`` (the same schedule
     and seeded drafts as the fp32 candidate's), against the reference's windows ``kept`` beside the fp32 candidate's
     (the reference computed again only where the device's greedy ids part from the fp32 candidate's), every product
     port and module output watched (``RangeReport``)."""
     start = time.perf_counter()
-    candidate = compute_copy(modules, torch.float16)
+    candidate = compute_copy(modules, torch.float16, device=torch_device)
     peaks = Peaks(only=torch.float16, target=candidate.core)
     generator = torch.Generator().manual_seed(seed)
     stats = _Stats(taps)
@@ -297,7 +303,7 @@ class _DeviceRun:
 def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThresholds,
                        taps: list[int] | None = None, greedy_tokens: int = 16,
                        probe_accepts: tuple[int, ...] | None = None, keep=None, device: str | None = None,
-                       device_windows: int = 0) -> GateReport:
+                       device_windows: int = 0, torch_device: torch.device | None = None) -> GateReport:
     """``run_gates`` for a target larger than memory: the transformers reference (``convert.verify.reference``) and the
     candidate (``loader``: a ``convert.weights.shipped.PartLoader``) each hold one decoder layer at a time, running
     every window's calls through it before the next is loaded. The candidate runs first (each greedy token one more
@@ -307,7 +313,8 @@ def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThr
     (``"reference"``) are kept once computed and restored from when the gate runs again (``gate_cache.GatePasses``: at
     27B each takes about an hour); without it they are computed. ``device``, ``device_windows``: ``run_gates``'
     device pass, its candidate streamed too (``"device"``), before the reference, whose one pass then also computes
-    the windows where the device's greedy ids part from the fp32 candidate's."""
+    the windows where the device's greedy ids part from the fp32 candidate's. ``torch_device``: where the reference
+    and the candidates' pieces compute (default the CPU)."""
     start = time.perf_counter()
     outline = loader.outline
     taps = list(outline.core.taps) if taps is None else list(taps)
@@ -322,15 +329,16 @@ def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThr
     keep = keep or (lambda _name, compute: compute())
     candidates = keep("candidate", lambda: streamed_candidate(
         loader, windows, taps, greedy_tokens, probe_accepts, torch.Generator().manual_seed(data.identity.seed),
-        consume=spill))
+        consume=spill, torch_device=torch_device))
     seed = data.identity.seed
     count = min(device_windows, len(windows)) if device else 0
     devices = keep("device", lambda: _streamed_device_run(loader, windows[:count], taps, greedy_tokens, probe_accepts,
-                                                          seed, device, spill)) if count else None
+                                                          seed, device, spill, torch_device)) if count else None
     parted = [w for w in range(count) if devices.windows[w].greedy != candidates[w].greedy]
     references = keep("reference", lambda: streamed_reference(
         source, windows + [windows[w] for w in parted], taps,
-        [cand.greedy for cand in candidates] + [devices.windows[w].greedy for w in parted]))
+        [cand.greedy for cand in candidates] + [devices.windows[w].greedy for w in parted],
+        torch_device or "cpu"))
     device_result = None
     if count:
         device_stats = _Stats(taps)
@@ -345,21 +353,22 @@ def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThr
         stats.add(index, ref, cand, thresholds.near_tie_margin)
         stats.add_greedy(ref.greedy, cand.greedy)
         references[index] = candidates[index] = None  # each window's logits freed once read
-    report = _report(stats, thresholds, data, "export modules, weights as shipped (float16), computed in float32, "
-                     "one layer at a time", greedy_tokens, start)
+    report = _report(stats, thresholds, data, "export modules, weights as shipped (float16), computed in float32"
+                     f"{_on(torch_device)}, one layer at a time", greedy_tokens, start)
     report.device = device_result
     return report
 
 
 def _streamed_device_run(loader, windows: list[list[int]], taps: list[int], greedy_tokens: int,
-                         probe_accepts: tuple[int, ...], seed: int, device: str, consume) -> _DeviceRun:
+                         probe_accepts: tuple[int, ...], seed: int, device: str, consume,
+                         torch_device: torch.device | None = None) -> _DeviceRun:
     """``device_pass``'s candidate one piece at a time: the fp16 pieces in ``device``'s arithmetic, every product's
     input and port and every module's output watched, the same schedule and seeded drafts as the fp32 candidate's."""
     start = time.perf_counter()
     peaks = Peaks(only=torch.float16)
     windows = streamed_candidate(loader, windows, taps, greedy_tokens, probe_accepts,
                                  torch.Generator().manual_seed(seed), torch.float16, consume, peaks, device,
-                                 what=f"numeric gate: the device pass ({device})")
+                                 what=f"numeric gate: the device pass ({device})", torch_device=torch_device)
     return _DeviceRun(windows, RangeReport.of(device, peaks), time.perf_counter() - start)
 
 
@@ -373,7 +382,8 @@ def _report(stats: _Stats, thresholds: GateThresholds, data: EvalData, candidate
 def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy_tokens: int,
                        probe_accepts: tuple[int, ...], generator: torch.Generator,
                        compute_dtype: torch.dtype = torch.float32, consume=None, peaks: Peaks | None = None,
-                       device: str | None = None, what: str = "numeric gate: the candidate") -> list[_Window]:
+                       device: str | None = None, what: str = "numeric gate: the candidate",
+                       torch_device: torch.device | None = None) -> list[_Window]:
     """``_candidate_window`` of every window, one piece of the target in memory at a time (``loader.units()``: the
     embedding, each decoder layer, the head, each a part with the part functions of ``convert/pipeline/partition.py``).
     Steps 1-3 depend on no output: each piece runs every window's calls, from a fresh state, on the rows the previous
@@ -383,9 +393,10 @@ def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy
     once its logits, taps, probe and first greedy id are computed; the windows returned keep them as ``consume``
     left them. ``device`` (``convert.fp16.device_arithmetic``): each piece computes in that device's arithmetic;
     ``peaks``: noted as each piece computes, under the whole target's names (``target.layers.i``); with either, the
-    windows run one after the other in this thread (the arithmetic and the watch are this thread's), not in step."""
+    windows run one after the other in this thread (the arithmetic and the watch are this thread's), not in step.
+    ``torch_device``: where each piece computes (default the CPU), its states kept from there."""
     return _StreamedCandidate(loader, windows, taps, greedy_tokens, probe_accepts, generator, compute_dtype, consume,
-                              peaks, device).run(what)
+                              peaks, device, torch_device).run(what)
 
 
 class _StreamedCandidate:
@@ -395,8 +406,9 @@ class _StreamedCandidate:
 
     def __init__(self, loader, windows: list[list[int]], taps: list[int], greedy_tokens: int,
                  probe_accepts: tuple[int, ...], generator: torch.Generator, compute_dtype: torch.dtype, consume,
-                 peaks: Peaks | None, device: str | None):
+                 peaks: Peaks | None, device: str | None, torch_device: torch.device | None = None):
         outline = loader.outline
+        self.torch_device = torch_device
         widths, args = outline.widths, outline.core.args
         self.loader, self.windows, self.taps, self.greedy_tokens = loader, windows, taps, greedy_tokens
         self.compute_dtype, self.consume, self.peaks, self.device = compute_dtype, consume, peaks, device
@@ -438,7 +450,8 @@ class _StreamedCandidate:
         time, so that the sessions run in step read each block once (``export.lockstep``); one host, in this
         thread, when ``watched``."""
         windows = self.windows
-        piece = compute_copy(self.loader.load([unit])[0], self.compute_dtype, share_weights=True)
+        piece = compute_copy(self.loader.load([unit])[0], self.compute_dtype, share_weights=True,
+                             device=self.torch_device)
         if not self.watched:
             hosts = [ModuleFunctions(piece)] + [ModuleFunctions(piece.session()) for _ in windows[1:]]
             over_sessions(len(windows), hosts, work)
@@ -614,7 +627,8 @@ def gate_target(plan, modules: TargetModules,
     reference = load_reference(plan.snapshot.directory)
     gate = plan.recipe.target.gate
     return run_gates(reference, modules, data, thresholds, greedy_tokens=gate.greedy_tokens,
-                     device=DEVICE_OF_LAYOUT[plan.recipe.target.layout], device_windows=gate.device_samples)
+                     device=DEVICE_OF_LAYOUT[plan.recipe.target.layout], device_windows=gate.device_samples,
+                     torch_device=plan.torch_device)
 
 
 def gate_streamed(plan, loader, keep=None,
@@ -625,7 +639,7 @@ def gate_streamed(plan, loader, keep=None,
     gate = plan.recipe.target.gate
     return run_streamed_gates(plan.snapshot.directory, loader, data, thresholds, greedy_tokens=gate.greedy_tokens,
                               keep=keep, device=DEVICE_OF_LAYOUT[plan.recipe.target.layout],
-                              device_windows=gate.device_samples)
+                              device_windows=gate.device_samples, torch_device=plan.torch_device)
 
 
 def recipe_gate(plan) -> tuple[GateThresholds, EvalData]:
@@ -724,18 +738,25 @@ def _reference_window(reference, window: list[int], taps: list[int], continuatio
     hooks = [layers[t].register_forward_hook(
         lambda _m, _i, out, t=t: captured.__setitem__(t, out[0] if isinstance(out, tuple) else out))
         for t in taps]
+    where = next(reference.parameters()).device
     try:
-        out = reference(input_ids=torch.tensor([window]), use_cache=True)
+        out = reference(input_ids=torch.tensor([window], device=where), use_cache=True)
     finally:
         for hook in hooks:
             hook.remove()
     cache = _cache_keyword(reference)
-    logits = out.logits[0].float()
+    logits = out.logits[0].float().cpu()
     greedy = [int(logits[-1].argmax())]
     if len(continuation) > 1:
-        out = reference(input_ids=torch.tensor([continuation[:-1]]), use_cache=True, **{cache: out[cache]})
+        out = reference(input_ids=torch.tensor([continuation[:-1]], device=where), use_cache=True,
+                        **{cache: out[cache]})
         greedy += out.logits[0].argmax(-1).tolist()
-    return _Window(logits, {t: captured[t].reshape(len(window), -1).float() for t in taps}, greedy)
+    return _Window(logits, {t: captured[t].reshape(len(window), -1).float().cpu() for t in taps}, greedy)
+
+
+def _on(torch_device: torch.device | None) -> str:
+    """What a report's candidate line adds for a torch device other than the CPU's: `` on cuda``."""
+    return "" if torch_device is None or torch_device.type == "cpu" else f" on {torch_device.type}"
 
 
 def _cache_keyword(reference) -> str:

@@ -65,7 +65,7 @@ class Weights:
         family = family_for(config)
         self.args = family.Args.from_config(config)
         self.layout = family.sanitize(checkpoint_shapes(source), self.args)
-        self.reader, self.device = open_checkpoint(source), device
+        self.reader, self.device = open_checkpoint(source, device), device
 
     def load(self, module: nn.Module, prefix: str) -> None:
         """``prefix``: the module's canonical key (``model.layers.3``, ``lm_head``); a tied lm_head reads the

@@ -7,7 +7,8 @@ outputs feeding the next), then the lm_head under the Hessian of the final-norm 
 input Hessian (its "input" is a one-hot row) and is always rounded to nearest.
 
 Streaming (``convert/weights/stream.py``): the core is a skeleton whose parameters take no memory; each unit is filled
-from the checkpoint in the computing copy's precision (fp16 values in fp32) on the GPU when there is one, quantized, and
+from the checkpoint in the computing copy's precision (fp16 values in fp32) on ``device`` (``build --device``; called
+without one, the GPU when there is one), quantized, and
 freed; only the calibration activations [n, length, hidden] stay between units. Peak memory is one unit's weights
 plus the activations, whatever the model's size. Large tables are rounded in row chunks (both formats' groups are
 row-local, so the codes do not change).

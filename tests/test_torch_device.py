@@ -1,0 +1,124 @@
+"""``build --device``: where the torch stages compute (``convert/torch_device.py``), and that a GPU computes what the
+CPU does. The option's refusals and the plan's line run anywhere; the equality tests need CUDA and are skipped
+without it (they run on the GPU machine: docs/benchmarks.md "Torch stages on a GPU" has the run)."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from convert.cli import main
+from convert.errors import InputError
+from convert.torch_device import resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "tiny_qwen3.yaml"
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+
+
+def test_the_default_and_cpu_resolve_to_the_cpu():
+    assert resolve(None) == resolve("cpu") == torch.device("cpu")
+    assert resolve("auto").type == ("cuda" if torch.cuda.is_available() else "mps"
+                                    if torch.backends.mps.is_available() else "cpu")
+
+
+def test_an_unknown_or_absent_device_is_refused_naming_the_option():
+    with pytest.raises(InputError, match=r"--device: 'tpu' is not one of auto, cpu, cuda, mps"):
+        resolve("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="--device cuda: this machine has no cuda device"):
+            resolve("cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA refuses --device cuda")
+def test_build_device_cuda_without_cuda_exits_2_before_planning(tmp_path):
+    result = CliRunner().invoke(main, ["build", str(RECIPE), "--dry-run", "--device", "cuda"])
+    assert result.exit_code == 2 and "--device cuda: this machine has no cuda device" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_the_plan_says_where_each_torch_stage_computes():
+    result = CliRunner().invoke(main, ["build", str(RECIPE), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if line.startswith("  torch stages: "))
+    assert line.startswith("  torch stages: gate reference, gate candidate and device pass, package checks' recorded "
+                           "calls on cpu (")
+
+
+# --- on a GPU --------------------------------------------------------------------------------------------------------
+
+def _gate(plan, streamed: bool = False):
+    from convert.pipeline.build import shipped_modules
+    from convert.verify import gates
+    from convert.weights.shipped import PartLoader
+
+    if streamed:
+        return gates.gate_streamed(plan, PartLoader(plan, None))
+    modules, _ = shipped_modules(plan)
+    return gates.gate_target(plan, modules)
+
+
+def _same_gate(cpu, gpu, positions: int) -> None:
+    """The same verdicts, greedy ids and flips; every statistic of the fp32 candidate within the order of
+    summation's difference (a near tie may flip one position's argmax each way). The device pass computes in fp16,
+    where another order of the fp32 sums rounds outputs to the neighbouring fp16 value, the size of the error it
+    measures: its KL statistics agree within a factor 1.5 (measured on an H100: its largest KL 3.1e-5 against
+    3.6e-5), the rest as the fp32 candidate's."""
+    assert " on cuda" in gpu.candidate and " on cuda" not in cpu.candidate
+    assert gpu.passed == cpu.passed
+    for a, b in zip(cpu.metrics, gpu.metrics, strict=True):
+        assert a.name == b.name and a.passed == b.passed
+        tolerance = 0.05 * abs(a.value) + 1e-9 if a.name.startswith("kl_") else 1e-6
+        if a.name in ("top1", "greedy_match"):
+            tolerance = 2 / positions
+        assert abs(a.value - b.value) <= tolerance, (a.name, a.value, b.value)
+    assert [(f.sample, f.position) for f in cpu.flips] == [(f.sample, f.position) for f in gpu.flips]
+    for a, b in zip(cpu.device.metrics, gpu.device.metrics, strict=True):
+        assert a.name == b.name and a.passed == b.passed
+        if a.name.startswith("kl_"):
+            assert a.value / 1.5 <= b.value <= a.value * 1.5, (a.name, a.value, b.value)
+        else:
+            tolerance = 2 / 256 if a.name in ("top1", "greedy_match") else 1e-5
+            assert abs(a.value - b.value) <= tolerance, (a.name, a.value, b.value)
+    assert gpu.device.range.passed == cpu.device.range.passed
+
+
+def _fixture_plan(tmp_path: Path, samples: int, extra: str = ""):
+    from convert.pipeline.plan import make_plan
+
+    recipe = tmp_path / "r.yaml"
+    text = RECIPE.read_text().replace("path:../fixtures", f"path:{ROOT / 'fixtures'}")
+    recipe.write_text(text.replace("samples: 16", f"samples: {samples}").replace("  context: 512",
+                                                                                  f"{extra}  context: 512"))
+    return make_plan(recipe, tmp_path / "out", tmp_path / "cache")
+
+
+@CUDA
+def test_the_fixture_gate_on_cuda_is_the_cpus(tmp_path):
+    """The dense fixture's gate (4 windows of 256, the device pass on the first) on the CPU and on CUDA."""
+    plan = _fixture_plan(tmp_path, 4)
+    _same_gate(_gate(plan), _gate(dataclasses.replace(plan, torch_device=resolve("cuda"))), 4 * 256)
+
+
+@CUDA
+def test_the_streamed_gate_on_cuda_is_the_cpus(tmp_path):
+    """The same fixture in parts, gated one piece at a time (the 27B's path): reference and candidates on CUDA."""
+    plan = _fixture_plan(tmp_path, 2, "  max_part_mb: 4\n")
+    assert len(plan.parts) > 1
+    _same_gate(_gate(plan, True), _gate(dataclasses.replace(plan, torch_device=resolve("cuda")), True), 2 * 256)
+
+
+@CUDA
+def test_a_packs_unfold_on_cuda_is_the_cpus_bit_for_bit(tmp_path):
+    """fp64 sums of a 2-bit pack's values are exact: the unfolded weights are the same bits on either device."""
+    from convert.inputs import prism
+    from tests.helpers.prism_packs import write_pack
+
+    write_pack(tmp_path / "pack", tmp_path / "unfolded")
+    pack = prism.read_pack(tmp_path / "pack")
+    for module in pack.modules.values():
+        cpu = prism.unfold(module)
+        gpu = prism.unfold(module, device=torch.device("cuda"))
+        assert gpu.device.type == "cuda" and torch.equal(cpu, gpu.cpu()), module.key
