@@ -231,6 +231,33 @@ def test_the_vl_hybrids_core_ai_package_passes_its_check(tmp_path):
     assert check["max_state_delta"] <= checks.FP16_STATE_BOUND
 
 
+@pytest.mark.heavy  # about 100 s on 2 cores: `make test-heavy`
+def test_the_vl_hybrid_builds_in_both_formats_on_its_default_bars(tmp_path):
+    """The held-back failure of #40 end to end: the seeded vision-language hybrid built by ``spec-convert build`` with
+    the default bars (2 windows of 256). Its device pass flipped 3 of 256 top-1 ids, each to an id the fp32
+    reference scores within 0.08 of its best (measured: gaps 0.0027, 0.0765, 0.0001), which stopped the build at the
+    bar of 0.99 before any package was checked; beyond near ties its top-1 is 1.0. Both packages then pass their
+    checks: the Core AI runtime against the modules, the Core ML program's weights bit for bit."""
+    from click.testing import CliRunner
+
+    from convert.cli import main
+    from tests.helpers.recipes import gate, recipe
+
+    write_hybrid(tmp_path / "ckpt", conditional=True)
+    target = {"source": f"path:{tmp_path / 'ckpt'}", "graphs": {"prefill": 64, "decode": 1, "verify": 8},
+              "context": 512, "gate": gate(2, 256)}
+    path = recipe(tmp_path, "vl", target=target, backends=["coreai", "coreml"])
+    result = CliRunner().invoke(main, ["build", str(path), "-o", str(tmp_path / "bundle")])
+    assert result.exit_code == 0, result.output
+    m = read_json(tmp_path / "bundle" / "manifest.json")
+    device = m["gate"]["device"]["metrics"]
+    assert device["top1"] < 0.99 <= device["top1_beyond_near_ties"] and m["gate"]["device"]["passed"]
+    checks_of = {p["format"]: p["check"] for p in m["packages"]}
+    assert checks_of["coreai"]["argmax_compared"] >= 16
+    assert checks_of["coreai"]["max_state_delta"] <= checks.FP16_STATE_BOUND
+    assert checks_of["coreml"]["weights_bit_exact"] is True
+
+
 DRAFTER = """\
   taps: {taps}
   hidden: {hidden}

@@ -14,11 +14,12 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from convert.errors import GateError, InputError
+from convert.fp16 import Peaks
 from convert.inputs.recipe import Graphs, Target
 from convert.inputs.sources import load_tensors, read_json
 from convert.models.qwen3 import Qwen3Args
 from convert.verify import checks, gates
-from convert.verify.report import ArtifactResult, GateReport
+from convert.verify.report import ArtifactResult, GateReport, RangeReport
 from convert.weights.target import build_modules
 from quant.calibrate import fixture_corpus_text
 
@@ -146,6 +147,26 @@ def test_classify_flips_tells_a_near_tie_from_a_real_flip():
     # a flip whose block gap is tiny but whose chain gap is wide is real: both computations must be near a tie
     chain_wide = torch.tensor([[5.0, 1.0, 3.0]])
     assert gates.classify_flips(torch.tensor([[4.99, 1.0, 5.0]]), chain_wide, margin=0.25)[0].near_tie is False
+
+
+def test_the_device_pass_gates_its_top1_beyond_near_ties():
+    """Four positions: one agreeing, one flipped to an id the reference scores 0.1 below its best (a near tie at the
+    margin of 0.25), one flipped to an id 1.0 below, one flipped to an id exactly at the margin (not a tie): top-1 is
+    1/4, beyond near ties 2/4, and only that one is held to ``device_top1_min``."""
+    ref = torch.tensor([[3.0, 0.0, 0.0], [2.0, 1.9, 0.0], [2.0, 1.0, 0.0], [0.0, 2.0, 1.75]])
+    cand = torch.tensor([[3.0, 0.0, 0.0], [1.0, 2.0, 0.0], [0.0, 0.0, 2.0], [0.0, 0.0, 2.0]])
+    stats = gates._Stats([])
+    stats.add(0, gates._Window(ref, {}, []), gates._Window(cand, {}, [], []), 0.25)
+    stats.add_greedy([1], [1])
+    bars = gates.default_thresholds("none").model_copy(update={"device_top1_min": 0.5})
+    watched = RangeReport.of("gpu", Peaks())
+    result = gates._device_result(stats, bars, "gpu", 1, watched, 0.0)
+    metrics = {m.name: m for m in result.metrics}
+    assert metrics["top1"].value == 0.25 and metrics["top1"].threshold is None
+    assert metrics["top1_beyond_near_ties"].value == 0.5 and metrics["top1_beyond_near_ties"].passed
+    bars = bars.model_copy(update={"device_top1_min": 0.75})
+    assert not {m.name: m for m in gates._device_result(stats, bars, "gpu", 1, watched, 0.0).metrics}[
+        "top1_beyond_near_ties"].passed
 
 
 class SkewedHead(nn.Module):

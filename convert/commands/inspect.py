@@ -49,7 +49,8 @@ def summary_lines(m: Manifest | DrafterManifest) -> list[str]:
         if g.device is not None:
             d = g.device
             lines.append(f"  device pass ({d.device} arithmetic) {'passed' if d.passed else 'FAILED'}: "
-                         f"{_metrics(d.metrics, g.thresholds, 'device_')} on {_windows(d.windows)}")
+                         f"{_metrics(d.metrics, g.thresholds, 'device_', DEVICE_SUMMARY_METRICS)} on "
+                         f"{_windows(d.windows)}")
         else:
             lines.append("  device pass: not recorded (a bundle built before it)")
         if g.artifact:
@@ -81,14 +82,19 @@ def _quantization(q, note: str = "") -> str:
 
 SUMMARY_METRICS = (("mean KL", "kl_mean", "mean_kl_max", "max"), ("top-1", "top1", "top1_min", "min"),
                    ("greedy", "greedy_match", "greedy_match_min", "min"))
+# the device pass gates its top-1 beyond near ties (verify/gates.py ``_device_result``); a bundle built before has none
+DEVICE_SUMMARY_METRICS = (("mean KL", "kl_mean", "mean_kl_max", "max"), ("top-1", "top1", None, None),
+                          ("top-1 beyond near ties", "top1_beyond_near_ties", "top1_min", "min"),
+                          ("greedy", "greedy_match", "greedy_match_min", "min"))
 
 
-def _metrics(metrics: dict[str, float], thresholds: dict[str, float], prefix: str = "") -> str:
-    """The summary's metrics, each with its bar when the gate recorded one."""
+def _metrics(metrics: dict[str, float], thresholds: dict[str, float], prefix: str = "",
+             rows=SUMMARY_METRICS) -> str:
+    """The summary's metrics (``rows``), each with its bar when the gate recorded one."""
     shown = []
-    for label, key, bar, side in SUMMARY_METRICS:
+    for label, key, bar, side in rows:
         if key in metrics:
-            limit = thresholds.get(prefix + bar)
+            limit = thresholds.get(prefix + bar) if bar else None
             shown.append(f"{label} {metrics[key]:.4g}" + (f" ({side} {limit:g})" if limit is not None else ""))
     return ", ".join(shown) or "no metric recorded"
 

@@ -233,18 +233,27 @@ def device_pass(reference, modules: TargetModules, windows: list[list[int]], kep
                           time.perf_counter() - start)
 
 
+TOP1_BEYOND_NEAR_TIES = "top1_beyond_near_ties"  # the device pass's gated top-1 (``_device_result``)
+
+
 def _device_result(stats: _Stats, thresholds: GateThresholds, device: str, windows: int, range_report: RangeReport,
                    seconds: float) -> DevicePass:
-    """A device pass's metrics on its own bars (the rest reported, not gated) and its range verdict."""
+    """A device pass's metrics on its own bars (the rest reported, not gated) and its range verdict. Its top-1 bar
+    holds ``top1_beyond_near_ties``: a position where the device's id is not the reference's best counts as agreeing
+    when the reference's logit for it is within the near-tie margin of its best (the same margin the block-chain
+    probe and the package checks give a tie): fp16 on any device may flip such a near tie, and one flip is a large
+    fraction of a pass over one window. ``top1`` is reported beside it."""
     th = thresholds
-    gated = {"kl_mean": (th.device_mean_kl_max, "max"), "top1": (th.device_top1_min, "min"),
-             "greedy_match": (th.device_greedy_match_min, "min")}
+    gated = {"kl_mean": (th.device_mean_kl_max, "max"), "greedy_match": (th.device_greedy_match_min, "min")}
     metrics = []
     for m in stats.metrics(thresholds):
         if m.name in gated:
             metrics.append(Metric.gated(m.name, m.value, *gated[m.name]))
         elif m.name not in ("kl_p99", "block_chain_real_flips"):
             metrics.append(Metric(name=m.name, value=m.value, threshold=None, bound=None, passed=True))
+        if m.name == "top1":
+            clear = float(torch.cat(stats.top1_clear).double().mean())
+            metrics.append(Metric.gated(TOP1_BEYOND_NEAR_TIES, clear, th.device_top1_min, "min"))
     return DevicePass(device=device, windows=windows, metrics=metrics, range=range_report, seconds=seconds)
 
 
@@ -842,6 +851,7 @@ class _Stats:
 
     def __init__(self, taps: list[int]):
         self.kl, self.top1, self.cosine, self.greedy = [], [], [], []
+        self.top1_clear = []  # agreement, or the reference's logit for the candidate's id within the near-tie margin
         self.tap_cosine = {t: [] for t in taps}
         self.flips: list[Flip] = []
         self.probed = 0
@@ -851,7 +861,10 @@ class _Stats:
         ref_logp = torch.log_softmax(ref.logits.double(), -1)
         cand_logp = torch.log_softmax(cand.logits.double(), -1)
         self.kl.append((ref_logp.exp() * (ref_logp - cand_logp)).sum(-1).clamp(min=0))
-        self.top1.append(ref.logits.argmax(-1) == cand.logits.argmax(-1))
+        best, chosen = ref.logits.argmax(-1), cand.logits.argmax(-1)
+        self.top1.append(best == chosen)
+        gap = ref.logits.gather(-1, best[:, None])[:, 0] - ref.logits.gather(-1, chosen[:, None])[:, 0]
+        self.top1_clear.append((best == chosen) | (gap < margin))
         self.cosine.append(torch.cosine_similarity(ref.logits.double(), cand.logits.double(), dim=-1))
         for t, values in self.tap_cosine.items():
             values.append(torch.cosine_similarity(ref.taps[t].double(), cand.taps[t].double(), dim=-1))

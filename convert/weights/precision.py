@@ -10,14 +10,16 @@ is kept fp32, so the package holds the pack's value and computes with it as the 
 - a norm's gain (``*norm.weight``): the zero-centred norm multiplies ``(1 + w)`` into the fp32 normed rows, the gated
   norm ``w`` into its normed rows before its fp32 product with ``silu(z)``;
 - ``A_log`` and ``dt_bias``: the decay gate ``g = -exp(A_log) softplus(a + dt_bias)`` is computed in the core's
-  ``recurrence_dtype`` (fp32 in the stateful layout).
+  ``recurrence_dtype`` (fp32 in the stateful layout);
+- the Gated DeltaNet's depthwise conv weight (``conv1d.weight``): the core computes its conv in the weight's dtype, so
+  kept in fp32 it is an fp32 conv of the window's fp16 rows, whose output goes on in the fp32 recurrence.
 
-Not kept: the conv weight (the core casts it to the activations' dtype for its fp16 conv) and ``in_proj_a`` /
-``in_proj_b`` (fp16 linears); the ``ane`` layout (the Neural Engine computes nothing in fp32, and its core casts every
-gain and gate to the activations' dtype); any method but ``exact`` (a checkpoint is shipped in fp16 as before). What
-fp16 costs on the tensors left in fp16 is what ``exact``'s gate bars are set from (``convert/inputs/thresholds.py``).
-Core ML's program computes in fp16 throughout (``compute_precision`` FLOAT16), so its converter stores these
-constants in fp16 too; Core AI stores them as fp32 constants (tests/test_exact_build.py reads both back).
+Not kept: ``in_proj_a`` / ``in_proj_b`` (fp16 linears); the ``ane`` layout (the Neural Engine computes nothing in
+fp32, and its core casts every gain, gate and the conv weight to the activations' dtype); any method but ``exact``
+(a checkpoint is shipped in fp16 as before). What fp16 costs on the tensors left in fp16 is what ``exact``'s gate
+bars are set from (``convert/inputs/thresholds.py``). Core ML's program computes in fp16 throughout
+(``compute_precision`` FLOAT16), so its converter stores these constants in fp16 too; Core AI stores them as fp32
+constants (tests/test_exact_build.py reads both back).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from torch import nn
 
 from convert.models.part import KEPT_FP32
 
-_SUFFIXES = ("norm.weight", ".A_log", ".dt_bias")
+_SUFFIXES = ("norm.weight", ".A_log", ".dt_bias")  # 1-D gains and gates
+CONV = ".conv1d.weight"  # the Gated DeltaNet's depthwise conv, [C, 1, K]
 
 
 def kept_fp32_names(core: nn.Module, target) -> frozenset[str]:
@@ -38,7 +41,7 @@ def kept_fp32_names(core: nn.Module, target) -> frozenset[str]:
     if getattr(core, "recurrence_dtype", None) != torch.float32:
         return frozenset()
     return frozenset(name for name, p in core.named_parameters(remove_duplicate=False)
-                     if p.dim() == 1 and name.endswith(_SUFFIXES))
+                     if (p.dim() == 1 and name.endswith(_SUFFIXES)) or name.endswith(CONV))
 
 
 def keep_fp32(core: nn.Module, target) -> frozenset[str]:

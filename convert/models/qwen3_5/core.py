@@ -183,12 +183,15 @@ class GatedDeltaNet(nn.Module):
         ``window`` [K-1+rows, C] ends with, from their raw [b | a] rows ``ba`` [rows, 2 Hv]; rows where ``keep``
         [rows] is false (or 0.0) become identities (g = 0, beta = 0). In ``core.recurrence_dtype`` (fp32, or the
         activations' dtype), by value head (key heads repeated through the core's ``value_heads`` map), q and v
-        carrying the device-safe scales."""
+        carrying the device-safe scales. The conv computes in its weight's dtype where that is fp32 (kept), else in
+        the window's."""
         a, value_heads = self.args, core.value_heads
         dtype, norm = recurrence(core, window.dtype)
         hk, hv = a.linear_num_key_heads, a.linear_num_value_heads
         dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
-        mixed = silu(causal_conv(window, self.conv1d.weight.to(window.dtype), a.conv_dim))
+        weight = self.conv1d.weight  # fp32 where kept (an exact pack's, convert/weights/precision.py): an fp32 conv
+        conv_dtype = torch.float32 if weight.dtype == torch.float32 else window.dtype
+        mixed = silu(causal_conv(window.to(conv_dtype), weight.to(conv_dtype), a.conv_dim))
         q, k, v = mixed.split([a.key_dim, a.key_dim, a.value_dim], dim=-1)
 
         def by_value_head(t: torch.Tensor) -> torch.Tensor:  # value head j reads key head j // (hv / hk)
