@@ -559,11 +559,13 @@ def artifact_gate(package_path: Path, modules: TargetModules, prompt: list[int] 
 
 def lockstep_result(runtime, reference, modules: TargetModules, package: str, scope: str,
                     prompt: list[int] | None = None) -> ArtifactResult:
-    """``checks.lockstep`` of ``runtime`` against ``reference`` as the artifact gate's result (a failure recorded)."""
+    """``checks.lockstep`` of ``runtime`` against ``reference`` as the artifact gate's result (a failure recorded),
+    the torch side computing as this CPU's runtime does (``checks.like_the_runtime``, as every package check's)."""
     start = time.perf_counter()
     try:
-        stats = checks.lockstep(runtime, reference, modules.widths, modules.contract, modules.core.args.vocab_size,
-                                prompt)
+        with checks.like_the_runtime():
+            stats = checks.lockstep(runtime, reference, modules.widths, modules.contract,
+                                    modules.core.args.vocab_size, prompt)
     except PackageError as error:
         return ArtifactResult(package=package, passed=False, scope=scope, error=str(error),
                               seconds=time.perf_counter() - start)

@@ -189,9 +189,11 @@ class GatedDeltaNet(nn.Module):
         dtype, norm = recurrence(core, window.dtype)
         hk, hv = a.linear_num_key_heads, a.linear_num_value_heads
         dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
-        weight = self.conv1d.weight  # fp32 where kept (an exact pack's, convert/weights/precision.py): an fp32 conv
-        conv_dtype = torch.float32 if weight.dtype == torch.float32 else window.dtype
-        mixed = silu(causal_conv(window.to(conv_dtype), weight.to(conv_dtype), a.conv_dim))
+        weight = self.conv1d.weight
+        if weight.dtype == torch.float32 and window.dtype != torch.float32:  # kept (an exact pack's): an fp32 conv
+            mixed = silu(causal_conv(window.float(), weight, a.conv_dim))
+        else:  # no cast of the window where there is none to make: the other packages' programs as they were
+            mixed = silu(causal_conv(window, weight.to(window.dtype), a.conv_dim))
         q, k, v = mixed.split([a.key_dim, a.key_dim, a.value_dim], dim=-1)
 
         def by_value_head(t: torch.Tensor) -> torch.Tensor:  # value head j reads key head j // (hv / hk)
