@@ -2,11 +2,13 @@
 targets ``tests/test_fp16.py`` checks (the seeded dense Qwen3, hybrid Qwen3.5 CausalLM and ConditionalGeneration, and
 the trained ``fixtures/`` checkpoints as they are), in either layout, the fp16 modules computing in one arithmetic
 (``true``: ``true_fp16``, the Core AI runtime's on the CPU; ``ane`` / ``gpu``: ``device_arithmetic``; ``torch``:
-torch's own kernels) against the fp32 modules, with the check's bounds lifted: the worst output and state deltas
-(relative to the largest magnitude), by name (docs/fp16.md, "Every package kind in the devices' arithmetic"). Run from
-the repo root: ``.venv/bin/python -m bench.hybrid_fp16 --case hybrid --layout ane --mode layout`` (``--mode layout``:
-the device of the layout, as the gate's device pass takes it). The seconds are indicative only: true fp16 with two
-torch threads on a shared 2-core machine runs up to 500x slower than with one (threads spin-waiting)."""
+torch's own kernels; ``floor``, ``floor1``..``floor8``: the fp32 modules with each projection's input stored in fp16,
+``convert.fp16.StoredInputs``, dithered K) against the fp32 modules, with the check's bounds lifted: the worst output
+and state deltas (relative to the largest magnitude), by name (docs/fp16.md, "Every package kind in the devices'
+arithmetic"). Run from the repo root: ``.venv/bin/python -m bench.hybrid_fp16 --case hybrid --layout ane --mode
+layout`` (``--mode layout``: the device of the layout, as the gate's device pass takes it). The seconds are
+indicative only: true fp16 with two torch threads on a shared 2-core machine runs up to 500x slower than with one
+(threads spin-waiting)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 
 from bench.common import arguments, write_json
 from convert.export.functions import compute_copy
-from convert.fp16 import device_arithmetic, true_fp16
+from convert.fp16 import StoredInputs, device_arithmetic, true_fp16
 from convert.pipeline.build import shipped_modules
 from convert.pipeline.plan import make_plan
 from convert.runtime.host import ModuleFunctions
@@ -55,7 +57,10 @@ def write_case(case: str, directory: Path) -> None:
 
 
 def arithmetic(mode: str):
-    """The context the fp16 modules compute under: ``true`` fp16, a device's, or torch's own (``torch``)."""
+    """The context the fp16 modules compute under: ``true`` fp16, a device's, or torch's own (``torch``); ``floor``,
+    ``floorK`` (the fp32 modules under ``convert.fp16.StoredInputs``, dither K)."""
+    if mode.startswith("floor"):
+        return StoredInputs(int(mode[5:] or 0))
     if mode == "true":
         return true_fp16()
     if mode == "torch":
@@ -96,7 +101,8 @@ def measure(modules, mode: str) -> dict:
         compare(function, p0, got, ref, stats)
 
     fp32 = compute_copy(modules, torch.float32)
-    runtime, reference = InMode(modules, mode), ModuleFunctions(fp32)
+    computing = compute_copy(modules, torch.float32) if mode.startswith("floor") else modules  # own states
+    runtime, reference = InMode(computing, mode), ModuleFunctions(fp32)
     saved = checks.FP16_OUTPUT_BOUND, checks.FP16_STATE_BOUND, checks._compare
     checks.FP16_OUTPUT_BOUND = checks.FP16_STATE_BOUND = float("inf")
     checks._compare = noting  # the check's own comparison, each delta noted by name on the way
@@ -120,7 +126,8 @@ def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--case", choices=(*CASES, *TRAINED), action="append")
     parser.add_argument("--layout", choices=("stateful", "ane"), action="append")
-    parser.add_argument("--mode", choices=("true", "ane", "gpu", "torch", "layout"), action="append")
+    modes = ("true", "ane", "gpu", "torch", "layout", "floor", *(f"floor{k}" for k in range(1, 9)))  # floorK: dither K
+    parser.add_argument("--mode", choices=modes, action="append")
     options = parser.parse_args()
     results = []
     for case in options.case or CASES:

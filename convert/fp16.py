@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -392,3 +393,28 @@ def device_arithmetic(device: str | None, peaks: Peaks | None = None) -> Iterato
         else:
             with peaks.watching():
                 yield
+
+
+# ---- The floor: fp16 storage of a product's input and nothing else (docs/fp16.md, "The floor") ----------------------
+
+_PROJECTIONS = (nn.functional.linear, nn.functional.conv1d, nn.functional.conv2d)
+
+
+class StoredInputs(TorchFunctionMode):
+    """Torch function mode for fp32 modules: every linear's and convolution's input stored in fp16 first (the shipped
+    weights are fp16 values already), all else in fp32: what any device that stores a projection's input in fp16
+    cannot avoid, whatever form the rest of the graph takes. ``dither`` > 0 perturbs each input by a seeded uniform
+    relative amount within half an fp16 step before it is stored: another realisation of the same storage error, so
+    the spread over realisations is the fp32 function's own sensitivity to it."""
+
+    def __init__(self, dither: int = 0):
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(dither) if dither else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _PROJECTIONS and args[0].dtype == torch.float32:
+            x = args[0]
+            if self.generator is not None:
+                x = x * (1 + (torch.rand(x.shape, generator=self.generator) - 0.5) * 2.0**-11).to(x.device)
+            args = (x.half().float(), *args[1:])
+        return func(*args, **(kwargs or {}))

@@ -163,27 +163,23 @@ def _plan(tmp: Path, source: Path, extra: str = ""):
     return make_plan(recipe, str(tmp / "out"))
 
 
-# measured (docs/fp16.md, ``python -m bench.hybrid_fp16``): the seeded random hybrids are ill-conditioned where the
-# trained one is not; computed as the device of their layout computes, three of them are over the check's 2%
-VL_GPU_GAP = pytest.mark.xfail(strict=True, raises=PackageError, reason=(
-    "measured: in the stateful layout and the GPU's arithmetic the seeded VL hybrid's outputs are 2.16% off fp32 "
-    "(states 1.26%), over the check's 2%; torch's own fp16 kernels give 2.12%, so fp16 storage, not accumulation, and "
-    "no part alone (the Gated DeltaNet blocks in fp32: 2.00%, the MLPs in fp32: 1.82%); seeded random hybrids "
-    "(seeds 0-5) range 0.80-2.64%, the trained hybrid fixture is at 0.21%"))
-ANE_HYBRID_GAP = pytest.mark.xfail(strict=True, raises=PackageError, reason=(
-    "measured: in the ane layout and the ANE's arithmetic the seeded random hybrid's outputs are 2.30% off fp32 and "
-    "the VL one's 6.46% (states 1.44%, 4.07%), over the check's 2%: a Gated DeltaNet row whose output is small (rms "
-    "near the gated norm's sqrt(eps), 1e-3, against a median row's 5e-3: the CausalLM one's row 10, the VL one's first "
-    "prefill row, beta (q . k) v of nearly orthogonal q and k) carries 6.7% and 22% of relative error from the fp16 "
-    "recurrence and its inputs, which the gated norm scales up to the other rows' magnitude; the recurrence in fp32 "
-    "(which the ANE has not) does not bring them in (2.93%, 5.52%); the trained hybrid fixture here is at 0.31%"))
+# measured (docs/fp16.md, ``python -m bench.hybrid_fp16``): the seeded VL hybrid is over the check's 2% against fp32
+# whatever the device or the form: its fp32 modules with nothing but each projection's input stored in fp16 (the
+# ``floor`` mode, eight realisations of that rounding) are 0.97-8.50% off their own fp32 outputs, over 2% in 5 of 8;
+# the trained hybrid fixture's floor is 0.05-0.11%
+VL_FLOOR = ("the seeded VL hybrid's fp32 function moves by more than the check's 2% when only its projections' inputs "
+            "are stored in fp16 (0.97-8.50% over 8 realisations, median 3.40%; stateful layout): no graph form can "
+            "hold it within 2% of fp32 on an fp16 device, and the device's arithmetic lands inside that spread "
+            "({})")
+VL_GPU_GAP = pytest.mark.xfail(strict=True, raises=PackageError, reason=VL_FLOOR.format("GPU mode, stateful: 2.16%"))
+VL_ANE_GAP = pytest.mark.xfail(strict=True, raises=PackageError, reason=VL_FLOOR.format(
+    "ANE mode, ane layout: 6.46%; its floor there 1.10-5.89%, median 3.47%"))
 
 
 @pytest.mark.parametrize(("kind", "layout"), [
     ("dense", "stateful"), ("dense", "ane"), ("hybrid", "stateful"), ("trained-hybrid", "ane"),
-    pytest.param("hybrid-conditional", "stateful", marks=VL_GPU_GAP),
-    pytest.param("hybrid", "ane", marks=ANE_HYBRID_GAP),
-    pytest.param("hybrid-conditional", "ane", marks=ANE_HYBRID_GAP)])
+    ("hybrid", "ane"), pytest.param("hybrid-conditional", "stateful", marks=VL_GPU_GAP),
+    pytest.param("hybrid-conditional", "ane", marks=VL_ANE_GAP)])
 def test_targets_in_the_devices_arithmetic_are_within_the_checks_bounds(tmp_path, kind, layout):
     """The package check's run (prefill, decodes, a rollback or partial accept) with the fp16 modules computing as the
     device of their layout computes (``ane``: the Neural Engine's; ``stateful``: the GPU's) in place of the runtime,
@@ -202,6 +198,36 @@ def test_targets_in_the_devices_arithmetic_are_within_the_checks_bounds(tmp_path
     assert stats["argmax_compared"] >= 16
     assert stats["max_output_delta"] <= checks.FP16_OUTPUT_BOUND
     assert stats["max_state_delta"] <= checks.FP16_STATE_BOUND
+
+
+@pytest.mark.parametrize("kind", ["hybrid-conditional", "trained-hybrid"])
+def test_the_seeded_vl_hybrid_is_over_the_bound_at_the_floor_of_fp16_storage(tmp_path, monkeypatch, kind):
+    """Why the VL xfails above are the checkpoint's and not a form's: its fp32 modules with nothing but each
+    projection's input stored in fp16 (``StoredInputs``, four realisations of that rounding) are over the check's 2%
+    against their own fp32 outputs in most realisations (measured: 4 of 4 here, 2.1-3.7%; 5 of 8 in docs/fp16.md),
+    where the trained hybrid fixture's stay under 0.2%."""
+    from convert.fp16 import StoredInputs
+
+    if kind == "trained-hybrid":
+        source = ROOT / "fixtures" / "stdlib-qwen3_5"
+    else:
+        source = tmp_path / "ckpt"
+        write_hybrid(source, conditional=True)
+    modules, _ = shipped_modules(_plan(tmp_path, source, "  logits: true"))
+    bound = checks.FP16_OUTPUT_BOUND
+    monkeypatch.setattr(checks, "FP16_OUTPUT_BOUND", float("inf"))
+    monkeypatch.setattr(checks, "FP16_STATE_BOUND", float("inf"))
+    reference = compute_copy(modules, torch.float32)
+    deltas = []
+    for dither in range(4):
+        stored = compute_copy(modules, torch.float32)
+        stats = checks.lockstep(_computing(stored, lambda d=dither: StoredInputs(d)), ModuleFunctions(reference),
+                                modules.widths, modules.contract, modules.core.args.vocab_size)
+        deltas.append(stats["max_output_delta"])
+    if kind == "trained-hybrid":
+        assert max(deltas) < 0.002, deltas
+    else:
+        assert sum(d > bound for d in deltas) >= 3 and max(deltas) < 0.1, deltas
 
 
 def test_a_dense_target_in_true_fp16_is_within_the_checks_bounds(tmp_path):

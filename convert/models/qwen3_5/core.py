@@ -345,7 +345,7 @@ class Qwen35Core(nn.Module):
         self.register_buffer("value_heads", heads, persistent=False)
         for size in chunk_sizes((*widths, pending)):  # only the chunks the functions use: each buffer is an input
             masks = ChunkMasks.of(size)
-            for name in ("strict", "lower", "eye"):
+            for name in ChunkMasks.names():
                 self.register_buffer(f"chunk{size}_{name}", getattr(masks, name), persistent=False)
 
     def chunk_masks(self, size: int) -> ChunkMasks | None:
@@ -355,8 +355,8 @@ class Qwen35Core(nn.Module):
             return None
         if not hasattr(self, f"chunk{size}_eye"):
             masks = ChunkMasks.of(size)
-            return ChunkMasks(size, *(getattr(masks, n).to(self.rows.device) for n in ("strict", "lower", "eye")))
-        return ChunkMasks(size, *(getattr(self, f"chunk{size}_{name}") for name in ("strict", "lower", "eye")))
+            return ChunkMasks(size, *(getattr(masks, n).to(self.rows.device) for n in ChunkMasks.names()))
+        return ChunkMasks(size, *(getattr(self, f"chunk{size}_{name}") for name in ChunkMasks.names()))
 
     def select_rows(self, window: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """Rows ``start .. start+K-2`` of ``window`` (``start`` [1] int32, a runtime value): the conv history that

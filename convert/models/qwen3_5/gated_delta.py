@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from math import ceil, log2
 
 import torch
@@ -49,18 +49,25 @@ def unit_lower_inverse(a: torch.Tensor, masks: ChunkMasks) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ChunkMasks:
-    """Constants of a chunk of C > 1 rows, bool [C, C] (so a module's ``.to(dtype)`` leaves them alone): strictly
-    lower and lower-with-diagonal masks, and the identity."""
+    """Constants of a chunk of C > 1 rows, bool (so a module's ``.to(dtype)`` leaves them alone): strictly lower and
+    lower-with-diagonal masks [C, C], the identity, and ``between`` [C, C, C]: row m lies in (j, i]."""
 
     size: int
     strict: torch.Tensor
     lower: torch.Tensor
     eye: torch.Tensor
+    between: torch.Tensor
 
     @classmethod
     def of(cls, size: int) -> ChunkMasks:
         lower = torch.ones(size, size, dtype=torch.bool).tril()
-        return cls(size, lower.tril(-1), lower, torch.eye(size, dtype=torch.bool))
+        row = torch.arange(size)
+        between = (row[None, None, :] > row[None, :, None]) & (row[None, None, :] <= row[:, None, None])
+        return cls(size, lower.tril(-1), lower, torch.eye(size, dtype=torch.bool), between)
+
+    @staticmethod
+    def names() -> tuple[str, ...]:
+        return tuple(f.name for f in fields(ChunkMasks) if f.name != "size")
 
 
 def delta_rule_chunk(state, q, k, v, g, beta, masks: ChunkMasks | None):
@@ -83,14 +90,17 @@ def delta_rule_chunk(state, q, k, v, g, beta, masks: ChunkMasks | None):
     # (Core ML makes it a linear layer), which the ane layout's programs hold none of (convert/verify/placement.py)
     lower, strict = masks.lower.to(g.dtype), masks.strict.to(g.dtype)
     cumulative = (g[:, None, :] * lower).sum(-1)  # [H, C]: G_i
-    gaps = cumulative[:, :, None] - cumulative[:, None, :]  # G_i - G_j
-    decay = torch.exp(gaps * lower + (lower - 1.0) * 1e4)  # e^(G_i - G_j) for j <= i, else 0
+    # G_i - G_j as the sum of the rows between (j, i], not as the difference of the two running sums: that difference
+    # carries their rounding, which in fp16 is 1/32 where they pass 32 (a decay over a chunk of 64 rows does), so the
+    # near-diagonal decays, the largest, were off by up to 3% (docs/fp16.md, the hazards table)
+    gaps = (g[:, None, None, :] * masks.between.to(g.dtype)).sum(-1)  # [H, C, C]
+    decay = torch.exp(gaps + (lower - 1.0) * 1e4)  # e^(G_i - G_j) for j <= i, else 0
     system = beta[:, :, None] * (k @ k.transpose(1, 2)) * decay * strict
     from_start = torch.exp(cumulative)[:, :, None]  # e^(G_i)
     delta = unit_lower_inverse(system, masks) @ (beta[:, :, None] * (v - from_start * (k @ state)))
     outputs = None if q is None else from_start * (q @ state) + ((q @ k.transpose(1, 2)) * decay) @ delta
     last = cumulative[:, -1:]  # [H, 1]
-    state = torch.exp(last)[:, :, None] * state + (k * torch.exp(last - cumulative)[:, :, None]).transpose(1, 2) @ delta
+    state = torch.exp(last)[:, :, None] * state + (k * decay[:, -1, :, None]).transpose(1, 2) @ delta  # e^(G_C - G_j)
     return outputs, state
 
 
