@@ -278,7 +278,7 @@ def range_stage(plan: Plan, modules: TargetModules) -> tuple[rescale.Scales, Res
     device = gates.DEVICE_OF_LAYOUT[plan.recipe.target.layout]
     windows = plan.recipe.target.gate.device_samples
     with stage(f"range: fp32 peaks on {max(1, windows)} gate windows against the {device}'s limits"):
-        return gates.range_scales(modules, data, device, windows)
+        return gates.range_scales(modules, data, device, windows, plan.torch_device)
 
 
 def _finish_target(plan: Plan, out: Path, source_files, modules: TargetModules, packages, parts, quantization,
@@ -355,7 +355,7 @@ def streamed_range_stage(plan: Plan) -> tuple[rescale.Scales, Rescale]:
     windows = plan.recipe.target.gate.device_samples
     with stage(f"range: fp32 peaks on {max(1, windows)} gate windows against the {device}'s limits, one piece at a "
                "time"):
-        return gates.streamed_range_scales(PartLoader(plan, None), data, device, windows)
+        return gates.streamed_range_scales(PartLoader(plan, None), data, device, windows, plan.torch_device)
 
 
 def tables_part(args) -> Part:

@@ -198,6 +198,8 @@ def torch_stages(plan: Plan) -> list[tuple[str, torch.device]]:
     stages = [("quantize", device)] if quant.format and quant.format != "exact2" else []
     if plan.snapshot.packed is not None:  # written unfolded while planning, or unfolded as the reference reads it
         stages.append(("pack unfold", device if (plan.snapshot.directory / prism.VIEW_FILE).is_file() else cpu))
+    if plan.recipe.target.rescale:
+        stages.append(("range", device))
     stages += [("gate reference", device), ("gate candidate and device pass", device),
                ("package checks' recorded calls", cpu)]
     if plan.recipe.drafter is not None:

@@ -257,11 +257,12 @@ def _device_result(stats: _Stats, thresholds: GateThresholds, device: str, windo
     return DevicePass(device=device, windows=windows, metrics=metrics, range=range_report, seconds=seconds)
 
 
-def measure_range(modules: TargetModules, windows: list[list[int]], seed: int, greedy_tokens: int = 1) -> Peaks:
+def measure_range(modules: TargetModules, windows: list[list[int]], seed: int, greedy_tokens: int = 1,
+                  torch_device: torch.device | None = None) -> Peaks:
     """The peaks (``convert.fp16.Peaks``, named under ``target``) of every product's input and port and every module's
-    output as the fp32 modules compute ``windows`` through the gate's schedule: what ``convert.weights.rescale``
-    chooses its scales from."""
-    candidate = compute_copy(modules, torch.float32)
+    output as the fp32 modules compute ``windows`` through the gate's schedule (on ``torch_device``, default the CPU):
+    what ``convert.weights.rescale`` chooses its scales from."""
+    candidate = compute_copy(modules, torch.float32, device=torch_device)
     peaks = Peaks(target=candidate.core)
     generator = torch.Generator().manual_seed(seed)
     taps, probe = list(modules.core.taps), default_probe(modules)
@@ -271,23 +272,28 @@ def measure_range(modules: TargetModules, windows: list[list[int]], seed: int, g
     return peaks
 
 
-def range_scales(modules: TargetModules, data: EvalData, device: str, windows: int) -> tuple[rescale.Scales, Rescale]:
+def range_scales(modules: TargetModules, data: EvalData, device: str, windows: int,
+                 torch_device: torch.device | None = None) -> tuple[rescale.Scales, Rescale]:
     """The scales (``convert.weights.rescale``) that bring the fp32 peaks of ``modules`` (the checkpoint's weights as
-    they are) on the first ``windows`` windows of ``data`` within ``device``'s limits, and their record, printed.
-    Raises ``rescale.RangeError`` where no scale reaches a tensor past its limit."""
+    they are) on the first ``windows`` windows of ``data`` within ``device``'s limits, and their record, printed; the
+    peaks computed on ``torch_device`` (default the CPU). Raises ``rescale.RangeError`` where no scale reaches a
+    tensor past its limit."""
     _check_inputs(modules, data, list(modules.core.taps), 1, default_probe(modules))
     tokens = data.tokens.tolist()[:max(1, windows)]
-    return _chosen(measure_range(modules, tokens, data.identity.seed), modules.core, device, len(tokens))
+    peaks = measure_range(modules, tokens, data.identity.seed, torch_device=torch_device)
+    return _chosen(peaks, modules.core, device, len(tokens))
 
 
-def streamed_range_scales(loader, data: EvalData, device: str, windows: int) -> tuple[rescale.Scales, Rescale]:
+def streamed_range_scales(loader, data: EvalData, device: str, windows: int,
+                          torch_device: torch.device | None = None) -> tuple[rescale.Scales, Rescale]:
     """``range_scales`` one piece of the target at a time (``streamed_candidate``; ``loader``: a
     ``convert.weights.shipped.PartLoader`` of the checkpoint's weights as they are: neither quantized nor scaled)."""
     outline, peaks = loader.outline, Peaks()
     _check_inputs(outline, data, list(outline.core.taps), 1, default_probe(outline))
     tokens = data.tokens.tolist()[:max(1, windows)]
     streamed_candidate(loader, tokens, list(outline.core.taps), 1, default_probe(outline),
-                       torch.Generator().manual_seed(data.identity.seed), peaks=peaks, what="range: the fp32 run")
+                       torch.Generator().manual_seed(data.identity.seed), peaks=peaks, what="range: the fp32 run",
+                       torch_device=torch_device)
     return _chosen(peaks, outline.core, device, len(tokens))
 
 

@@ -1,0 +1,114 @@
+"""Benchmark: the release pair's torch stages at full size on one torch device, timed phase by phase (issue #43).
+
+Writes the release rehearsal's seeded Ternary Bonsai 2 27B pack into a Hugging Face cache under ``--workdir``
+(``bench.release_rehearsal.write_pack``, the layout ``recipes/bonsai2_27b_dflash2.yaml`` pins), plans that recipe
+unchanged with ``--device`` (``make_plan(torch_device=...)``, as ``build --device`` does), then runs the build's own
+functions for ``--stage``:
+
+- ``gate``: the range scales (``build.streamed_range_stage``) when the recipe rescales, the pack's own weights
+  (``build.exact_result``), then the streamed gate (``gates.gate_streamed``) with each of its passes timed through its
+  ``keep`` (``candidate``: the fp32 candidate and its 16 greedy passes; ``device``: the device pass in the layout's
+  arithmetic; ``reference``: the transformers reference), and the gate's verdict.
+
+Each phase's seconds, the GPU's peak memory (``torch.cuda.max_memory_allocated``) and the process's host peak
+(``VmHWM``), and the disk the inputs and the plan use. The seeded values make the verdict the gate's own (the
+rehearsal's docstring); the bench measures time and memory. A stage runs in one command from freshly written inputs
+(the device machine keeps no files between commands).
+
+    PYTHONPATH=. python3 -m bench.gpu_stages --workdir DIR [--stage gate] [--device cuda] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import arguments, write_json
+
+STAGES = ("gate",)
+
+
+def _host_peak_gib() -> float:
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return round(kib / 2**20, 2)
+
+
+def _gpu_peak_gib(device: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+
+
+class Phases:
+    """Seconds and peaks of each named phase, printed as each ends."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.rows = device, {}
+
+    def run(self, name: str, compute):
+        from convert.torch_device import synchronize
+
+        start = time.perf_counter()
+        value = compute()
+        synchronize(self.device)
+        self.rows[name] = {"seconds": round(time.perf_counter() - start, 1), "gpu_peak_gib": _gpu_peak_gib(self.device),
+                           "host_peak_gib": _host_peak_gib()}
+        print(name, self.rows[name], flush=True)
+        return value
+
+
+def gate_stage(plan, phases: Phases) -> dict:
+    from convert.pipeline import build
+    from convert.verify import gates
+    from convert.weights.rescale import Scales
+    from convert.weights.shipped import PartLoader
+
+    scales = phases.run("range", lambda: build.streamed_range_stage(plan)[0]) if plan.recipe.target.rescale \
+        else Scales()
+    result = phases.run("pack weights", lambda: build.exact_result(plan, scales))
+    report = phases.run("gate", lambda: gates.gate_streamed(plan, PartLoader(plan, result, scales),
+                                                            keep=lambda name, compute: phases.run(name, compute)))
+    return {"passed": report.passed, "metrics": {m.name: m.value for m in report.metrics},
+            "device_passed": report.device.passed if report.device else None}
+
+
+def main() -> None:
+    parser = arguments(__doc__)
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--stage", choices=STAGES, default="gate")
+    parser.add_argument("--device", default="cuda")
+    options = parser.parse_args()
+
+    from bench.release_rehearsal import PACK_REPO, PACK_REVISION, RECIPE, du, snapshot_dir, write_pack
+
+    work = options.workdir.resolve()
+    cache = work / "hf-cache"
+    os.environ.update({"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "SPEC_CONVERT_CACHE": str(work / "cache")})
+    from convert.pipeline.plan import make_plan
+    from convert.torch_device import describe, resolve
+
+    device = resolve(options.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    phases = Phases(device)
+    result: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+                    "device": describe(device), "stage": options.stage, "phases": phases.rows}
+    phases.run("write the pack", lambda: write_pack(snapshot_dir(cache, PACK_REPO, PACK_REVISION)))
+    import yaml
+
+    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe.pop("drafter", None)  # the target's stages: the drafter's checkpoint is not written
+    target_only = work / RECIPE.name
+    target_only.write_text(yaml.safe_dump(recipe))
+    plan = phases.run("plan", lambda: make_plan(target_only, str(work / "bundle"), torch_device=device))
+    result["verdict"] = gate_stage(plan, phases)
+    result["disk"] = {"hf_cache": du(cache), "build_cache": du(work / "cache")}
+    print(result["verdict"], result["disk"], flush=True)
+    write_json(options.json, result)
+
+
+if __name__ == "__main__":
+    main()
