@@ -82,6 +82,12 @@ GATE_REFERENCE_GPU_SECONDS = 40.7
 GATE_MEASURED_PARAMETERS = 26_895_998_464
 
 
+# The range stage (``target.rescale``): one fp32 pass, one piece at a time, over the gate's first window of 256 ids,
+# on the 16-core CPU of the device tool's H100 machine (bench/gpu_stages.py, docs/bench-logs/gpu-stages-gate-h100.log):
+# 52 of the 27B's 66 pieces in 346 s, about 439 s for all; not measured on the 2-core machine or on a GPU.
+RANGE_SECONDS_16_CORES = 439
+
+
 GATE_MEASURED_TOKENS = 16 * (256 + 16)
 
 
@@ -119,6 +125,14 @@ def cpu_seconds(plan) -> dict[str, float]:
     seconds["packaging"] = PACKAGING_CPU_SECONDS * parameters / PACKAGING_MEASURED_PARAMETERS * \
         len(plan.recipe.backends) / PACKAGING_MEASURED_FORMATS
     return seconds
+
+
+def range_seconds_16_cores(plan) -> float:
+    """The range stage's seconds on 16 CPU cores, scaled from ``RANGE_SECONDS_16_CORES`` by parameters x windows x
+    (length + 1)."""
+    target = plan.recipe.target
+    return RANGE_SECONDS_16_CORES * plan.args.parameter_count / GATE_MEASURED_PARAMETERS * \
+        max(1, target.gate.device_samples) * (target.gate.data.length + 1) / (256 + 1)
 
 
 def gate_scale(plan) -> float:

@@ -43,6 +43,7 @@ from convert.pipeline.plan_costs import (
     cpu_seconds,
     drafter_stage_parts,
     gate_scale,
+    range_seconds_16_cores,
     refusal,
 )
 from convert.torch_device import describe
@@ -275,6 +276,9 @@ def time_lines(plan: Plan) -> list[str]:
         lines.append(f"    quantize ({quant.method}): {_hours(seconds.get(CPU_MACHINE))} | "
                      f"{_hours(seconds.get(GPU_MACHINE))}")
     data = target.gate.data
+    if target.rescale:
+        lines.append(f"    range ({max(1, target.gate.device_samples)} x {data.length} tokens): not measured | not "
+                     f"measured (on 16 CPU cores: {_hours(range_seconds_16_cores(plan))})")
     gate, packaging = cpu["gate"], cpu["packaging"]
     lines.append(f"    gate ({data.samples} x {data.length} tokens): {_hours(gate)} | the reference "
                  f"{_hours(GATE_REFERENCE_GPU_SECONDS * gate_scale(plan))}, the candidate not measured (--device)")
