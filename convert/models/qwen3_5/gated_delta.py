@@ -49,21 +49,18 @@ def unit_lower_inverse(a: torch.Tensor, masks: ChunkMasks) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ChunkMasks:
-    """Constants of a chunk of C > 1 rows, bool (so a module's ``.to(dtype)`` leaves them alone): strictly lower and
-    lower-with-diagonal masks [C, C], the identity, and ``between`` [C, C, C]: row m lies in (j, i]."""
+    """Constants of a chunk of C > 1 rows, bool [C, C] (so a module's ``.to(dtype)`` leaves them alone): strictly
+    lower and lower-with-diagonal masks, and the identity."""
 
     size: int
     strict: torch.Tensor
     lower: torch.Tensor
     eye: torch.Tensor
-    between: torch.Tensor
 
     @classmethod
     def of(cls, size: int) -> ChunkMasks:
         lower = torch.ones(size, size, dtype=torch.bool).tril()
-        row = torch.arange(size)
-        between = (row[None, None, :] > row[None, :, None]) & (row[None, None, :] <= row[:, None, None])
-        return cls(size, lower.tril(-1), lower, torch.eye(size, dtype=torch.bool), between)
+        return cls(size, lower.tril(-1), lower, torch.eye(size, dtype=torch.bool))
 
     @staticmethod
     def names() -> tuple[str, ...]:
@@ -93,7 +90,8 @@ def delta_rule_chunk(state, q, k, v, g, beta, masks: ChunkMasks | None):
     # G_i - G_j as the sum of the rows between (j, i], not as the difference of the two running sums: that difference
     # carries their rounding, which in fp16 is 1/32 where they pass 32 (a decay over a chunk of 64 rows does), so the
     # near-diagonal decays, the largest, were off by up to 3% (docs/fp16.md, the hazards table)
-    gaps = (g[:, None, None, :] * masks.between.to(g.dtype)).sum(-1)  # [H, C, C]
+    between = torch.relu(lower[:, None, :] - lower[None, :, :])  # [C, C, C]: 1 where row m lies in (j, i]
+    gaps = (g[:, None, None, :] * between).sum(-1)  # [H, C, C]
     decay = torch.exp(gaps + (lower - 1.0) * 1e4)  # e^(G_i - G_j) for j <= i, else 0
     system = beta[:, :, None] * (k @ k.transpose(1, 2)) * decay * strict
     from_start = torch.exp(cumulative)[:, :, None]  # e^(G_i)
