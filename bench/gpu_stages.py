@@ -28,18 +28,10 @@ from pathlib import Path
 import torch
 
 from bench.common import arguments, write_json
+from bench.scale_build import _status
+from bench.torch_device import _peak_gib
 
 STAGES = ("gate",)
-
-
-def _host_peak_gib() -> float:
-    with open("/proc/self/status") as f:
-        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    return round(kib / 2**20, 2)
-
-
-def _gpu_peak_gib(device: torch.device) -> float | None:
-    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
 
 
 class Phases:
@@ -54,8 +46,8 @@ class Phases:
         start = time.perf_counter()
         value = compute()
         synchronize(self.device)
-        self.rows[name] = {"seconds": round(time.perf_counter() - start, 1), "gpu_peak_gib": _gpu_peak_gib(self.device),
-                           "host_peak_gib": _host_peak_gib()}
+        self.rows[name] = {"seconds": round(time.perf_counter() - start, 1), "gpu_peak_gib": _peak_gib(self.device),
+                           "host_peak_gib": round(_status(os.getpid())["VmHWM"] / 2**30, 2)}
         print(name, self.rows[name], flush=True)
         return value
 
