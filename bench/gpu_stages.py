@@ -15,7 +15,9 @@ Each phase's seconds, the GPU's peak memory (``torch.cuda.max_memory_allocated``
 rehearsal's docstring); the bench measures time and memory. A stage runs in one command from freshly written inputs
 (the device machine keeps no files between commands).
 
-    PYTHONPATH=. python3 -m bench.gpu_stages --workdir DIR [--stage gate] [--device cuda] [--json out.json]
+``--layers N`` writes and plans the pack's first N layers only (a quick rehearsal of the same stages).
+
+    PYTHONPATH=. python3 -m bench.gpu_stages --workdir DIR [--device cuda] [--layers 64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -56,12 +58,12 @@ def gate_stage(plan, phases: Phases) -> dict:
     from convert.pipeline import build
     from convert.verify import gates
     from convert.weights.rescale import Scales
-    from convert.weights.shipped import PartLoader
 
     scales = phases.run("range", lambda: build.streamed_range_stage(plan)[0]) if plan.recipe.target.rescale \
         else Scales()
     result = phases.run("pack weights", lambda: build.exact_result(plan, scales))
-    report = phases.run("gate", lambda: gates.gate_streamed(plan, PartLoader(plan, result, scales),
+    loader = phases.run("hold the target", lambda: build.gate_loader(plan, result, scales))
+    report = phases.run("gate", lambda: gates.gate_streamed(plan, loader,
                                                             keep=lambda name, compute: phases.run(name, compute)))
     return {"passed": report.passed, "metrics": {m.name: m.value for m in report.metrics},
             "device_passed": report.device.passed if report.device else None}
@@ -72,6 +74,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--stage", choices=STAGES, default="gate")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--layers", type=int, default=64, help="the pack's first layers (a quick rehearsal)")
     options = parser.parse_args()
 
     from bench.release_rehearsal import PACK_REPO, PACK_REVISION, RECIPE, du, snapshot_dir, write_pack
@@ -88,11 +91,16 @@ def main() -> None:
     phases = Phases(device)
     result: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
                     "device": describe(device), "stage": options.stage, "phases": phases.rows}
-    phases.run("write the pack", lambda: write_pack(snapshot_dir(cache, PACK_REPO, PACK_REVISION)))
+    phases.run("write the pack", lambda: write_pack(snapshot_dir(cache, PACK_REPO, PACK_REVISION),
+                                                    layers=options.layers))
     import yaml
 
     recipe = yaml.safe_load(RECIPE.read_text())
     recipe.pop("drafter", None)  # the target's stages: the drafter's checkpoint is not written
+    contract = recipe["target"]["contract"]
+    contract["text_config.layer_types"] = contract["text_config.layer_types"][:options.layers]
+    contract["text_config.num_hidden_layers"] = options.layers
+    recipe["target"]["taps"] = [t for t in recipe["target"]["taps"] if t < options.layers] or [0]
     target_only = work / RECIPE.name
     target_only.write_text(yaml.safe_dump(recipe))
     plan = phases.run("plan", lambda: make_plan(target_only, str(work / "bundle"), torch_device=device))

@@ -40,6 +40,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -110,24 +111,36 @@ def module_path(key: str) -> str | None:
     return None
 
 
-def pack_words(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 [rows, width] codes -> uint32 [rows, width / 16], code k of a word in bits 2k..2k+1."""
-    lanes = codes.reshape(codes.shape[0], -1, 16).to(torch.int64)
-    words = (lanes << torch.arange(0, 32, 2, dtype=torch.int64)).sum(-1)
-    return torch.from_numpy(words.numpy().astype(np.uint32))
+TERNARY_BYTES = torch.tensor([a | b << 2 | c << 4 | d << 6 for a in range(3) for b in range(3) for c in range(3)
+                              for d in range(3)], dtype=torch.uint8)
+"""The 81 bytes whose four 2-bit codes are ternary (0, 1, 2): a word is four of them, little-endian (code k of a word
+in bits 2k..2k+1, as the MLX pack stores them)."""
+
+
+def ternary_words(rows: int, width: int, seed: int) -> torch.Tensor:
+    """uint32 [rows, width / 16] of uniform ternary codes, made in row chunks on every core (each chunk its own
+    generator, seeded from ``seed`` and its first row: the same words on any machine)."""
+    step = max(1, (1 << 26) // width)
+
+    def chunk(lo: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + lo)
+        picks = torch.randint(0, len(TERNARY_BYTES), (min(step, rows - lo), width // 4), generator=generator,
+                              dtype=torch.uint8)
+        return TERNARY_BYTES[picks.long()]
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        packed = torch.cat(list(pool.map(chunk, range(0, rows, step))))
+    return torch.from_numpy(packed.numpy().view(np.uint32))
 
 
 def packed_matrix(shape: tuple[int, int], generator: torch.Generator, scale: tuple[float, float],
                   signs: torch.Tensor) -> dict[str, torch.Tensor]:
     """A rotated matrix's tensors: ternary codes (a third of them the zero code 1), scales, biases and signs."""
     rows, width = shape
-    words, step = [], max(1, (1 << 26) // width)
-    for lo in range(0, rows, step):
-        codes = torch.randint(0, 3, (min(step, rows - lo), width), generator=generator, dtype=torch.uint8)
-        words.append(pack_words(codes))
+    words = ternary_words(rows, width, int(torch.randint(0, 1 << 30, (1,), generator=generator)))
     low, high = scale
     scales = (low + (high - low) * torch.rand(rows, width // GROUP, generator=generator)).to(torch.float16)
-    return {"weight": torch.cat(words), "scales": scales, "biases": -scales, "signs": signs.clone()}
+    return {"weight": words, "scales": scales, "biases": -scales, "signs": signs.clone()}
 
 
 def dense_tensor(key: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:

@@ -63,3 +63,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+def free_bytes(device: torch.device) -> int:
+    """The memory ``device`` has free now (0 for the CPU, whose memory the recipe's ``max_host_memory_gb`` sets)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "mps":
+        return max(0, torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory())
+    return 0

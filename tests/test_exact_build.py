@@ -306,12 +306,13 @@ def test_a_gated_deltanet_part_on_the_core_ai_runtime_computes_what_its_torch_pa
 
 def test_a_parted_build_gates_and_loads_the_same_from_the_packs_view(written, tmp_path, monkeypatch):
     """The streamed unfolding: the same parted build planned with the unfolded checkpoint written, and with only its
-    view (as a pack over ``target.max_host_memory_gb`` is planned): the streamed gate's metrics are equal, and every
-    part loads the same tensors, bit for bit."""
+    view (as a pack over ``target.max_host_memory_gb`` is planned): the streamed gate's metrics are equal (and with
+    its pieces views of the whole target held as its codes, ``HeldTarget``, as a GPU holds it), and every part loads
+    the same tensors, bit for bit."""
     from convert.inputs import prism
     from convert.pipeline import plan as planning
     from convert.pipeline.build import exact_result
-    from convert.weights.shipped import PartLoader
+    from convert.weights.shipped import HeldTarget, PartLoader
 
     recipe = RECIPE.replace("source: path:pack", f"source: path:{written / 'pack'}").replace(
         "  context: 128\n", "  context: 128\n  max_part_mb: 0.06\n")
@@ -326,6 +327,8 @@ def test_a_parted_build_gates_and_loads_the_same_from_the_packs_view(written, tm
     assert not (stored.snapshot.directory / prism.VIEW_FILE).exists()
     reports = [gates.gate_streamed(p, PartLoader(p, exact_result(p))) for p in (stored, viewed)]
     assert reports[0].metrics == reports[1].metrics and reports[1].passed
+    held = HeldTarget(PartLoader(viewed, exact_result(viewed)), torch.device("cpu"))
+    assert gates.gate_streamed(viewed, held).metrics == reports[0].metrics
     for a, b in zip(*(PartLoader(p, exact_result(p)).load(p.parts) for p in (stored, viewed)), strict=True):
         state_a, state_b = a.core.state_dict(), b.core.state_dict()
         assert state_a.keys() == state_b.keys()

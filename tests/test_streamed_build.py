@@ -27,7 +27,7 @@ from convert.runtime.host import TargetDriver
 from convert.verify import gates
 from convert.verify.checks import part_calls, recorded_calls, short_schedule
 from convert.weights.quantize import quantize_checkpoint, summary
-from convert.weights.shipped import PartLoader, part_modules
+from convert.weights.shipped import HeldTarget, PartLoader, part_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32_BOUND = 1e-5
@@ -86,16 +86,22 @@ def test_the_weights_read_back_from_the_cache_are_the_ones_returned(built):
     assert summary(result.items(), modules.core.parameters()) == summary(returned.weights, modules.core.parameters())
 
 
-@pytest.mark.parametrize("watched", [False, True])  # watched: the windows one after the other on one host
+# watched: the windows one after the other on one host. kept: the states between passes on disk, in memory, or in
+# memory with the pieces views of the whole target held as its codes (``HeldTarget``, here on the CPU)
+@pytest.mark.parametrize("watched, kept", [(False, "disk"), (True, "memory"), (False, "held")])
 @pytest.mark.parametrize("built", ["hybrid", "hybrid-ane"], indirect=True)  # the commit-next-call contract
-def test_the_streamed_candidate_computes_what_the_whole_candidate_computes(built, watched):
+def test_the_streamed_candidate_computes_what_the_whole_candidate_computes(built, watched, kept):
     plan, modules, loader, *_ = built
     g = torch.Generator().manual_seed(5)
     windows = torch.randint(3, plan.args.vocab_size, (2, 80), generator=g).tolist()
     taps, probe = list(modules.core.taps), gates.default_probe(modules)
     peaks = Peaks() if watched else None
+    if kept == "held":
+        loader = HeldTarget(loader, torch.device("cpu"))
+        assert all(type(m).__name__ == "CodesLinear" for m in loader.whole.core.modules()
+                   if type(m).__name__ in ("CodesLinear", "QuantizedLinear"))
     streamed = gates.streamed_candidate(loader, windows, taps, 4, probe, torch.Generator().manual_seed(0),
-                                        peaks=peaks)
+                                        peaks=peaks, state_room=0 if kept == "disk" else 1 << 40)
     if watched:  # each piece's modules noted under the whole target's names
         layers = {int(name.split(".")[2]) for name, kind in peaks.peaks if kind == "output"
                   and re.fullmatch(r"target\.layers\.\d+", name)}

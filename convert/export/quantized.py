@@ -149,8 +149,18 @@ class _SharedTensors(nn.Module):
         try:
             super()._apply(fn, recurse)
         finally:
-            self._buffers.update(shared)
+            self._buffers.update({name: _moved(fn, t) for name, t in shared.items()})
         return self
+
+
+def _moved(fn, tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A shared tensor where ``fn`` (a ``Module._apply`` function) puts tensors, in its own dtype: a move to another
+    torch device moves it (``HeldTarget`` holds a target's codes on the accelerator), a cast leaves it as it is
+    (an integer probe on its device tells the two apart)."""
+    if tensor is None:
+        return None
+    where = fn(torch.empty(0, dtype=torch.uint8, device=tensor.device)).device
+    return tensor if where == tensor.device else tensor.to(where)
 
 
 class CodesLinear(_SharedTensors):
@@ -222,33 +232,36 @@ class CodesLinear(_SharedTensors):
         table, the group tables broadcast, not repeated, and the arithmetic in fp32: ``(code - zero_point) * scale``
         is exact there (a 4-bit integer times an 11-bit significand), so its one rounding to fp16 is the fp16
         product's. At the 27B width this is 6x the speed of ``dequantize`` (``bench/lean_target.py``)."""
-        count = (hi - lo) * self.shape[1]
-        indices = _workspace("indices", count // (8 // self.bits), torch.int32)
+        count, device = (hi - lo) * self.shape[1], self.words.device
+        indices = _workspace("indices", count // (8 // self.bits), torch.int32, device)
         indices.copy_(self.words[lo:hi].reshape(-1))
         if self.method == "lut4":
             g = self.group_size
-            codes = _workspace("codes", count, torch.int32).view(hi - lo, -1)
-            torch.index_select(_byte_codes(self.bits, torch.int32), 0, indices, out=codes.view(-1, 8 // self.bits))
-            first = torch.arange(lo, hi, dtype=torch.int32)[:, None] // g - lo // g  # each row's table
+            codes = _workspace("codes", count, torch.int32, device).view(hi - lo, -1)
+            torch.index_select(_byte_codes(self.bits, torch.int32, device), 0, indices,
+                               out=codes.view(-1, 8 // self.bits))
+            first = torch.arange(lo, hi, dtype=torch.int32, device=device)[:, None] // g - lo // g  # each row's table
             codes.add_(first * (1 << self.bits))
-            weight = _workspace("weight16", count, torch.float16)
+            weight = _workspace("weight16", count, torch.float16, device)
             torch.index_select(self.lut[lo // g : -(-hi // g)].reshape(-1), 0, codes.view(-1), out=weight)
         else:
-            values = _workspace("values", count, torch.float32)
-            torch.index_select(_byte_codes(self.bits, torch.float32), 0, indices, out=values.view(-1, 8 // self.bits))
+            values = _workspace("values", count, torch.float32, device)
+            torch.index_select(_byte_codes(self.bits, torch.float32, device), 0, indices,
+                               out=values.view(-1, 8 // self.bits))
             grouped = values.view(hi - lo, -1, self.group_size)
             grouped.sub_(self.zero_point[lo:hi, :, None]).mul_(self.scale[lo:hi, :, None])
-            weight = _workspace("weight16", count, torch.float16)
+            weight = _workspace("weight16", count, torch.float16, device)
             weight.copy_(values)
         if dtype == torch.float16:
             return weight.view(hi - lo, self.shape[1])
-        dense = _workspace("dense", count, dtype)
+        dense = _workspace("dense", count, dtype, device)
         dense.copy_(weight)
         return dense.view(hi - lo, self.shape[1])
 
     def row_blocks(self) -> list[tuple[int, int]]:
-        """``row_blocks`` of this weight (whole lut4 tables)."""
-        return row_blocks(*self.shape, self.group_size if self.method == "lut4" else 1)
+        """``row_blocks`` of this weight (whole lut4 tables); on an accelerator, blocks of ``DEVICE_BLOCK_WEIGHTS``."""
+        weights = ROW_BLOCK_WEIGHTS if self.words.device.type == "cpu" else DEVICE_BLOCK_WEIGHTS
+        return row_blocks(*self.shape, self.group_size if self.method == "lut4" else 1, weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embedding:
@@ -295,6 +308,9 @@ def pack_codes(codes: torch.Tensor, bits: int, name: str = "weight") -> torch.Te
 ROW_BLOCK_WEIGHTS = 1 << 20
 """A ``CodesLinear``'s dense block: 4 MB in fp32 stays in cache and its workspace is reused (64 MB blocks ran at a
 sixth of the speed: each fresh block was a fresh mapping of memory, page-faulted in)."""
+DEVICE_BLOCK_WEIGHTS = 1 << 28
+"""A ``CodesLinear``'s dense block on an accelerator: a 27B matrix in one block (a GPU's kernels are launched per
+block: the CPU's 4 MB blocks would be 85 GEMMs a matrix), the 27B lm_head in five (1 GB each in fp32)."""
 MIN_BLOCK_ROWS = 16
 """A block's fp32 product is the whole matrix's bit for bit only from this many rows up: a GEMM over 9 output rows or
 fewer sums in another order on this project's CPUs (16 and more matched at every width and shape tried)."""
@@ -314,10 +330,10 @@ def _workspace(role: str, count: int, dtype: torch.dtype, device: torch.device |
     return buffer[:count]
 
 
-def row_blocks(rows: int, columns: int, multiple: int = 1) -> list[tuple[int, int]]:
-    """Row ranges of about ``ROW_BLOCK_WEIGHTS`` weights (a multiple of ``multiple`` rows), none under
-    ``MIN_BLOCK_ROWS`` rows (a short tail joins the block before it): one block's dense copy at a time."""
-    step = max(MIN_BLOCK_ROWS, ROW_BLOCK_WEIGHTS // columns)
+def row_blocks(rows: int, columns: int, multiple: int = 1, weights: int = ROW_BLOCK_WEIGHTS) -> list[tuple[int, int]]:
+    """Row ranges of about ``weights`` weights (a multiple of ``multiple`` rows), none under ``MIN_BLOCK_ROWS`` rows (a
+    short tail joins the block before it): one block's dense copy at a time."""
+    step = max(MIN_BLOCK_ROWS, weights // columns)
     step = multiple * -(-step // multiple)
     starts = list(range(0, rows, step))
     if len(starts) > 1 and rows - starts[-1] < MIN_BLOCK_ROWS:
@@ -371,14 +387,14 @@ def _dense_linear(module: nn.Module) -> bool:
 
 
 @functools.cache
-def _byte_codes(bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """[256, 8 / bits]: the codes a packed byte holds (``pack_codes``' order), in ``dtype``."""
-    return unpack_codes(torch.arange(256, dtype=torch.uint8)[:, None], bits, 8 // bits).to(dtype)
+def _byte_codes(bits: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """[256, 8 / bits]: the codes a packed byte holds (``pack_codes``' order), in ``dtype``, on ``device`` (the CPU)."""
+    return unpack_codes(torch.arange(256, dtype=torch.uint8)[:, None], bits, 8 // bits).to(device or "cpu", dtype)
 
 
 def unpack_codes(words: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
     """``pack_codes``' inverse: uint8 [rows, columns] codes."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=words.device)
     return ((words[..., None] >> shifts) & (2**bits - 1)).reshape(*words.shape[:-1], columns)
 
 

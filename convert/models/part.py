@@ -105,9 +105,12 @@ def stream_norms(core: nn.Module) -> list[nn.Module]:
 
 def core_dtype(core: nn.Module) -> torch.dtype:
     """The dtype a core computes its rows in: its parameters', but those it keeps in fp32 (``KEPT_FP32``: an exact
-    pack's norms in an fp16 core, which compute in fp32 and return the rows' dtype)."""
+    pack's norms in an fp16 core, which compute in fp32 and return the rows' dtype); a core of a table held as its
+    codes alone (an embedding piece of a lean target): the dtype its rows are computed in."""
     kept = getattr(core, KEPT_FP32, frozenset())
     own = next((p.dtype for name, p in core.named_parameters() if name not in kept), None)
+    if own is None:
+        own = next((m.compute_dtype for m in core.modules() if hasattr(m, "compute_dtype")), None)
     return own if own is not None else next(core.parameters()).dtype
 
 

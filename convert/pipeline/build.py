@@ -27,9 +27,7 @@ from convert.pipeline.bundle import MANIFEST, file_entry, staging
 from convert.pipeline.drafter_build import build_drafter
 from convert.pipeline.gate_cache import GatePasses, gate, print_gate
 from convert.pipeline.packaging import package_formats
-from convert.pipeline.partition import (
-    MB,
-)
+from convert.pipeline.partition import MB, held_target_bytes
 from convert.pipeline.plan import Plan
 from convert.pipeline.plan_costs import cpu_seconds
 from convert.pipeline.record import (
@@ -43,13 +41,14 @@ from convert.pipeline.record import (
 from convert.processes import in_fresh_process, in_this_process
 from convert.progress import console, stage
 from convert.runtime.host import TargetDriver
+from convert.torch_device import describe, free_bytes
 from convert.verify import checks, gates, placement
 from convert.verify.checks import part_calls, recorded_calls, short_schedule
 from convert.verify.placement import REFERENCE
 from convert.verify.report import ArtifactResult, GateReport
 from convert.weights import rescale
 from convert.weights.quantize import QuantizeResult, pack_modules, quantize_checkpoint
-from convert.weights.shipped import PartLoader
+from convert.weights.shipped import HeldTarget, PartLoader
 from convert.weights.stream import skeleton
 from convert.weights.target import TargetModules, build_modules
 from manifests import identity
@@ -344,7 +343,28 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, 
 
 def _gate_parts(plan: Plan, result: QuantizeResult | None, scales: rescale.Scales, passes: GatePasses | None,
                 settings) -> GateReport:
-    return gates.gate_streamed(plan, PartLoader(plan, result, scales), passes, settings)
+    return gates.gate_streamed(plan, gate_loader(plan, result, scales), passes, settings)
+
+
+HELD_SHARE = 0.5
+"""The share of an accelerator's free memory the held target may take (the rest: the windows' states, a piece's
+compute copy and its weight blocks)."""
+
+
+def gate_loader(plan: Plan, result: QuantizeResult | None, scales: rescale.Scales) -> PartLoader | HeldTarget:
+    """The streamed gate's pieces: on an accelerator with room for it (``HELD_SHARE`` of its free memory), views of
+    the whole target held there as its shipped codes (``HeldTarget``: read once, not once a greedy pass); otherwise
+    (the CPU, or too little room) each piece read from the checkpoint when it computes."""
+    loader, device = PartLoader(plan, result, scales), plan.torch_device
+    if device is None or device.type == "cpu":
+        return loader
+    need, free = held_target_bytes(plan.args, plan.recipe.target, lean=True), free_bytes(device)
+    if need > HELD_SHARE * free:
+        progress.line(f"the target's codes (about {need / 1e9:.1f} GB) do not fit {HELD_SHARE:.0%} of "
+                      f"{describe(device)}'s free {free / 1e9:.1f} GB: the gate reads each piece for each pass")
+        return loader
+    with stage(f"hold the target on {describe(device)} as its shipped codes (about {need / 1e9:.1f} GB)"):
+        return HeldTarget(loader, device)
 
 
 def streamed_range_stage(plan: Plan) -> tuple[rescale.Scales, Rescale]:

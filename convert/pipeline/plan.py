@@ -81,6 +81,10 @@ class Plan:
         return plan_costs.peak_memory_bytes(self)
 
     @property
+    def gate_state_room(self) -> int:
+        return plan_costs.gate_state_room(self)
+
+    @property
     def drafter_stage_target_bytes(self) -> int:
         return plan_costs.drafter_stage_target_bytes(self)
 

@@ -148,6 +148,12 @@ def peak_memory_bytes(plan) -> int:
     return max(build_memory_bytes(plan.args, plan.recipe.target, plan.parts, plan.specs), plan.drafter_stage_bytes)
 
 
+def gate_state_room(plan) -> int:
+    """Bytes of the streamed gate's window states its candidate may hold in memory between greedy passes rather than
+    on disk: what ``target.max_host_memory_gb`` leaves above the build's peak estimate (which counts them on disk)."""
+    return max(0, int(plan.recipe.target.max_host_memory_gb * 1e9) - plan.peak_memory_bytes)
+
+
 def drafter_stage_target_bytes(plan) -> int:
     """The target as the drafter stage holds it with its fp32 compute copy (calibration, acceptance, the A/B): a
     whole target's modules, a parted target's quantized weights as packed codes (``held_target_bytes``)."""

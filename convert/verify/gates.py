@@ -318,7 +318,8 @@ class _DeviceRun:
 def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThresholds,
                        taps: list[int] | None = None, greedy_tokens: int = 16,
                        probe_accepts: tuple[int, ...] | None = None, keep=None, device: str | None = None,
-                       device_windows: int = 0, torch_device: torch.device | None = None) -> GateReport:
+                       device_windows: int = 0, torch_device: torch.device | None = None,
+                       state_room: int = 0) -> GateReport:
     """``run_gates`` for a target larger than memory: the transformers reference (``convert.verify.reference``) and the
     candidate (``loader``: a ``convert.weights.shipped.PartLoader``) each hold one decoder layer at a time, running
     every window's calls through it before the next is loaded. The candidate runs first (each greedy token one more
@@ -329,7 +330,8 @@ def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThr
     27B each takes about an hour); without it they are computed. ``device``, ``device_windows``: ``run_gates``'
     device pass, its candidate streamed too (``"device"``), before the reference, whose one pass then also computes
     the windows where the device's greedy ids part from the fp32 candidate's. ``torch_device``: where the reference
-    and the candidates' pieces compute (default the CPU)."""
+    and the candidates' pieces compute (default the CPU). ``state_room``: the bytes of the windows' states the
+    candidates may hold in memory between greedy passes (``streamed_candidate``)."""
     start = time.perf_counter()
     outline = loader.outline
     taps = list(outline.core.taps) if taps is None else list(taps)
@@ -344,11 +346,12 @@ def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThr
     keep = keep or (lambda _name, compute: compute())
     candidates = keep("candidate", lambda: streamed_candidate(
         loader, windows, taps, greedy_tokens, probe_accepts, torch.Generator().manual_seed(data.identity.seed),
-        consume=spill, torch_device=torch_device))
+        consume=spill, torch_device=torch_device, state_room=state_room))
     seed = data.identity.seed
     count = min(device_windows, len(windows)) if device else 0
     devices = keep("device", lambda: _streamed_device_run(loader, windows[:count], taps, greedy_tokens, probe_accepts,
-                                                          seed, device, spill, torch_device)) if count else None
+                                                          seed, device, spill, torch_device, state_room)) \
+        if count else None
     parted = [w for w in range(count) if devices.windows[w].greedy != candidates[w].greedy]
     references = keep("reference", lambda: streamed_reference(
         source, windows + [windows[w] for w in parted], taps,
@@ -376,14 +379,15 @@ def run_streamed_gates(source: Path, loader, data: EvalData, thresholds: GateThr
 
 def _streamed_device_run(loader, windows: list[list[int]], taps: list[int], greedy_tokens: int,
                          probe_accepts: tuple[int, ...], seed: int, device: str, consume,
-                         torch_device: torch.device | None = None) -> _DeviceRun:
+                         torch_device: torch.device | None = None, state_room: int = 0) -> _DeviceRun:
     """``device_pass``'s candidate one piece at a time: the fp16 pieces in ``device``'s arithmetic, every product's
     input and port and every module's output watched, the same schedule and seeded drafts as the fp32 candidate's."""
     start = time.perf_counter()
     peaks = Peaks(only=torch.float16)
     windows = streamed_candidate(loader, windows, taps, greedy_tokens, probe_accepts,
                                  torch.Generator().manual_seed(seed), torch.float16, consume, peaks, device,
-                                 what=f"numeric gate: the device pass ({device})", torch_device=torch_device)
+                                 what=f"numeric gate: the device pass ({device})", torch_device=torch_device,
+                                 state_room=state_room)
     return _DeviceRun(windows, RangeReport.of(device, peaks), time.perf_counter() - start)
 
 
@@ -398,30 +402,31 @@ def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy
                        probe_accepts: tuple[int, ...], generator: torch.Generator,
                        compute_dtype: torch.dtype = torch.float32, consume=None, peaks: Peaks | None = None,
                        device: str | None = None, what: str = "numeric gate: the candidate",
-                       torch_device: torch.device | None = None) -> list[_Window]:
+                       torch_device: torch.device | None = None, state_room: int = 0) -> list[_Window]:
     """``_candidate_window`` of every window, one piece of the target in memory at a time (``loader.units()``: the
-    embedding, each decoder layer, the head, each a part with the part functions of ``convert/pipeline/partition.py``).
-    Steps 1-3 depend on no output: each piece runs every window's calls, from a fresh state, on the rows the previous
-    piece
-    returned, and keeps its state per window (on disk: a 27B's states are about 1 GB a window in fp32); each greedy
-    token is one more pass, restoring and keeping those states. ``consume(index, window)``: called with each window
-    once its logits, taps, probe and first greedy id are computed; the windows returned keep them as ``consume``
-    left them. ``device`` (``convert.fp16.device_arithmetic``): each piece computes in that device's arithmetic;
-    ``peaks``: noted as each piece computes, under the whole target's names (``target.layers.i``); with either, the
-    windows run one after the other in this thread (the arithmetic and the watch are this thread's), not in step.
-    ``torch_device``: where each piece computes (default the CPU), its states kept from there."""
+    embedding, each decoder layer, the head, each a part with the part functions of ``convert/pipeline/partition.py``;
+    views of a target the loader holds, ``convert.weights.shipped.HeldTarget``). Steps 1-3 depend on no output: each
+    piece runs every window's calls, from a fresh state, on the rows the previous piece returned, and keeps its state
+    per window (in memory up to ``state_room`` bytes, the rest on disk: a 27B's states are about 1 GB a window in
+    fp32); each greedy token is one more pass, restoring and keeping those states. ``consume(index, window)``: called
+    with each window once its logits, taps, probe and first greedy id are computed; the windows returned keep them as
+    ``consume`` left them. ``device`` (``convert.fp16.device_arithmetic``): each piece computes in that device's
+    arithmetic; ``peaks``: noted as each piece computes, under the whole target's names (``target.layers.i``); with
+    either, the windows run one after the other in this thread (the arithmetic and the watch are this thread's), not
+    in step. ``torch_device``: where each piece computes (default the CPU), its states kept from there."""
     return _StreamedCandidate(loader, windows, taps, greedy_tokens, probe_accepts, generator, compute_dtype, consume,
-                              peaks, device, torch_device).run(what)
+                              peaks, device, torch_device, state_room).run(what)
 
 
 class _StreamedCandidate:
     """``streamed_candidate``'s run: every window's schedule, host driver and inputs, the rows each piece passes to the
     next, and the windows' results as the head computes them; each piece's states per window wait in ``scratch``
-    between the greedy passes."""
+    between the greedy passes, or in ``kept`` while ``room`` lasts."""
 
     def __init__(self, loader, windows: list[list[int]], taps: list[int], greedy_tokens: int,
                  probe_accepts: tuple[int, ...], generator: torch.Generator, compute_dtype: torch.dtype, consume,
-                 peaks: Peaks | None, device: str | None, torch_device: torch.device | None = None):
+                 peaks: Peaks | None, device: str | None, torch_device: torch.device | None = None,
+                 state_room: int = 0):
         outline = loader.outline
         self.torch_device = torch_device
         widths, args = outline.widths, outline.core.args
@@ -436,6 +441,8 @@ class _StreamedCandidate:
         self.results: list[_Window | None] = [None] * len(windows)
         self.watched = peaks is not None or device is not None
         self.scratch: Path | None = None
+        self.kept: dict[tuple[int, int], tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]] = {}
+        self.room = state_room
 
     def run(self, what: str) -> list[_Window]:
         """The first pass (steps 1-3 and the first greedy id) over every piece, then one pass a greedy token."""
@@ -519,17 +526,35 @@ class _StreamedCandidate:
         return piece.call(function, link_inputs(piece.modules.functions[function][1], given, rows))
 
     def keep(self, piece: ModuleFunctions, w: int, u: int) -> None:
-        """Window ``w``'s states of piece ``u``, for the next pass."""
-        buffers = {k: torch.from_numpy(v.copy()) for k, v in piece.host_buffers().items()}
-        torch.save({**piece.modules.states(), **buffers}, self.scratch / f"{w}-{u}.pt")
+        """Window ``w``'s states of piece ``u``, for the next pass: in memory (where they are: a GPU's states stay
+        there) when they were before or fit what is left of ``room``, else on disk."""
+        states, buffers = piece.modules.states(), piece.host_buffers()
+        held = self.kept.get((w, u))
+        if held is not None:
+            for mine, theirs in ((held[0], states), (held[1], buffers)):
+                for name, value in theirs.items():
+                    mine[name][...] = value
+            return
+        size = sum(t.nbytes for t in states.values()) + sum(b.nbytes for b in buffers.values())
+        if size <= self.room:
+            self.room -= size
+            self.kept[w, u] = ({k: v.clone() for k, v in states.items()}, {k: v.copy() for k, v in buffers.items()})
+            return
+        torch.save({**states, **{k: torch.from_numpy(v.copy()) for k, v in buffers.items()}},
+                   self.scratch / f"{w}-{u}.pt")
 
     def restore(self, piece: ModuleFunctions, w: int, u: int) -> None:
-        buffers = piece.host_buffers()
+        buffers, states = piece.host_buffers(), piece.modules.states()
+        held = self.kept.get((w, u))
+        if held is not None:
+            for name, value in (*held[0].items(), *held[1].items()):
+                (buffers if name in buffers else states)[name][...] = value
+            return
         for name, value in torch.load(self.scratch / f"{w}-{u}.pt").items():
             if name in buffers:
                 buffers[name][...] = value.numpy()
             else:
-                piece.modules.states()[name].copy_(value)
+                states[name].copy_(value)
 
 
 def _rows_of(call: _Call, got: dict[str, np.ndarray], tapped: dict[int, np.ndarray], returned: list[int]) -> dict:
@@ -651,12 +676,14 @@ def gate_target(plan, modules: TargetModules,
 def gate_streamed(plan, loader, keep=None,
                   settings: tuple[GateThresholds, EvalData] | None = None) -> GateReport:
     """``gate_target`` one layer at a time (``run_streamed_gates``, with its ``keep``; ``loader``: a
-    ``convert.weights.shipped.PartLoader``)."""
+    ``convert.weights.shipped.PartLoader`` or ``HeldTarget``), the windows' states in memory up to the plan's
+    ``gate_state_room``."""
     thresholds, data = settings or recipe_gate(plan)
     gate = plan.recipe.target.gate
     return run_streamed_gates(plan.snapshot.directory, loader, data, thresholds, greedy_tokens=gate.greedy_tokens,
                               keep=keep, device=DEVICE_OF_LAYOUT[plan.recipe.target.layout],
-                              device_windows=gate.device_samples, torch_device=plan.torch_device)
+                              device_windows=gate.device_samples, torch_device=plan.torch_device,
+                              state_room=plan.gate_state_room)
 
 
 def recipe_gate(plan) -> tuple[GateThresholds, EvalData]:

@@ -19,7 +19,7 @@ from convert.export.quantized import apply_quantized, linear_rows
 from convert.export.spec import SHIP_DTYPE
 from convert.inputs.checkpoint import open_checkpoint
 from convert.models import family_of
-from convert.models.part import Part
+from convert.models.part import Part, core_dtype
 from convert.weights import rescale
 from convert.weights.quantize import QuantizeResult
 from convert.weights.stream import Streamer, release_free_memory, skeleton
@@ -28,7 +28,10 @@ from convert.weights.target import TargetModules, modules_over
 
 class PartLoader:
     """Loads parts of ``plan``'s target with the weights as they ship (``result``: the quantize stage's, or None;
-    ``scales``: the range scales folded as the weights are read, ``convert/weights/rescale.py``)."""
+    ``scales``: the range scales folded as the weights are read, ``convert/weights/rescale.py``). ``holds``: whether
+    the pieces it gives are views of a target held in memory (``HeldTarget``) rather than read for each load."""
+
+    holds = False
 
     def __init__(self, plan, result: QuantizeResult | None, scales: rescale.Scales | None = None):
         self.plan, self.result, self.scales = plan, result, scales or rescale.Scales()
@@ -77,6 +80,26 @@ class PartLoader:
                 Part("head", vocab, head=(0, vocab))]
 
 
+class HeldTarget:
+    """The whole target read once, its quantized weights as packed codes (``PartLoader.load(lean=True)``: each
+    ``CodesLinear`` computes its fp16 weight at each call, bit for bit the loaded one), moved to ``torch_device``:
+    ``load`` gives the same pieces as ``PartLoader.load`` as views of it (``part_modules``), so that the streamed
+    gate's candidate reads the checkpoint once instead of once a greedy pass (at 27B: 66 pieces x 16 passes, each
+    unfolding its codes on the host). For an accelerator with room for it (``convert.pipeline.build.gate_loader``)."""
+
+    holds = True
+
+    def __init__(self, loader: PartLoader, torch_device: torch.device):
+        self.plan, self.outline, self.units = loader.plan, loader.outline, loader.units
+        self.whole = loader.load([Part.whole(loader.plan.args)], lean=True)[0]
+        self.whole.core.to(torch_device)
+        for module, _ in self.whole.functions.values():
+            module.to(torch_device)
+
+    def load(self, parts: list[Part]) -> list[TargetModules]:
+        return part_modules(self.whole, self.plan.recipe.target, parts)
+
+
 def held_modules(part: Part) -> list[str]:
     """The core modules whose weights ``part`` computes with (tied tables: one read serves both)."""
     prefixes = ["embed_tokens"] if part.embedding is not None else []
@@ -104,7 +127,7 @@ def _shared(core: nn.Module, target, part: Part) -> TargetModules:
     """The export modules of ``part`` at ``target``'s shapes over a fresh core (made on meta) computing with
     ``core``'s tensors."""
     args = core.args
-    dtype = next(p for p in core.parameters() if p.is_floating_point()).dtype
+    dtype = core_dtype(core)  # not an exact pack's norms, kept in fp32 (the rows' and tables' dtype is the core's)
     with parameters_on_meta():
         piece = family_of(args).build_core(args, target, part)
     piece = piece.to(dtype).eval()
