@@ -15,7 +15,9 @@ Each phase's seconds, the GPU's peak memory (``torch.cuda.max_memory_allocated``
 rehearsal's docstring); the bench measures time and memory. A stage runs in one command from freshly written inputs
 (the device machine keeps no files between commands).
 
-``--layers N`` writes and plans the pack's first N layers only (a quick rehearsal of the same stages).
+``--layers N`` writes and plans the pack's first N layers only (a quick rehearsal of the same stages). The recipe's
+``target.max_host_memory_gb`` is set to ``--host-memory-gb`` (default 80% of this machine's memory): with the plan's
+estimate it sets how many of the gate's window states stay in memory between greedy passes (``gate_state_room``).
 
     PYTHONPATH=. python3 -m bench.gpu_stages --workdir DIR [--device cuda] [--layers 64] [--json out.json]
 """
@@ -34,6 +36,7 @@ from bench.scale_build import _status
 from bench.torch_device import _peak_gib
 
 STAGES = ("gate",)
+HOST_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class Phases:
@@ -75,6 +78,8 @@ def main() -> None:
     parser.add_argument("--stage", choices=STAGES, default="gate")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--layers", type=int, default=64, help="the pack's first layers (a quick rehearsal)")
+    parser.add_argument("--host-memory-gb", type=float, default=round(0.8 * HOST_BYTES / 1e9),
+                        help="the recipe's target.max_host_memory_gb (default 80%% of this machine's memory)")
     options = parser.parse_args()
 
     from bench.release_rehearsal import PACK_REPO, PACK_REVISION, RECIPE, du, snapshot_dir, write_pack
@@ -101,6 +106,7 @@ def main() -> None:
     contract["text_config.layer_types"] = contract["text_config.layer_types"][:options.layers]
     contract["text_config.num_hidden_layers"] = options.layers
     recipe["target"]["taps"] = [t for t in recipe["target"]["taps"] if t < options.layers] or [0]
+    recipe["target"]["max_host_memory_gb"] = options.host_memory_gb  # what this machine has: the gate's states held
     target_only = work / RECIPE.name
     target_only.write_text(yaml.safe_dump(recipe))
     plan = phases.run("plan", lambda: make_plan(target_only, str(work / "bundle"), torch_device=device))
