@@ -142,3 +142,37 @@ def test_a_packs_unfold_on_cuda_is_the_cpus_bit_for_bit(tmp_path):
         cpu = prism.unfold(module)
         gpu = prism.unfold(module, device=torch.device("cuda"))
         assert gpu.device.type == "cuda" and torch.equal(cpu, gpu.cpu()), module.key
+
+
+@CUDA
+def test_the_streamed_gate_of_a_pack_held_on_cuda_is_the_cpus(tmp_path):
+    """A 2-bit pack in parts, as the 27B is gated on a GPU: the whole target held there as its codes
+    (``build.gate_loader`` picks ``HeldTarget``), its states kept in memory; against the CPU's streamed gate."""
+    from convert.pipeline import build
+    from convert.pipeline.plan import make_plan
+    from convert.verify import gates
+    from convert.weights.shipped import HeldTarget, PartLoader
+    from tests.helpers.prism_packs import write_pack
+
+    write_pack(tmp_path / "pack", tmp_path / "unfolded", seed=3, dense_dtype=torch.bfloat16)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"""name: tiny-bonsai
+target:
+  source: path:{tmp_path / 'pack'}
+  graphs: {{prefill: 16, decode: 1, verify: 8}}
+  context: 128
+  layout: ane
+  max_part_mb: 0.06
+  quantization: {{method: exact}}
+  gate:
+    data: {{samples: 4, length: 64}}
+    greedy_tokens: 4
+backends: [coreai]
+""")
+    plan = make_plan(recipe, tmp_path / "out", tmp_path / "cache")
+    gpu_plan = dataclasses.replace(plan, torch_device=resolve("cuda"))
+    cpu = gates.gate_streamed(plan, PartLoader(plan, build.exact_result(plan)))
+    loader = build.gate_loader(gpu_plan, build.exact_result(gpu_plan), None)
+    assert isinstance(loader, HeldTarget) and gpu_plan.gate_state_room > 0
+    assert {t.device.type for t in loader.whole.core.buffers() if t.dtype == torch.uint8} == {"cuda"}
+    _same_gate(cpu, gates.gate_streamed(gpu_plan, loader), 4 * 64)
