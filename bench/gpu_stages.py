@@ -9,6 +9,8 @@ functions for ``--stage``:
   (``build.exact_result``), then the streamed gate (``gates.gate_streamed``) with each of its passes timed through its
   ``keep`` (``candidate``: the fp32 candidate and its 16 greedy passes; ``device``: the device pass in the layout's
   arithmetic; ``reference``: the transformers reference), and the gate's verdict.
+- ``calls``: the range scales, then every part's package-check calls (``calls_stage``) on the torch device, timed a
+  part at a time.
 
 Each phase's seconds, the GPU's peak memory (``torch.cuda.max_memory_allocated``) and the process's host peak
 (``VmHWM``), and the disk the inputs and the plan use. The seeded values make the verdict the gate's own (the
@@ -35,7 +37,7 @@ from bench.common import arguments, write_json
 from bench.scale_build import _status
 from bench.torch_device import _peak_gib
 
-STAGES = ("gate",)
+STAGES = ("gate", "calls")
 HOST_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -57,19 +59,54 @@ class Phases:
         return value
 
 
-def gate_stage(plan, phases: Phases) -> dict:
+def shipped(plan, phases: Phases, held: bool = True):
+    """The range scales (when the recipe rescales), the pack's weights and a loader of the target as it ships, each
+    phase timed: the gate's (``build.gate_loader``: held on an accelerator with room) or, not ``held``, the parts'."""
     from convert.pipeline import build
-    from convert.verify import gates
     from convert.weights.rescale import Scales
+    from convert.weights.shipped import PartLoader
 
     scales = phases.run("range", lambda: build.streamed_range_stage(plan)[0]) if plan.recipe.target.rescale \
         else Scales()
     result = phases.run("pack weights", lambda: build.exact_result(plan, scales))
-    loader = phases.run("hold the target", lambda: build.gate_loader(plan, result, scales))
+    if not held:
+        return PartLoader(plan, result, scales)
+    return phases.run("hold the target", lambda: build.gate_loader(plan, result, scales))
+
+
+def gate_stage(plan, phases: Phases) -> dict:
+    from convert.verify import gates
+
+    loader = shipped(plan, phases)
     report = phases.run("gate", lambda: gates.gate_streamed(plan, loader,
                                                             keep=lambda name, compute: phases.run(name, compute)))
     return {"passed": report.passed, "metrics": {m.name: m.value for m in report.metrics},
             "device_passed": report.device.passed if report.device else None}
+
+
+def calls_stage(plan, phases: Phases) -> dict:
+    """The package checks' recorded calls of every part (``checks.part_calls`` of the short schedule, each part on the
+    rows the previous one returned), each part loaded as it is packaged (its fp16 weights, which the ane layout's
+    graph reads into its own products: a held target's codes compute theirs as a ``CodesLinear``'s blocked matrix
+    product, a few fp16 ulps away) and moved to the torch device, the products in the runtime's true fp16
+    (measured on both CPU kinds: the GPU machine has no runtime to ask). Returns each part's call count and the last
+    part's largest logit."""
+    from convert.export.functions import compute_copy
+    from convert.export.spec import SHIP_DTYPE
+    from convert.pipeline import build
+    from convert.verify.checks import part_calls
+
+    loader = shipped(plan, phases, held=False)
+    schedule = build.short_schedule_inputs(loader, plan.args.vocab_size)
+    rows, counts, last = [None] * len(schedule), {}, None
+    for part in plan.parts:
+        def record(part=part, given=rows):
+            piece = compute_copy(loader.load([part])[0], SHIP_DTYPE, device=plan.torch_device)
+            return part_calls(piece, schedule, given, rounds=True)
+        calls, rows = phases.run(f"calls {part.name}", record)
+        counts[part.name] = len(calls)
+        last = calls[-1][2]
+    return {"calls": counts, "largest_logit": float(abs(last["logits"]).max()) if "logits" in last else None}
 
 
 def main() -> None:
@@ -110,7 +147,7 @@ def main() -> None:
     target_only = work / RECIPE.name
     target_only.write_text(yaml.safe_dump(recipe))
     plan = phases.run("plan", lambda: make_plan(target_only, str(work / "bundle"), torch_device=device))
-    result["verdict"] = gate_stage(plan, phases)
+    result["verdict"] = (gate_stage if options.stage == "gate" else calls_stage)(plan, phases)
     result["disk"] = {"hf_cache": du(cache), "build_cache": du(work / "cache")}
     print(result["verdict"], result["disk"], flush=True)
     write_json(options.json, result)

@@ -144,14 +144,9 @@ def test_a_packs_unfold_on_cuda_is_the_cpus_bit_for_bit(tmp_path):
         assert gpu.device.type == "cuda" and torch.equal(cpu, gpu.cpu()), module.key
 
 
-@CUDA
-def test_the_streamed_gate_of_a_pack_held_on_cuda_is_the_cpus(tmp_path):
-    """A 2-bit pack in parts, as the 27B is gated on a GPU: the whole target held there as its codes
-    (``build.gate_loader`` picks ``HeldTarget``), its states kept in memory; against the CPU's streamed gate."""
-    from convert.pipeline import build
+def _pack_plan(tmp_path: Path):
+    """A tiny 2-bit pack (tests/helpers/prism_packs.py) in parts, the ane layout, and its plan on the CPU."""
     from convert.pipeline.plan import make_plan
-    from convert.verify import gates
-    from convert.weights.shipped import HeldTarget, PartLoader
     from tests.helpers.prism_packs import write_pack
 
     write_pack(tmp_path / "pack", tmp_path / "unfolded", seed=3, dense_dtype=torch.bfloat16)
@@ -170,9 +165,48 @@ target:
 backends: [coreai]
 """)
     plan = make_plan(recipe, tmp_path / "out", tmp_path / "cache")
-    gpu_plan = dataclasses.replace(plan, torch_device=resolve("cuda"))
+    assert len(plan.parts) > 2
+    return plan, dataclasses.replace(plan, torch_device=resolve("cuda"))
+
+
+@CUDA
+def test_the_streamed_gate_of_a_pack_held_on_cuda_is_the_cpus(tmp_path):
+    """The pack gated as the 27B is on a GPU: the whole target held there as its codes (``build.gate_loader`` picks
+    ``HeldTarget``), its states kept in memory; against the CPU's streamed gate."""
+    from convert.pipeline import build
+    from convert.verify import gates
+    from convert.weights.shipped import HeldTarget, PartLoader
+
+    plan, gpu_plan = _pack_plan(tmp_path)
     cpu = gates.gate_streamed(plan, PartLoader(plan, build.exact_result(plan)))
     loader = build.gate_loader(gpu_plan, build.exact_result(gpu_plan), None)
     assert isinstance(loader, HeldTarget) and gpu_plan.gate_state_room > 0
     assert {t.device.type for t in loader.whole.core.buffers() if t.dtype == torch.uint8} == {"cuda"}
     _same_gate(cpu, gates.gate_streamed(gpu_plan, loader), 4 * 64)
+
+
+@CUDA
+def test_the_parts_recorded_calls_on_cuda_are_the_cpus(tmp_path):
+    """Each part's package-check calls (the short schedule, chained) in the runtime's true fp16, the part loaded as it
+    is packaged, on the CPU and moved to CUDA. The products' order is fixed (``fp16.matmul``), so only the elementwise
+    functions' last bits may differ: every output within 2e-3 of its largest magnitude."""
+    from convert.export.functions import compute_copy
+    from convert.export.spec import SHIP_DTYPE
+    from convert.pipeline import build
+    from convert.verify.checks import part_calls
+    from convert.weights.shipped import PartLoader
+
+    plan, gpu_plan = _pack_plan(tmp_path)
+    loader = PartLoader(plan, build.exact_result(plan))
+    schedule = build.short_schedule_inputs(loader, plan.args.vocab_size)
+    cpu_rows = gpu_rows = [None] * len(schedule)
+    for part in plan.parts:
+        cpu_calls, cpu_rows = part_calls(loader.load([part])[0], schedule, cpu_rows, rounds=True)
+        piece = compute_copy(loader.load([part])[0], SHIP_DTYPE, device=gpu_plan.torch_device)
+        assert next(piece.core.parameters()).device.type == "cuda"
+        gpu_calls, gpu_rows = part_calls(piece, schedule, gpu_rows, rounds=True)
+        assert [c[0] for c in cpu_calls] == [c[0] for c in gpu_calls]
+        for (_, _, want), (_, _, got) in zip(cpu_calls, gpu_calls, strict=True):
+            for name, value in want.items():
+                scale = max(1.0, float(abs(value.astype("float32")).max()))
+                assert abs(got[name].astype("float32") - value.astype("float32")).max() <= 2e-3 * scale, name

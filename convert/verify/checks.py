@@ -239,11 +239,11 @@ def runtime_rounds_partial_sums() -> bool:
     return total == 2048.0
 
 
-def like_the_runtime():
+def like_the_runtime(rounds: bool | None = None):
     """The arithmetic of this CPU's Core AI runtime, for the torch side of a package check: true fp16 where the
-    runtime rounds every partial sum (``runtime_rounds_partial_sums``), torch's own kernels elsewhere. The check then
-    compares a package with the modules computing as the runtime does."""
-    return true_fp16(runtime_rounds_partial_sums())
+    runtime rounds every partial sum (``rounds``; None: ask it, ``runtime_rounds_partial_sums``), torch's own kernels
+    elsewhere. The check then compares a package with the modules computing as the runtime does."""
+    return true_fp16(runtime_rounds_partial_sums() if rounds is None else rounds)
 
 
 def run_coreai(session, modules: TargetModules, prompt: list[int] | None = None) -> dict:
@@ -485,16 +485,18 @@ def recorded_calls(parts: list[Part], pieces: list, taps, contract: dict, vocab:
     return [recorder.calls for _, _, recorder in chain.links]
 
 
-def part_calls(piece, schedule: list[tuple[str, dict]], rows: list) -> tuple[list, list]:
+def part_calls(piece, schedule: list[tuple[str, dict]], rows: list,
+               rounds: bool | None = None) -> tuple[list, list]:
     """One part's calls of a fixed ``schedule`` ((function, whole-target inputs): ``checks.short_schedule`` through
     the host contract) on its torch modules from a fresh session, each given the previous part's ``rows`` for that
     call: ``recorded_calls`` of that schedule, one part in memory at a time. Returns the recorded calls and the rows
-    for the next part (computed as in ``recorded_calls``)."""
+    for the next part (computed as in ``recorded_calls``; ``rounds``: ``like_the_runtime``'s, where this machine has no
+    runtime to ask)."""
     recorder = Recorder(ModuleFunctions(piece))
     recorder.reset()
     returned = []
     for (function, inputs), given in zip(schedule, rows, strict=True):
-        with like_the_runtime():
+        with like_the_runtime(rounds):
             out = recorder.call(function, link_inputs(piece.functions[function][1], inputs, given))
         returned.append(out.get(HIDDEN_OUT, given))  # a head part passes on the rows it was given, as ``Chain`` does
     return recorder.calls, returned
