@@ -308,9 +308,10 @@ def pack_codes(codes: torch.Tensor, bits: int, name: str = "weight") -> torch.Te
 ROW_BLOCK_WEIGHTS = 1 << 20
 """A ``CodesLinear``'s dense block: 4 MB in fp32 stays in cache and its workspace is reused (64 MB blocks ran at a
 sixth of the speed: each fresh block was a fresh mapping of memory, page-faulted in)."""
-DEVICE_BLOCK_WEIGHTS = 1 << 28
-"""A ``CodesLinear``'s dense block on an accelerator: a 27B matrix in one block (a GPU's kernels are launched per
-block: the CPU's 4 MB blocks would be 85 GEMMs a matrix), the 27B lm_head in five (1 GB each in fp32)."""
+DEVICE_BLOCK_WEIGHTS = 1 << 26
+"""A ``CodesLinear``'s dense block on an accelerator: a 27B matrix in one or two blocks (a GPU's kernels are launched
+per block: the CPU's 4 MB blocks would be 85 GEMMs a matrix), 256 MB in fp32, so that the workspaces of the threads
+of sessions in step (one set a thread) stay near 1 GB each."""
 MIN_BLOCK_ROWS = 16
 """A block's fp32 product is the whole matrix's bit for bit only from this many rows up: a GEMM over 9 output rows or
 fewer sums in another order on this project's CPUs (16 and more matched at every width and shape tried)."""
