@@ -101,9 +101,12 @@ def main() -> None:
 @click.option("--device", "torch_device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="cpu",
               show_default=True, help="where the torch stages compute (auto: CUDA, else MPS, else the CPU); the plan's "
               "'torch stages' line says which stages use it (docs/benchmarks.md)")
+@click.option("--jobs", type=click.IntRange(min=1), help="a parted target's (part, format) packaging jobs run at "
+              "once, each in a process of its own (default: as many as the cores and target.max_host_memory_gb "
+              "allow; 1: one part after the other); the bundle is the same")
 @user_errors
 def build(recipe: Path, output: Path | None, dry_run: bool, cache_dir: Path | None, no_cache: bool,
-          strict: bool, torch_device: str) -> None:
+          strict: bool, torch_device: str, jobs: int | None) -> None:
     """Build the bundle a recipe describes. Expensive stages are cached: an interrupted build resumes."""
     from convert.cache import BuildCache
     from convert.pipeline.build import build as run_build
@@ -116,7 +119,7 @@ def build(recipe: Path, output: Path | None, dry_run: bool, cache_dir: Path | No
     if dry_run:
         click.echo("\n".join(plan_dry_run(recipe, output, cache_dir, device)))
         return
-    plan = make_plan(recipe, output, cache_dir, torch_device=device)
+    plan = make_plan(recipe, output, cache_dir, torch_device=device, package_jobs=jobs)
     click.echo("\n".join(describe_plan(plan)))
     manifest = run_build(plan, BuildCache(cache_dir, enabled=not no_cache), strict)
     click.echo(f"bundle: {plan.output} (export id {manifest.export_id[:16]})")

@@ -4,7 +4,8 @@ A build larger than host memory streams every stage, but one process that runs t
 uses between stages (measured over a 28-layer build at the 27B width: 7.6-10.4 GiB resident between parts, none of
 them loaded; docs/benchmarks.md "A build larger than memory"). A stage run by ``in_fresh_process`` starts from a
 fresh interpreter (``spawn``: nothing of the parent is inherited, the Core AI runtime's threads included) and gives
-everything back when it ends; the build process keeps only what the stages return.
+everything back when it ends; the build process keeps only what the stages return. ``in_fresh_processes`` runs
+several such calls at once in a pool of spawned processes (a parted target's (part, format) packaging jobs).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
 
@@ -29,6 +30,53 @@ def in_fresh_process(function: Callable[..., T], *args) -> T:
         except BrokenProcessPool:
             raise RuntimeError(f"the process running {function.__qualname__} died (killed, or out of memory: see "
                                "the system log); rerun the build, it resumes from the cache") from None
+
+
+def in_fresh_processes(function: Callable[..., T], calls: list[tuple], names: list[str], width: int,
+                       setup: Callable[[], None] | None = None, one_each: bool = False) -> list[T]:
+    """``function(*args)`` for each ``args`` of ``calls`` in up to ``width`` spawned processes at once, started in the
+    order of ``calls`` (each handed to the pool only when a process is free for it); the results in that order.
+    ``setup``: a module-level function each process runs first; ``one_each``: a fresh process for every call, so that
+    what one leaves in memory does not add to the next. The first call to fail stops the rest (those not started do
+    not start, those running are waited for) and is raised here as its own type, its message led by its name in
+    ``names`` (``named``)."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(width, mp_context=context, initializer=_setup, initargs=(os.getpid(), setup),
+                             max_tasks_per_child=1 if one_each else None) as pool:
+        futures: list = []
+        running: set = set()
+        while len(futures) < len(calls) or running:
+            while len(futures) < len(calls) and len(running) < width:  # a call is handed over only when one can start
+                futures.append(pool.submit(function, *calls[len(futures)]))
+                running.add(futures[-1])
+            finished, running = wait(running, return_when=FIRST_COMPLETED)
+            failed = next((f for f in futures if f in finished and f.exception() is not None), None)
+            if failed is not None:
+                wait(running)
+                _raise_named(failed.exception(), names[futures.index(failed)])
+        return [future.result() for future in futures]
+
+
+def _raise_named(error: BaseException, name: str):
+    if isinstance(error, BrokenProcessPool):
+        raise RuntimeError(f"a process of the pool died while {name} or another call ran (killed, or out of memory: "
+                           "see the system log); rerun the build, it resumes from the cache") from None
+    raise named(error, name) from error
+
+
+def _setup(parent: int, setup: Callable[[], None] | None) -> None:
+    die_with_parent(parent)
+    if setup is not None:
+        setup()
+
+
+def named(error: BaseException, name: str) -> BaseException:
+    """``error`` again, its message led by ``name`` (the same type, so its exit code stays; a type that cannot be made
+    from one message becomes a ``RuntimeError`` naming it)."""
+    try:
+        return type(error)(f"{name}: {error}")
+    except Exception:  # noqa: BLE001 - any constructor that does not take one message
+        return RuntimeError(f"{name}: {type(error).__name__}: {error}")
 
 
 def in_this_process(function: Callable[..., T], *args) -> T:

@@ -1,6 +1,6 @@
 """Stages in a fresh process (convert/processes.py): the result and the stage's own errors come back; a process that
-dies is named, not hung on; and the parted build with every stage in a process of its own gives the bundle of the
-build in one process."""
+dies is named, not hung on; a pool of them returns its results in the order of its calls and names the call that
+failed; and the parted build with every stage in a process of its own gives the bundle of the build in one process."""
 
 import json
 import os
@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from convert.cli import main
 from convert.errors import InputError
 from convert.pipeline import build
-from convert.processes import in_fresh_process
+from convert.processes import in_fresh_process, in_fresh_processes
+from tests.helpers.pool_calls import refuse_or_mark, slept
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,6 +44,22 @@ def test_a_stage_error_is_raised_here_as_itself():
 def test_a_stage_process_that_dies_is_named():
     with pytest.raises(RuntimeError, match="the process running _die died"):
         in_fresh_process(_die)
+
+
+def test_a_pool_returns_its_results_in_the_order_of_its_calls():
+    """The first call finishes last; two run at once, each in a process of its own (``one_each``), none here."""
+    results = in_fresh_processes(slept, [(1.5, 1), (0.0, 2), (0.0, 3)], ["a", "b", "c"], 2, one_each=True)
+    assert [value for value, *_ in results] == [1, 2, 3]
+    assert len({pid for _, pid, *_ in results}) == 3 and os.getpid() not in {pid for _, pid, *_ in results}
+    assert results[1][2] < results[0][3]  # b started while a slept
+
+
+def test_a_pool_call_that_fails_is_named_and_stops_the_calls_not_started(tmp_path):
+    """One process: the call after the failing one never starts; the error keeps its type (its exit code)."""
+    calls = [(name, str(tmp_path)) for name in ("embed", "head", "layers")]
+    with pytest.raises(InputError, match="^part head, coreml package: head: refused$"):
+        in_fresh_processes(refuse_or_mark, calls, [f"part {n}, coreml package" for n, _ in calls], 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["embed"]
 
 
 def _build(tmp_path: Path, name: str) -> dict:

@@ -26,6 +26,7 @@ from convert.models.part import Part
 from convert.pipeline.bundle import MANIFEST, file_entry, staging
 from convert.pipeline.drafter_build import build_drafter
 from convert.pipeline.gate_cache import GatePasses, gate, print_gate
+from convert.pipeline.package_pool import package_jobs, pool_width
 from convert.pipeline.packaging import package_formats
 from convert.pipeline.partition import MB, held_target_bytes
 from convert.pipeline.plan import Plan
@@ -388,30 +389,25 @@ def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache, report: Gat
     """Package, check and compile each part (``convert/pipeline/partition.py``), no package over
     ``target.max_part_mb``, each part's check replaying the calls it made in the chained torch parts. The Core AI
     checks are the artifact gate: the parts chained on the runtime in lockstep with the torch parts, or, above
-    ``CHAINED_RUN_PARAMETERS``, each part replayed on its own (``checks.short_schedule``), each part loaded, recorded
-    and packaged alone in a fresh process (``_package_part``). Returns the package entries and the manifest's parts."""
+    ``CHAINED_RUN_PARAMETERS``, each part replayed on its own (``checks.short_schedule``). With a pool wider than one
+    (``package_pool.pool_width``: ``build --jobs``, the cores and the host memory; by default above
+    ``CHAINED_RUN_PARAMETERS`` alone) every part's calls are recorded first and the (part, format) jobs run side by
+    side (``_pooled_parts``); else one part after the other: above
+    ``CHAINED_RUN_PARAMETERS`` each part loaded, recorded and packaged alone in a fresh process (``_package_part``).
+    Returns the package entries and the manifest's parts."""
     target, parts = plan.recipe.target, plan.parts
     short = plan.parameter_count > CHAINED_RUN_PARAMETERS
-    pieces = None
-    packages, records, checked = [], [], []
-    if short:
-        schedule = short_schedule_inputs(loader, plan.args.vocab_size)
-        rows = [None] * len(schedule)
-        for i in range(len(parts)):
-            entries, record, coreai, rows = in_fresh_process(_package_part, plan, loader.result, i, out, cache,
-                                                             schedule, rows, loader.scales)
-            packages += entries
-            records.append(record)
-            checked += coreai
+    # by default a pool only above CHAINED_RUN_PARAMETERS: below, a part packages in seconds, about what a pool
+    # process takes to start (its imports: 5 s measured), and the formats of a part already run side by side
+    width, why = pool_width(plan, plan.package_jobs) if short or plan.package_jobs else (1, "")
+    if width > 1:
+        pieces, results = _pooled_parts(plan, loader, out, cache, short, width, why)
+    elif short:
+        pieces, results = None, _fresh_parts(plan, loader, out, cache)
     else:
-        with stage(f"record the calls each part's check replays ({len(parts)} parts chained in torch)"):
-            pieces = loader.load(parts)
-            calls = recorded_calls(parts, pieces, target.taps, loader.outline.contract, plan.args.vocab_size, short)
-        for part, piece, part_calls_ in zip(parts, pieces, calls, strict=True):
-            entries, record, coreai = _package_piece(plan, part, piece, part_calls_, out, cache)
-            packages += entries
-            records.append(record)
-            checked += coreai
+        pieces, results = _chained_parts(plan, loader, out, cache)
+    packages = [entry for entries, _, _ in results for entry in entries]
+    checked = [done for _, _, coreai in results for done in coreai]
     if checked:
         what = f"{len(checked)} parts chained on the Core AI runtime" if not short else \
             f"{len(checked)} parts, each replayed on its own (the chained run is above {CHAINED_RUN_PARAMETERS:,} " \
@@ -419,7 +415,58 @@ def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache, report: Gat
         with stage(f"artifact gate: {what}"):
             result = gates.artifact_of_parts(checked, parts, pieces, target.taps, loader.outline, not short)
         report.artifact = _held_to_reference(plan, result, loader.outline, report, failed_report)
-    return packages, records
+    return packages, [record for _, record, _ in results]
+
+
+def _recorded(plan: Plan, loader: PartLoader, short: bool) -> tuple[list | None, list[list]]:
+    """Every part's check calls, recorded before any is packaged: the torch parts chained in this process (their
+    pieces, which the chained artifact gate runs again), or above ``CHAINED_RUN_PARAMETERS`` each part alone in a fresh
+    process from the previous part's rows (``_record_part``; no piece is kept)."""
+    parts = plan.parts
+    if short:
+        schedule = short_schedule_inputs(loader, plan.args.vocab_size)
+        rows, calls = [None] * len(schedule), []
+        for i in range(len(parts)):
+            part_calls_, rows = in_fresh_process(_record_part, plan, loader.result, i, schedule, rows, loader.scales)
+            calls.append(part_calls_)
+        return None, calls
+    with stage(f"record the calls each part's check replays ({len(parts)} parts chained in torch)"):
+        pieces = loader.load(parts)
+        return pieces, recorded_calls(parts, pieces, plan.recipe.target.taps, loader.outline.contract,
+                                      plan.args.vocab_size, short)
+
+
+def _pooled_parts(plan: Plan, loader: PartLoader, out: Path, cache: BuildCache, short: bool, width: int,
+                  why: str) -> tuple[list | None, list[tuple]]:
+    """Every part's calls recorded (``_recorded``), then its (part, format) jobs in a pool ``width`` wide
+    (``package_pool.package_jobs``); the results in part order, each as ``_package_piece`` returns it."""
+    pieces, calls = _recorded(plan, loader, short)
+    done = package_jobs(plan, loader.result, loader.scales, out, cache, calls, width, why, fresh_each=short)
+    results = []
+    for i, part in enumerate(plan.parts):
+        jobs = [done[i, name] for name in plan.recipe.backends]
+        results.append(_part_results(plan, part, [d.packaged for d in jobs], jobs[0].functions, out))
+    return pieces, results
+
+
+def _fresh_parts(plan: Plan, loader: PartLoader, out: Path, cache: BuildCache) -> list[tuple]:
+    """Above ``CHAINED_RUN_PARAMETERS``, one part after the other: each loaded, recorded and packaged alone in a fresh
+    process (``_package_part``)."""
+    schedule = short_schedule_inputs(loader, plan.args.vocab_size)
+    rows, results = [None] * len(schedule), []
+    for i in range(len(plan.parts)):
+        *result, rows = in_fresh_process(_package_part, plan, loader.result, i, out, cache, schedule, rows,
+                                         loader.scales)
+        results.append(tuple(result))
+    return results
+
+
+def _chained_parts(plan: Plan, loader: PartLoader, out: Path, cache: BuildCache) -> tuple[list, list[tuple]]:
+    """Every part loaded here, its calls recorded chained (``_recorded``), then packaged one part after the other, each
+    part's formats side by side (``package_formats``)."""
+    pieces, calls = _recorded(plan, loader, False)
+    return pieces, [_package_piece(plan, part, piece, part_calls_, out, cache)
+                    for part, piece, part_calls_ in zip(plan.parts, pieces, calls, strict=True)]
 
 
 def short_schedule_inputs(loader: PartLoader, vocab: int) -> list[tuple[str, dict]]:
@@ -430,35 +477,57 @@ def short_schedule_inputs(loader: PartLoader, vocab: int) -> list[tuple[str, dic
     return [(f, driver.inputs(f, tokens, p0)) for f, tokens, p0 in short_schedule(outline.widths, vocab)]
 
 
-def _package_part(plan: Plan, result: QuantizeResult | None, index: int, out: Path, cache: BuildCache,
-                  schedule: list, rows: list,
-                  scales: rescale.Scales | None = None) -> tuple[list[dict], dict, list, list]:
-    """Part ``index`` of a target above ``CHAINED_RUN_PARAMETERS`` alone: loaded, its calls of the short
-    ``schedule`` recorded from the previous part's ``rows``, its quantized linears' dense weights released, packaged
-    one format after the other (their packaging memory in turn). What ``_package_piece`` returns, and the rows for
-    the next part."""
+def _record_part(plan: Plan, result: QuantizeResult | None, index: int, schedule: list, rows: list,
+                 scales: rescale.Scales | None = None) -> tuple[list, list]:
+    """Part ``index`` of a target above ``CHAINED_RUN_PARAMETERS`` alone: its calls of the short ``schedule`` recorded
+    from the previous part's ``rows``; the calls, and the rows for the next part."""
+    return _load_recorded(plan, result, index, schedule, rows, scales)[1:]
+
+
+def _load_recorded(plan: Plan, result: QuantizeResult | None, index: int, schedule: list, rows: list,
+                   scales: rescale.Scales | None) -> tuple[TargetModules, list, list]:
     part = plan.parts[index]
     with stage(f"load part {part.name} ({index + 1} of {len(plan.parts)})"):
         piece = PartLoader(plan, result, scales).load([part])[0]
         calls, rows = part_calls(piece, schedule, rows)
+    return piece, calls, rows
+
+
+def _package_part(plan: Plan, result: QuantizeResult | None, index: int, out: Path, cache: BuildCache,
+                  schedule: list, rows: list,
+                  scales: rescale.Scales | None = None) -> tuple[list[dict], dict, list, list]:
+    """Part ``index`` of a target above ``CHAINED_RUN_PARAMETERS`` alone: loaded, its calls of the short
+    ``schedule`` recorded from the previous part's ``rows`` (``_load_recorded``), its quantized linears' dense weights
+    released, packaged one format after the other (their packaging memory in turn). What ``_package_piece`` returns,
+    and the rows for the next part."""
+    piece, calls, rows = _load_recorded(plan, result, index, schedule, rows, scales)
     release_dense_weights(piece.core)  # packaged from codes and tables: 2 bytes a quantized weight less
-    return *_package_piece(plan, part, piece, calls, out, cache, side_by_side=False), rows
+    return *_package_piece(plan, plan.parts[index], piece, calls, out, cache, side_by_side=False), rows
 
 
 def _package_piece(plan: Plan, part: Part, piece: TargetModules, calls: list, out: Path, cache: BuildCache,
                    side_by_side: bool = True) -> tuple[list[dict], dict, list]:
     """One part's packages in every format (each checked against its size limit), its manifest record, and its
     Core AI ``Packaged`` (the artifact gate's)."""
-    recipe, target = plan.recipe, plan.recipe.target
+    recipe = plan.recipe
+    done = package_formats(recipe.backends, piece, out, f"{recipe.name}.{part.name}", calls, cache,
+                           every_function=True, side_by_side=side_by_side)
+    return _part_results(plan, part, done, [function_record(spec) for _, spec in piece.functions.values()], out)
+
+
+def _part_results(plan: Plan, part: Part, done: list, functions: list[dict], out: Path) -> tuple[list[dict], dict,
+                                                                                               list]:
+    """A part's packaged formats (``done``, in the recipe's order) as its package entries (each checked against its
+    size limit), its manifest record (``functions``: its function records) and its Core AI ``Packaged``."""
+    target = plan.recipe.target
     entries, coreai = [], []
-    for done in package_formats(recipe.backends, piece, out, f"{recipe.name}.{part.name}", calls, cache,
-                                every_function=True, side_by_side=side_by_side):
-        entries.append(package_entry(done.format, done.path, out, done.check, done.compiled, part.name))
+    for packaged in done:
+        entries.append(package_entry(packaged.format, packaged.path, out, packaged.check, packaged.compiled,
+                                     part.name))
         _check_part_size(entries[-1], target.max_part_mb)
-        if done.format == "coreai":
-            coreai.append(done)
-    record = {**part.record(target.taps), "functions": [function_record(spec) for _, spec in piece.functions.values()],
-              "packages": [e["path"] for e in entries]}
+        if packaged.format == "coreai":
+            coreai.append(packaged)
+    record = {**part.record(target.taps), "functions": functions, "packages": [e["path"] for e in entries]}
     return entries, record, coreai
 
 

@@ -51,6 +51,7 @@ class Plan:
     parts: list[Part]
     drafter: DrafterPlan | None = None
     torch_device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))  # --device
+    package_jobs: int | None = None  # --jobs: a parted target's packaging jobs at once (None: the cores and memory)
 
     @property
     def target_dir(self) -> Path:
@@ -119,13 +120,16 @@ def planned_recipe(recipe_path: Path) -> Recipe:
 
 
 def make_plan(recipe_path: Path, output: str | Path | None = None, cache_root: Path | None = None,
-              refuse: bool = True, torch_device: torch.device | None = None) -> Plan:
+              refuse: bool = True, torch_device: torch.device | None = None,
+              package_jobs: int | None = None) -> Plan:
     """Validate the recipe and the checkpoint's config and headers; reads no weights (but a Prism pack's, which is
     unfolded once into ``cache_root``, default the build cache's directory:
     ``convert.inputs.prism.unfolded_snapshot``; within ``sources.headers_only()`` a pack on the hub is planned from its
     headers, ``_pack_headers_view``). ``refuse``: raise when the build would not fit ``target.max_host_memory_gb``
     (``refusal``); the dry run says so in its summary instead. ``torch_device``: where the torch stages compute
-    (``convert.torch_device.resolve``'s; default the CPU; ``torch_stages`` says which do)."""
+    (``convert.torch_device.resolve``'s; default the CPU; ``torch_stages`` says which do). ``package_jobs``: at most
+    this many of a parted target's (part, format) packaging jobs at once (``package_pool.pool_width``; default as many
+    as the cores and ``target.max_host_memory_gb`` allow)."""
     recipe = planned_recipe(recipe_path)
     snapshot = resolve(recipe.target.source, recipe_path.resolve().parent)
     contract.check(source_config(snapshot.directory), recipe.target.contract, str(snapshot.directory / "config.json"),
@@ -153,7 +157,8 @@ def make_plan(recipe_path: Path, output: str | Path | None = None, cache_root: P
         check_group_widths(drafter.config.quantization, own_linear_shapes(drafter), "drafter.quantization",
                            "quantize the drafter with the other 4-bit method, or not (method: none)")
     plan = Plan(recipe, recipe_path, out, snapshot, args, layout, function_specs(args, recipe.target, SHIP_DTYPE),
-                checkpoint_bytes, plan_parts(args, recipe.target), drafter, torch_device or torch.device("cpu"))
+                checkpoint_bytes, plan_parts(args, recipe.target), drafter, torch_device or torch.device("cpu"),
+                package_jobs)
     if refuse:
         check_host_memory(plan)
     return plan
