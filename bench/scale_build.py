@@ -81,13 +81,15 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def run_build(recipe: Path, output: Path, log: Path, cached: bool = False) -> dict:
+def run_build(recipe: Path, output: Path, log: Path, cached: bool = False, options: tuple[str, ...] = (),
+              launcher: tuple[str, ...] = ("-m", "convert")) -> dict:
     """Run the build in a child process (``cached``: with the build cache, so that a second run resumes; else
-    ``--no-cache``); its stages (from the stage lines) with seconds and the peak resident memory of its process
-    tree."""
+    ``--no-cache``; ``options``: more of the build's options; ``launcher``: the interpreter's arguments that run the
+    CLI); its stages (from the stage lines) with seconds and the peak resident memory of its process tree (and each
+    descendant's own peak, largest first)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "160"}
-    command = [sys.executable, "-m", "convert", "build", str(recipe), "-o", str(output),
-               *([] if cached else ["--no-cache"])]
+    command = [sys.executable, *launcher, "build", str(recipe), "-o", str(output),
+               *([] if cached else ["--no-cache"]), *options]
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     samples: list[tuple[float, int, int, int]] = []  # (seconds, tree VmRSS, tree RssAnon, tree RssFile)
@@ -132,7 +134,8 @@ def run_build(recipe: Path, output: Path, log: Path, cached: bool = False) -> di
             "processes": len(hwm) + 1, "peak_rss_gib": gib(max(s[1] for s in samples)),
             "peak_anon_gib": gib(max(s[2] for s in samples)), "peak_file_gib": gib(max(s[3] for s in samples)),
             "build_process_hwm_gib": gib(build_hwm), "largest_descendant_hwm_gib": gib(largest_child),
-            "peak_bound_gib": gib(build_hwm + largest_child)}
+            "peak_bound_gib": gib(build_hwm + largest_child),
+            "descendants_hwm_gib": [gib(v) for v in sorted(hwm.values(), reverse=True)]}
 
 
 def main() -> None:
