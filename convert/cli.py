@@ -102,8 +102,9 @@ def main() -> None:
               show_default=True, help="where the torch stages compute (auto: CUDA, else MPS, else the CPU); the plan's "
               "'torch stages' line says which stages use it (docs/benchmarks.md)")
 @click.option("--jobs", type=click.IntRange(min=1), help="a parted target's (part, format) packaging jobs run at "
-              "once, each in a process of its own (default: as many as the cores and target.max_host_memory_gb "
-              "allow; 1: one part after the other); the bundle is the same")
+              "once, each in a process of its own, at most as many as target.max_host_memory_gb holds (default: as "
+              "many as the cores above 50M parameters, one part after the other below; 1: one part after the "
+              "other); the bundle is the same")
 @user_errors
 def build(recipe: Path, output: Path | None, dry_run: bool, cache_dir: Path | None, no_cache: bool,
           strict: bool, torch_device: str, jobs: int | None) -> None:
