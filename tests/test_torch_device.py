@@ -47,6 +47,26 @@ def test_the_plan_says_where_each_torch_stage_computes():
                            "recorded calls on cpu (")
 
 
+def test_an_accelerators_plan_says_the_gate_holds_a_parted_target_as_its_codes(tmp_path):
+    """On an accelerator the streamed gate's candidate computes views of the target held there as its codes, where
+    it fits (``build.gate_loader``): the plan's stage line says so with the held bytes (the fixture's affine4 codes
+    and tables, under its fp16 weights' 2 bytes each). Nothing here needs the device."""
+    import re
+
+    from convert.pipeline.partition import held_target_bytes
+    from convert.pipeline.plan import torch_stages
+
+    plan = _fixture_plan(tmp_path, 2, "  max_part_mb: 4\n  quantization: {method: affine4}\n")
+    assert len(plan.parts) > 1
+    stages = dict(torch_stages(dataclasses.replace(plan, torch_device=torch.device("cuda"))))
+    (candidate,) = [name for name in stages if name.startswith("gate candidate and device pass")]
+    shown = float(re.search(r"held there as its codes, about ([\d.]+) MB, where it fits", candidate).group(1))
+    held = held_target_bytes(plan.args, plan.recipe.target, lean=True)
+    assert shown == round(held / 1e6, 1) and held < 2 * plan.args.parameter_count
+    assert stages[candidate] == torch.device("cuda")
+    assert not any("held" in name for name, _ in torch_stages(plan))  # the CPU streams its pieces
+
+
 # --- on a GPU --------------------------------------------------------------------------------------------------------
 
 def _gate(plan, streamed: bool = False):

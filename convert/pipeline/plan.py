@@ -32,7 +32,7 @@ from convert.models.part import Part
 from convert.pipeline import plan_costs
 from convert.pipeline.drafter import DrafterPlan, check_drafter_recipe, plan_drafter
 from convert.pipeline.drafter_memory import own_linear_shapes, own_phase_bytes
-from convert.pipeline.partition import piece_sizes, plan_parts
+from convert.pipeline.partition import held_target_bytes, piece_sizes, plan_parts
 from convert.pipeline.plan_costs import check_host_memory
 from convert.weights.quantize import check_group_size, check_group_widths
 from convert.weights.target import function_specs
@@ -209,8 +209,12 @@ def torch_stages(plan: Plan) -> list[tuple[str, torch.device]]:
         stages.append(("pack unfold", device if (plan.snapshot.directory / prism.VIEW_FILE).is_file() else cpu))
     if plan.recipe.target.rescale:
         stages.append(("range", device))
-    stages += [("gate reference", device), ("gate candidate and device pass", device),
-               ("package checks' recorded calls", cpu)]
+    candidate = "gate candidate and device pass"
+    if device.type != "cpu" and not plan.parts[0].is_whole:
+        held = held_target_bytes(plan.args, plan.recipe.target, lean=True)
+        amount = f"{held / 1e9:.1f} GB" if held >= 1e8 else f"{held / 1e6:.1f} MB"
+        candidate += f" (the target held there as its codes, about {amount}, where it fits)"
+    stages += [("gate reference", device), (candidate, device), ("package checks' recorded calls", cpu)]
     if plan.recipe.drafter is not None:
         stages.append(("drafter stage", cpu))
     return stages
