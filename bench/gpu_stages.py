@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--stage", choices=STAGES, default="gate")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--layers", type=int, default=64, help="the pack's first layers (a quick rehearsal)")
-    parser.add_argument("--host-memory-gb", type=float, default=round(0.8 * HOST_BYTES / 1e9),
+    parser.add_argument("--host-memory-gb", type=float, default=None,
                         help="the recipe's target.max_host_memory_gb (default 80%% of this machine's memory)")
     options = parser.parse_args()
 
@@ -143,7 +143,8 @@ def main() -> None:
     contract["text_config.layer_types"] = contract["text_config.layer_types"][:options.layers]
     contract["text_config.num_hidden_layers"] = options.layers
     recipe["target"]["taps"] = [t for t in recipe["target"]["taps"] if t < options.layers] or [0]
-    recipe["target"]["max_host_memory_gb"] = options.host_memory_gb  # what this machine has: the gate's states held
+    if options.host_memory_gb:
+        recipe["target"]["max_host_memory_gb"] = options.host_memory_gb
     target_only = work / RECIPE.name
     target_only.write_text(yaml.safe_dump(recipe))
     plan = phases.run("plan", lambda: make_plan(target_only, str(work / "bundle"), torch_device=device))

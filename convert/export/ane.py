@@ -160,9 +160,9 @@ def history_bias(history_mask: torch.Tensor, width: int) -> torch.Tensor:
     queries: the host's ``history_mask`` [1, history] (0 below the call's first position, ``MASKED`` at and past it:
     a rejected draft's rows, or rows not written yet; ``history_mask_row``) for every query, then the call's rows
     causally (a constant: the queries are the call's consecutive positions)."""
-    dtype = history_mask.dtype
-    history = history_mask.transpose(0, 1) + torch.zeros(width, dtype=dtype)  # broadcast, no tile
-    own = torch.triu(torch.full((width, width), MASKED, dtype=dtype), diagonal=1).transpose(0, 1)
+    dtype, device = history_mask.dtype, history_mask.device
+    history = history_mask.transpose(0, 1) + torch.zeros(width, dtype=dtype, device=device)  # broadcast, no tile
+    own = torch.triu(torch.full((width, width), MASKED, dtype=dtype, device=device), diagonal=1).transpose(0, 1)
     return torch.cat([history, own], dim=0)
 
 
