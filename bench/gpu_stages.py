@@ -17,9 +17,11 @@ Each phase's seconds, the GPU's peak memory (``torch.cuda.max_memory_allocated``
 rehearsal's docstring); the bench measures time and memory. A stage runs in one command from freshly written inputs
 (the device machine keeps no files between commands).
 
-``--layers N`` writes and plans the pack's first N layers only (a quick rehearsal of the same stages). The recipe's
-``target.max_host_memory_gb`` is set to ``--host-memory-gb`` (default 80% of this machine's memory): with the plan's
+``--layers N`` writes and plans the pack's first N layers only (a quick rehearsal of the same stages).
+``--host-memory-gb`` sets the recipe's ``target.max_host_memory_gb`` (default the recipe's own, 16): with the plan's
 estimate it sets how many of the gate's window states stay in memory between greedy passes (``gate_state_room``).
+Mind the disk: a budget the unfolded pack fits in makes the plan write the pack unfolded (at 102 GB the GPU
+machine's 64 GB disk ran out, ``docs/bench-logs/gpu-stages-gate-h100-2026-12-07-disk.log``).
 
     PYTHONPATH=. python3 -m bench.gpu_stages --workdir DIR [--device cuda] [--layers 64] [--json out.json]
 """
@@ -38,7 +40,6 @@ from bench.scale_build import _status
 from bench.torch_device import _peak_gib
 
 STAGES = ("gate", "calls")
-HOST_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class Phases:
@@ -116,7 +117,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--layers", type=int, default=64, help="the pack's first layers (a quick rehearsal)")
     parser.add_argument("--host-memory-gb", type=float, default=None,
-                        help="the recipe's target.max_host_memory_gb (default 80%% of this machine's memory)")
+                        help="the recipe's target.max_host_memory_gb (default the recipe's own)")
     options = parser.parse_args()
 
     from bench.release_rehearsal import PACK_REPO, PACK_REVISION, RECIPE, du, snapshot_dir, write_pack

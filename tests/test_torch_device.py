@@ -198,7 +198,9 @@ def test_the_streamed_gate_of_a_pack_held_on_cuda_is_the_cpus(tmp_path):
     from convert.weights.shipped import HeldTarget, PartLoader
 
     plan, gpu_plan = _pack_plan(tmp_path)
-    cpu = gates.gate_streamed(plan, PartLoader(plan, build.exact_result(plan)))
+    # the CPU's side held too (its gate is the loaded parts' bit for bit: tests/test_exact_build.py), which needs no
+    # coreai-torch (the GPU machine has none; a loaded exact2 linear makes its packed module with it)
+    cpu = gates.gate_streamed(plan, HeldTarget(PartLoader(plan, build.exact_result(plan)), torch.device("cpu")))
     loader = build.gate_loader(gpu_plan, build.exact_result(gpu_plan), None)
     assert isinstance(loader, HeldTarget) and gpu_plan.gate_state_room > 0
     assert {t.device.type for t in loader.whole.core.buffers() if t.dtype == torch.uint8} == {"cuda"}
@@ -207,22 +209,24 @@ def test_the_streamed_gate_of_a_pack_held_on_cuda_is_the_cpus(tmp_path):
 
 @CUDA
 def test_the_parts_recorded_calls_on_cuda_are_the_cpus(tmp_path):
-    """Each part's package-check calls (the short schedule, chained) in the runtime's true fp16, the part loaded as it
-    is packaged, on the CPU and moved to CUDA. The products' order is fixed (``fp16.matmul``), so only the elementwise
-    functions' last bits may differ: every output within 2e-3 of its largest magnitude."""
+    """Each part's package-check calls (the short schedule, chained) in the runtime's true fp16, the dense fixture's
+    parts in the ane layout loaded as they are packaged, on the CPU and moved to CUDA. The products' order is fixed
+    (``fp16.matmul``), so only the elementwise functions' last bits may differ: every output within 2e-3 of its largest
+    magnitude."""
     from convert.export.functions import compute_copy
     from convert.export.spec import SHIP_DTYPE
     from convert.pipeline import build
     from convert.verify.checks import part_calls
     from convert.weights.shipped import PartLoader
 
-    plan, gpu_plan = _pack_plan(tmp_path)
-    loader = PartLoader(plan, build.exact_result(plan))
+    plan = _fixture_plan(tmp_path, 2, "  max_part_mb: 4\n  layout: ane\n")
+    assert len(plan.parts) > 2
+    loader, device = PartLoader(plan, None), resolve("cuda")
     schedule = build.short_schedule_inputs(loader, plan.args.vocab_size)
     cpu_rows = gpu_rows = [None] * len(schedule)
     for part in plan.parts:
         cpu_calls, cpu_rows = part_calls(loader.load([part])[0], schedule, cpu_rows, rounds=True)
-        piece = compute_copy(loader.load([part])[0], SHIP_DTYPE, device=gpu_plan.torch_device)
+        piece = compute_copy(loader.load([part])[0], SHIP_DTYPE, device=device)
         assert next(piece.core.parameters()).device.type == "cuda"
         gpu_calls, gpu_rows = part_calls(piece, schedule, gpu_rows, rounds=True)
         assert [c[0] for c in cpu_calls] == [c[0] for c in gpu_calls]
