@@ -47,12 +47,15 @@ def test_the_plan_says_where_each_torch_stage_computes():
                            "recorded calls on cpu (")
 
 
-def test_an_accelerators_plan_says_the_gate_holds_a_parted_target_as_its_codes(tmp_path):
+def test_an_accelerators_plan_says_the_gate_holds_a_parted_target_as_its_codes(tmp_path, monkeypatch):
     """On an accelerator the streamed gate's candidate computes views of the target held there as its codes, where
     it fits (``build.gate_loader``): the plan's stage line says so with the held bytes (the fixture's affine4 codes
-    and tables, under its fp16 weights' 2 bytes each). Nothing here needs the device."""
+    and tables, under its fp16 weights' 2 bytes each). The package checks' calls are recorded there where each part
+    records its own (above ``CHAINED_RUN_PARAMETERS``), on the CPU where the parts run chained. Nothing here needs
+    the device."""
     import re
 
+    from convert.pipeline import plan_costs
     from convert.pipeline.partition import held_target_bytes
     from convert.pipeline.plan import torch_stages
 
@@ -64,7 +67,11 @@ def test_an_accelerators_plan_says_the_gate_holds_a_parted_target_as_its_codes(t
     held = held_target_bytes(plan.args, plan.recipe.target, lean=True)
     assert shown == round(held / 1e6, 1) and held < 2 * plan.args.parameter_count
     assert stages[candidate] == torch.device("cuda")
+    assert stages["package checks' recorded calls"] == torch.device("cpu")  # chained: the fixture's 11.8M parameters
     assert not any("held" in name for name, _ in torch_stages(plan))  # the CPU streams its pieces
+    monkeypatch.setattr(plan_costs, "CHAINED_RUN_PARAMETERS", 0)
+    cuda = dataclasses.replace(plan, torch_device=torch.device("cuda"))
+    assert dict(torch_stages(cuda))["package checks' recorded calls"] == torch.device("cuda")
 
 
 # --- on a GPU --------------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from torch import nn
 from convert import progress
 from convert.cache import BuildCache
 from convert.errors import GateError
+from convert.export.functions import compute_copy
 from convert.export.quantized import apply_quantized, release_dense_weights
 from convert.export.spec import SHIP_DTYPE
 from convert.inputs.sources import (
@@ -30,7 +31,7 @@ from convert.pipeline.package_pool import package_jobs, pool_width
 from convert.pipeline.packaging import package_formats
 from convert.pipeline.partition import MB, held_target_bytes
 from convert.pipeline.plan import Plan
-from convert.pipeline.plan_costs import cpu_seconds
+from convert.pipeline.plan_costs import CHAINED_RUN_PARAMETERS, cpu_seconds
 from convert.pipeline.record import (
     copy_extras,
     function_record,
@@ -55,11 +56,6 @@ from convert.weights.target import TargetModules, build_modules
 from manifests import identity
 from manifests.identity import REPORT_FILE
 from manifests.schema import Manifest, Rescale
-
-# Above this many parameters a parted target's artifact check replays a few rows on each part on its own: the Linux
-# Core AI runtime emulates fp16 (about 24 s for one 64-token call at 11.8M parameters, docs/benchmarks.md), so the
-# chained run of every part would take hours at 27B.
-CHAINED_RUN_PARAMETERS = 50_000_000
 
 
 @dataclass(frozen=True)
@@ -486,10 +482,14 @@ def _record_part(plan: Plan, result: QuantizeResult | None, index: int, schedule
 
 def _load_recorded(plan: Plan, result: QuantizeResult | None, index: int, schedule: list, rows: list,
                    scales: rescale.Scales | None) -> tuple[TargetModules, list, list]:
+    """Part ``index`` loaded, and its calls of the short ``schedule`` recorded on the plan's torch device (a copy of
+    the piece there; the piece itself stays on the host, which packages it)."""
     part = plan.parts[index]
     with stage(f"load part {part.name} ({index + 1} of {len(plan.parts)})"):
         piece = PartLoader(plan, result, scales).load([part])[0]
-        calls, rows = part_calls(piece, schedule, rows)
+        device = plan.torch_device
+        calls, rows = part_calls(piece if device.type == "cpu" else compute_copy(piece, SHIP_DTYPE, device=device),
+                                 schedule, rows)
     return piece, calls, rows
 
 

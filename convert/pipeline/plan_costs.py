@@ -111,6 +111,11 @@ GPU_MACHINE = "one H200"
 
 GB = 1e9
 
+# Above this many parameters a parted target's artifact check replays a few rows on each part on its own: the Linux
+# Core AI runtime emulates fp16 (about 24 s for one 64-token call at 11.8M parameters, docs/benchmarks.md), so the
+# chained run of every part would take hours at 27B. The build reads it as ``build.CHAINED_RUN_PARAMETERS``.
+CHAINED_RUN_PARAMETERS = 50_000_000
+
 
 def cpu_seconds(plan) -> dict[str, float]:
     """The estimated seconds of the stages measured on the CPU machine (``quantize``, ``gate``, ``packaging``), scaled
