@@ -353,7 +353,7 @@ def gate_loader(plan: Plan, result: QuantizeResult | None, scales: rescale.Scale
     the whole target held there as its shipped codes (``HeldTarget``: read once, not once a greedy pass); otherwise
     (the CPU, or too little room) each piece read from the checkpoint when it computes."""
     loader, device = PartLoader(plan, result, scales), plan.torch_device
-    if device is None or device.type == "cpu":
+    if device.type == "cpu":
         return loader
     need, free = held_target_bytes(plan.args, plan.recipe.target, lean=True), free_bytes(device)
     if need > HELD_SHARE * free:

@@ -28,10 +28,7 @@ from convert.weights.target import TargetModules, modules_over
 
 class PartLoader:
     """Loads parts of ``plan``'s target with the weights as they ship (``result``: the quantize stage's, or None;
-    ``scales``: the range scales folded as the weights are read, ``convert/weights/rescale.py``). ``holds``: whether
-    the pieces it gives are views of a target held in memory (``HeldTarget``) rather than read for each load."""
-
-    holds = False
+    ``scales``: the range scales folded as the weights are read, ``convert/weights/rescale.py``)."""
 
     def __init__(self, plan, result: QuantizeResult | None, scales: rescale.Scales | None = None):
         self.plan, self.result, self.scales = plan, result, scales or rescale.Scales()
@@ -87,14 +84,11 @@ class HeldTarget:
     gate's candidate reads the checkpoint once instead of once a greedy pass (at 27B: 66 pieces x 16 passes, each
     unfolding its codes on the host). For an accelerator with room for it (``convert.pipeline.build.gate_loader``)."""
 
-    holds = True
-
     def __init__(self, loader: PartLoader, torch_device: torch.device):
         self.plan, self.outline, self.units = loader.plan, loader.outline, loader.units
         self.whole = loader.load([Part.whole(loader.plan.args)], lean=True)[0]
-        self.whole.core.to(torch_device)
         for module, _ in self.whole.functions.values():
-            module.to(torch_device)
+            module.to(torch_device)  # the shared core once, each function's own constants
 
     def load(self, parts: list[Part]) -> list[TargetModules]:
         return part_modules(self.whole, self.plan.recipe.target, parts)
