@@ -28,6 +28,7 @@ machine's 64 GB disk ran out, ``docs/bench-logs/gpu-stages-gate-h100-2026-12-07-
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
@@ -60,25 +61,22 @@ class Phases:
         return value
 
 
-def shipped(plan, phases: Phases, held: bool = True):
-    """The range scales (when the recipe rescales), the pack's weights and a loader of the target as it ships, each
-    phase timed: the gate's (``build.gate_loader``: held on an accelerator with room) or, not ``held``, the parts'."""
+def shipped(plan, phases: Phases):
+    """The range scales (when the recipe rescales) and the pack's weights, each phase timed."""
     from convert.pipeline import build
     from convert.weights.rescale import Scales
-    from convert.weights.shipped import PartLoader
 
     scales = phases.run("range", lambda: build.streamed_range_stage(plan)[0]) if plan.recipe.target.rescale \
         else Scales()
-    result = phases.run("pack weights", lambda: build.exact_result(plan, scales))
-    if not held:
-        return PartLoader(plan, result, scales)
-    return phases.run("hold the target", lambda: build.gate_loader(plan, result, scales))
+    return phases.run("pack weights", lambda: build.exact_result(plan, scales)), scales
 
 
 def gate_stage(plan, phases: Phases) -> dict:
+    from convert.pipeline import build
     from convert.verify import gates
 
-    loader = shipped(plan, phases)
+    result, scales = shipped(plan, phases)
+    loader = phases.run("hold the target", lambda: build.gate_loader(plan, result, scales))
     report = phases.run("gate", lambda: gates.gate_streamed(plan, loader,
                                                             keep=lambda name, compute: phases.run(name, compute)))
     return {"passed": report.passed, "metrics": {m.name: m.value for m in report.metrics},
@@ -86,25 +84,20 @@ def gate_stage(plan, phases: Phases) -> dict:
 
 
 def calls_stage(plan, phases: Phases) -> dict:
-    """The package checks' recorded calls of every part (``checks.part_calls`` of the short schedule, each part on the
-    rows the previous one returned), each part loaded as it is packaged (its fp16 weights, which the ane layout's
-    graph reads into its own products: a held target's codes compute theirs as a ``CodesLinear``'s blocked matrix
-    product, a few fp16 ulps away) and moved to the torch device, the products in the runtime's true fp16
+    """The package checks' recorded calls of every part as the build records them above
+    ``CHAINED_RUN_PARAMETERS`` (``build.record_part``: the part loaded as it is packaged, a copy of it on the torch
+    device, the short schedule on the rows the previous part returned), the products in the runtime's true fp16
     (measured on both CPU kinds: the GPU machine has no runtime to ask). Returns each part's call count and the last
     part's largest logit."""
-    from convert.export.functions import compute_copy
-    from convert.export.spec import SHIP_DTYPE
     from convert.pipeline import build
-    from convert.verify.checks import part_calls
+    from convert.weights.shipped import PartLoader
 
-    loader = shipped(plan, phases, held=False)
-    schedule = build.short_schedule_inputs(loader, plan.args.vocab_size)
+    result, scales = shipped(plan, phases)
+    schedule = build.short_schedule_inputs(PartLoader(plan, result, scales), plan.args.vocab_size)
     rows, counts, last = [None] * len(schedule), {}, None
-    for part in plan.parts:
-        def record(part=part, given=rows):
-            piece = compute_copy(loader.load([part])[0], SHIP_DTYPE, device=plan.torch_device)
-            return part_calls(piece, schedule, given, rounds=True)
-        calls, rows = phases.run(f"calls {part.name}", record)
+    for index, part in enumerate(plan.parts):
+        calls, rows = phases.run(f"calls {part.name}", functools.partial(
+            build.record_part, plan, result, index, schedule, rows, scales, rounds=True))
         counts[part.name] = len(calls)
         last = calls[-1][2]
     return {"calls": counts, "largest_logit": float(abs(last["logits"]).max()) if "logits" in last else None}

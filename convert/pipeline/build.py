@@ -417,13 +417,13 @@ def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache, report: Gat
 def _recorded(plan: Plan, loader: PartLoader, short: bool) -> tuple[list | None, list[list]]:
     """Every part's check calls, recorded before any is packaged: the torch parts chained in this process (their
     pieces, which the chained artifact gate runs again), or above ``CHAINED_RUN_PARAMETERS`` each part alone in a fresh
-    process from the previous part's rows (``_record_part``; no piece is kept)."""
+    process from the previous part's rows (``record_part``; no piece is kept)."""
     parts = plan.parts
     if short:
         schedule = short_schedule_inputs(loader, plan.args.vocab_size)
         rows, calls = [None] * len(schedule), []
         for i in range(len(parts)):
-            part_calls_, rows = in_fresh_process(_record_part, plan, loader.result, i, schedule, rows, loader.scales)
+            part_calls_, rows = in_fresh_process(record_part, plan, loader.result, i, schedule, rows, loader.scales)
             calls.append(part_calls_)
         return None, calls
     with stage(f"record the calls each part's check replays ({len(parts)} parts chained in torch)"):
@@ -473,15 +473,16 @@ def short_schedule_inputs(loader: PartLoader, vocab: int) -> list[tuple[str, dic
     return [(f, driver.inputs(f, tokens, p0)) for f, tokens, p0 in short_schedule(outline.widths, vocab)]
 
 
-def _record_part(plan: Plan, result: QuantizeResult | None, index: int, schedule: list, rows: list,
-                 scales: rescale.Scales | None = None) -> tuple[list, list]:
+def record_part(plan: Plan, result: QuantizeResult | None, index: int, schedule: list, rows: list,
+                scales: rescale.Scales | None = None, rounds: bool | None = None) -> tuple[list, list]:
     """Part ``index`` of a target above ``CHAINED_RUN_PARAMETERS`` alone: its calls of the short ``schedule`` recorded
-    from the previous part's ``rows``; the calls, and the rows for the next part."""
-    return _load_recorded(plan, result, index, schedule, rows, scales)[1:]
+    from the previous part's ``rows``; the calls, and the rows for the next part. ``rounds``: ``checks.part_calls``'
+    (where no runtime can be asked: ``bench/gpu_stages.py``)."""
+    return _load_recorded(plan, result, index, schedule, rows, scales, rounds)[1:]
 
 
 def _load_recorded(plan: Plan, result: QuantizeResult | None, index: int, schedule: list, rows: list,
-                   scales: rescale.Scales | None) -> tuple[TargetModules, list, list]:
+                   scales: rescale.Scales | None, rounds: bool | None = None) -> tuple[TargetModules, list, list]:
     """Part ``index`` loaded, and its calls of the short ``schedule`` recorded on the plan's torch device (a copy of
     the piece there; the piece itself stays on the host, which packages it)."""
     part = plan.parts[index]
@@ -489,7 +490,7 @@ def _load_recorded(plan: Plan, result: QuantizeResult | None, index: int, schedu
         piece = PartLoader(plan, result, scales).load([part])[0]
         device = plan.torch_device
         calls, rows = part_calls(piece if device.type == "cpu" else compute_copy(piece, SHIP_DTYPE, device=device),
-                                 schedule, rows)
+                                 schedule, rows, rounds)
     return piece, calls, rows
 
 

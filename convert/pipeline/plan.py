@@ -214,7 +214,7 @@ def torch_stages(plan: Plan) -> list[tuple[str, torch.device]]:
         held = held_target_bytes(plan.args, plan.recipe.target, lean=True)
         amount = f"{held / 1e9:.1f} GB" if held >= 1e8 else f"{held / 1e6:.1f} MB"
         candidate += f" (the target held there as its codes, about {amount}, where it fits)"
-    # above it each part records its calls alone (``build._load_recorded``); below, the parts chained on the CPU
+    # above it each part records its calls alone (``build.record_part``); below, the parts chained on the CPU
     calls = device if plan.parameter_count > plan_costs.CHAINED_RUN_PARAMETERS else cpu
     stages += [("gate reference", device), (candidate, device), ("package checks' recorded calls", calls)]
     if plan.recipe.drafter is not None:
