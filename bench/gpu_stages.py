@@ -11,6 +11,10 @@ functions for ``--stage``:
   arithmetic; ``reference``: the transformers reference), and the gate's verdict.
 - ``calls``: the range scales, then every part's package-check calls (``calls_stage``) on the torch device, timed a
   part at a time.
+- ``package``: the packaging stage on the host's cores (``package_stage``): every part's calls recorded, then every
+  (part, format) job of the pool (``convert/pipeline/package_pool.py``) one after the other, each timed with its
+  process's peak and its package's bytes. Longer than one command on a 2-core machine (about 3 h): it resumes from
+  the files it keeps in ``--workdir`` (run it from one commit's copy, as ``bench/release_rehearsal.py`` says).
 
 Each phase's seconds, the GPU's peak memory (``torch.cuda.max_memory_allocated``) and the process's host peak
 (``VmHWM``), and the disk the inputs and the plan use. The seeded values make the verdict the gate's own (the
@@ -29,8 +33,10 @@ machine's 64 GB disk ran out, ``docs/bench-logs/gpu-stages-gate-h100-2026-12-07-
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform
+import shutil
 import time
 from pathlib import Path
 
@@ -40,7 +46,7 @@ from bench.common import arguments, write_json
 from bench.scale_build import _status
 from bench.torch_device import _peak_gib
 
-STAGES = ("gate", "calls")
+STAGES = ("gate", "calls", "package")
 
 
 class Phases:
@@ -103,6 +109,60 @@ def calls_stage(plan, phases: Phases) -> dict:
     return {"calls": counts, "largest_logit": float(abs(last["logits"]).max()) if "logits" in last else None}
 
 
+def package_stage(plan, phases: Phases, work: Path) -> dict:
+    """Every part's check calls (``build.record_part`` one part after the other, the build's own arithmetic; saved
+    to ``calls.pt`` in ``work``), then every (part, format) job (``package_pool.jobs_of``: the longest first) one at
+    a time, each in a fresh process as the pool runs it (``package_pool.package_job``, no build cache), its seconds,
+    its process's peak (``VmHWM``) and its package's bytes appended to ``package-jobs.json`` in ``work`` as it ends. A
+    job with a row is not run again and the calls file is read back: a stage longer than one command resumes (from the
+    same code: the rows do not say which). Returns the rows."""
+    from bench.release_rehearsal import du
+    from convert.cache import BuildCache
+    from convert.pipeline import build, package_pool
+    from convert.processes import in_fresh_process
+    from convert.weights.shipped import PartLoader
+
+    result, scales = shipped(plan, phases)
+    saved, rows_file = work / "calls.pt", work / "package-jobs.json"
+    if saved.is_file():
+        calls = torch.load(saved, weights_only=False)
+    else:
+        schedule = build.short_schedule_inputs(PartLoader(plan, result, scales), plan.args.vocab_size)
+        rows, calls = [None] * len(schedule), []
+        for index, part in enumerate(plan.parts):
+            part_calls, rows = phases.run(f"calls {part.name}", functools.partial(
+                in_fresh_process, build.record_part, plan, result, index, schedule, rows, scales))
+            calls.append(part_calls)
+        torch.save(calls, saved)
+    done = json.loads(rows_file.read_text()) if rows_file.is_file() else {}
+    jobs = package_pool.jobs_of(plan)
+    for job in jobs:
+        if job.name in done:
+            continue
+        out = work / "package-job"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        started = time.perf_counter()
+        packaged, peak = in_fresh_process(_timed_job, plan, result, scales, job, out, BuildCache(enabled=False),
+                                          calls[job.index], len(jobs))
+        done[job.name] = {"part": job.part, "format": job.format, "layers": len(plan.parts[job.index].layer_indices),
+                          "seconds": round(time.perf_counter() - started, 1),
+                          "check_seconds": round(packaged.check_seconds, 1), "host_peak_gib": round(peak / 2**30, 2),
+                          "package_bytes": du(packaged.path)}
+        print(job.name, done[job.name], flush=True)
+        rows_file.write_text(json.dumps(done, indent=1))
+        shutil.rmtree(out)
+    return {"jobs": len(jobs), "measured": len(done), "seconds": round(sum(r["seconds"] for r in done.values()), 1)}
+
+
+def _timed_job(*args):
+    """``package_pool.package_job`` in its process; its package and the process's peak resident bytes."""
+    from convert.pipeline.package_pool import package_job
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    return package_job(*args).packaged, _status(os.getpid())["VmHWM"]
+
+
 def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--workdir", type=Path, required=True)
@@ -127,8 +187,11 @@ def main() -> None:
     phases = Phases(device)
     result: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
                     "device": describe(device), "stage": options.stage, "phases": phases.rows}
-    phases.run("write the pack", lambda: write_pack(snapshot_dir(cache, PACK_REPO, PACK_REVISION),
-                                                    layers=options.layers))
+    written = work / f"pack-{options.layers}-layers.written"
+    if not written.is_file():  # a resumed stage keeps the pack its first command wrote
+        phases.run("write the pack", lambda: write_pack(snapshot_dir(cache, PACK_REPO, PACK_REVISION),
+                                                        layers=options.layers))
+        written.touch()
     import yaml
 
     recipe = yaml.safe_load(RECIPE.read_text())
@@ -142,7 +205,8 @@ def main() -> None:
     target_only = work / RECIPE.name
     target_only.write_text(yaml.safe_dump(recipe))
     plan = phases.run("plan", lambda: make_plan(target_only, str(work / "bundle"), torch_device=device))
-    result["verdict"] = (gate_stage if options.stage == "gate" else calls_stage)(plan, phases)
+    stages = {"gate": gate_stage, "calls": calls_stage, "package": functools.partial(package_stage, work=work)}
+    result["verdict"] = stages[options.stage](plan, phases)
     result["disk"] = {"hf_cache": du(cache), "build_cache": du(work / "cache")}
     print(result["verdict"], result["disk"], flush=True)
     write_json(options.json, result)
