@@ -22,8 +22,12 @@ rehearsal's docstring); the bench measures time and memory. A stage runs in one 
 (the device machine keeps no files between commands).
 
 ``--layers N`` writes and plans the pack's first N layers only (a quick rehearsal of the same stages).
-``--host-memory-gb`` sets the recipe's ``target.max_host_memory_gb`` (default the recipe's own, 16): with the plan's
-estimate it sets how many of the gate's window states stay in memory between greedy passes (``gate_state_room``).
+``--no-range`` skips the range stage and takes its scales as the identity, which is what it measures on the seeded
+pack (``residual stream x 1/1, MLP intermediate none`` on an H100:
+``docs/bench-logs/gpu-stages-gate-h100-2026-12-07-candidate.log``), an hour saved on 2 cores before the package
+stage. ``--host-memory-gb`` sets the recipe's ``target.max_host_memory_gb`` (default the recipe's own, 16): with
+the plan's estimate it sets how many of the gate's window states stay in memory between greedy passes
+(``gate_state_room``).
 Mind the disk: a budget the unfolded pack fits in makes the plan write the pack unfolded (at 102 GB the GPU
 machine's 64 GB disk ran out, ``docs/bench-logs/gpu-stages-gate-h100-2026-12-07-disk.log``).
 
@@ -52,8 +56,8 @@ STAGES = ("gate", "calls", "package")
 class Phases:
     """Seconds and peaks of each named phase, printed as each ends."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.rows = device, {}
+    def __init__(self, device: torch.device, no_range: bool = False):
+        self.device, self.rows, self.no_range = device, {}, no_range
 
     def run(self, name: str, compute):
         from convert.torch_device import synchronize
@@ -72,8 +76,8 @@ def shipped(plan, phases: Phases):
     from convert.pipeline import build
     from convert.weights.rescale import Scales
 
-    scales = phases.run("range", lambda: build.streamed_range_stage(plan)[0]) if plan.recipe.target.rescale \
-        else Scales()
+    ranged = plan.recipe.target.rescale and not phases.no_range
+    scales = phases.run("range", lambda: build.streamed_range_stage(plan)[0]) if ranged else Scales()
     return phases.run("pack weights", lambda: build.exact_result(plan, scales)), scales
 
 
@@ -171,6 +175,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=64, help="the pack's first layers (a quick rehearsal)")
     parser.add_argument("--host-memory-gb", type=float, default=None,
                         help="the recipe's target.max_host_memory_gb (default the recipe's own)")
+    parser.add_argument("--no-range", action="store_true",
+                        help="skip the range stage, its scales the identity (what it measures on the seeded pack)")
     options = parser.parse_args()
 
     from bench.release_rehearsal import PACK_REPO, PACK_REVISION, RECIPE, du, snapshot_dir, write_pack
@@ -184,7 +190,7 @@ def main() -> None:
     device = resolve(options.device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    phases = Phases(device)
+    phases = Phases(device, options.no_range)
     result: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
                     "device": describe(device), "stage": options.stage, "phases": phases.rows}
     written = work / f"pack-{options.layers}-layers.written"
