@@ -57,6 +57,13 @@ def describe(device: torch.device) -> str:
     return device.type
 
 
+def cache_key(device: torch.device) -> dict:
+    """The torch device in a build cache key of what a stage computed there (a GPU's fp32 sums in another order than
+    the CPU's, its GPTQ's codes possibly in other last bits): its type, and nothing for the CPU, whose entries keep
+    the keys they had."""
+    return {} if device.type == "cpu" else {"torch_device": device.type}
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a stage's timing ends after its last kernel)."""
     if device.type == "cuda":

@@ -1,6 +1,6 @@
 """``build --device``: where the torch stages compute (``convert/torch_device.py``), and that a GPU computes what the
-CPU does. The option's refusals and the plan's line run anywhere; the equality tests need CUDA and are skipped
-without it (they run on the GPU machine: docs/benchmarks.md "Torch stages on a GPU" has the run)."""
+CPU does. The option's refusals, the plan's line and the build cache's keys run anywhere; the equality tests need CUDA
+and are skipped without it (they run on the GPU machine: docs/benchmarks.md "Torch stages on a GPU" has the run)."""
 
 import dataclasses
 from pathlib import Path
@@ -72,6 +72,62 @@ def test_an_accelerators_plan_says_the_gate_holds_a_parted_target_as_its_codes(t
     monkeypatch.setattr(plan_costs, "CHAINED_RUN_PARAMETERS", 0)
     cuda = dataclasses.replace(plan, torch_device=torch.device("cuda"))
     assert dict(torch_stages(cuda))["package checks' recorded calls"] == torch.device("cuda")
+
+
+DRAFTER_PHASES = ("drafter stage: range, calibration, GPTQ, plain greedy, acceptance, economics, n-gram baseline, "
+                  "A/B, device pass")
+
+
+def _pair_plan(tmp_path: Path, samples: int = 4, tokens: int = 32):
+    """The dense fixture with its trained DFlash2 drafter (``recipes/tiny_qwen3_dflash2.yaml``, lut4-gptq), its
+    drafter's calibration and acceptance cut to ``samples`` prompts of 64 tokens and ``tokens`` generated."""
+    from convert.pipeline.plan import make_plan
+
+    recipe = tmp_path / "pair.yaml"
+    text = (ROOT / "recipes" / "tiny_qwen3_dflash2.yaml").read_text().replace("path:../fixtures",
+                                                                              f"path:{ROOT / 'fixtures'}")
+    cut = f"samples: {samples}, length: 64, tokens: {tokens}"
+    recipe.write_text(text.replace("{method: lut4-gptq}", f"{{method: lut4-gptq, calibration: {{{cut}}}}}")
+                      .replace("accept: {samples: 8, length: 64, tokens: 64}", f"accept: {{{cut}}}"))
+    plan = make_plan(recipe, tmp_path / "out", tmp_path / "cache")
+    assert plan.drafter.config.quantization.uses_gptq and plan.drafter.config.accept.samples == samples
+    return plan
+
+
+def test_a_pairs_plan_says_which_drafter_phases_compute_on_the_device(tmp_path):
+    """The drafter stage's torch phases compute on the build's device, its package check's recorded calls (the CPU
+    runtime's arithmetic) on the CPU; on the CPU both are said on the CPU. Nothing here needs the device."""
+    from convert.inputs.recipe import DrafterQuantization
+    from convert.pipeline.plan import torch_stages
+
+    plan = _pair_plan(tmp_path)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    stages = dict(torch_stages(dataclasses.replace(plan, torch_device=cuda)))
+    assert stages[DRAFTER_PHASES] == cuda and stages["drafter package check's recorded calls"] == cpu
+    assert {device for _, device in torch_stages(plan)} == {cpu}
+    unquantized = plan.drafter.config.model_copy(update={"quantization": DrafterQuantization(method="none")})
+    recipe = plan.recipe.model_copy(update={"drafter": unquantized, "target": plan.recipe.target.model_copy(
+        update={"rescale": False})})
+    (name, _), _ = torch_stages(dataclasses.replace(plan, recipe=recipe, torch_device=cuda))[-2:]
+    assert name == "drafter stage: plain greedy, acceptance, economics, n-gram baseline, device pass"
+
+
+def test_the_drafter_stages_cache_keys_hold_the_torch_device(tmp_path):
+    """The build cache keys of the drafter's GPTQ'd linears (``QUANTIZED_STAGE``) and of every journaled phase
+    (``PhaseKeys``) differ between torch devices: a GPU's GPTQ may round a code the other way than the CPU's, and its
+    fp32 sums in another order may decide a near tie, so neither restores the other's codes or prompts as its own.
+    The CPU's keys are those they were (no device in them). Nothing here needs the device."""
+    from convert.cache import BuildCache
+    from convert.pipeline.drafter_build import PhaseKeys
+
+    plan = _pair_plan(tmp_path)
+    cache, prompts = BuildCache(tmp_path / "cache"), [[1, 2, 3], [4, 5, 6]]
+    keys = {kind: PhaseKeys(dataclasses.replace(plan, torch_device=torch.device(kind)), cache, [], [])
+            for kind in ("cpu", "cuda", "mps")}
+    for phase in ("quantize", "calibrate", "greedy", "accept", "ngram", "ab-fp16"):
+        assert len({k.key(phase, prompts, 32) for k in keys.values()}) == 3, phase
+    assert "torch_device" not in keys["cpu"].base
+    assert keys["cuda"].base == {**keys["cpu"].base, "torch_device": "cuda"}
 
 
 # --- on a GPU --------------------------------------------------------------------------------------------------------
@@ -216,10 +272,12 @@ def test_the_streamed_gate_of_a_pack_held_on_cuda_is_the_cpus(tmp_path):
 
 @CUDA
 def test_the_parts_recorded_calls_on_cuda_are_the_cpus(tmp_path):
-    """Each part's package-check calls (the short schedule, chained) in the runtime's true fp16, the dense fixture's
-    parts in the ane layout loaded as they are packaged, on the CPU and moved to CUDA. The products' order is fixed
-    (``fp16.matmul``), so only the elementwise functions' last bits may differ: every output within 2e-3 of its largest
-    magnitude."""
+    """Each part's package-check calls (the short schedule) in the runtime's true fp16, the dense fixture's parts in
+    the ane layout loaded as they are packaged, on the CPU and moved to CUDA, each part on the rows the CPU's previous
+    part returned (what the package check replays is each part's calls on its own inputs). The products' order is
+    fixed (``fp16.matmul``), so only the elementwise functions' last bits may differ: every output within 2e-3 of its
+    largest magnitude. (Chained on CUDA's own rows, the parts' differences add up: 0.0156 at a largest 7.75 measured
+    on an H100, docs/bench-logs/torch-device-tests-h100-2026-12-07-calls.log.)"""
     from convert.export.functions import compute_copy
     from convert.export.spec import SHIP_DTYPE
     from convert.pipeline import build
@@ -230,14 +288,105 @@ def test_the_parts_recorded_calls_on_cuda_are_the_cpus(tmp_path):
     assert len(plan.parts) > 2
     loader, device = PartLoader(plan, None), resolve("cuda")
     schedule = build.short_schedule_inputs(loader, plan.args.vocab_size)
-    cpu_rows = gpu_rows = [None] * len(schedule)
+    rows = [None] * len(schedule)
     for part in plan.parts:
-        cpu_calls, cpu_rows = part_calls(loader.load([part])[0], schedule, cpu_rows, rounds=True)
         piece = compute_copy(loader.load([part])[0], SHIP_DTYPE, device=device)
         assert next(piece.core.parameters()).device.type == "cuda"
-        gpu_calls, gpu_rows = part_calls(piece, schedule, gpu_rows, rounds=True)
+        gpu_calls, _ = part_calls(piece, schedule, rows, rounds=True)
+        cpu_calls, rows = part_calls(loader.load([part])[0], schedule, rows, rounds=True)
         assert [c[0] for c in cpu_calls] == [c[0] for c in gpu_calls]
         for (_, _, want), (_, _, got) in zip(cpu_calls, gpu_calls, strict=True):
             for name, value in want.items():
                 scale = max(1.0, float(abs(value.astype("float32")).max()))
                 assert abs(got[name].astype("float32") - value.astype("float32")).max() <= 2e-3 * scale, name
+
+
+# GPTQ's error feedback carries a code that rounds the other way along the rest of its row. Simulated on the CPU with
+# this test's pair (its 20 linears, 2,236,416 codes): Hessians summed in fp64 instead of fp32 (apart by 2e-7 of their
+# largest entry) moved 0.11% of the codes (21 of 6,176 rows), with the inputs perturbed by 1e-6 too 0.13%; every entry
+# of each Hessian perturbed by a relative 1e-6 moved 0.23%, by 1e-5 2.4% (and then a tokens per round by 2%). The
+# tables were the same, but for one entry (5e-4 apart) at 1e-5. A GPU's sums and its Cholesky differ from the CPU's
+# about as the first: the bounds below leave a few times that.
+CODES_APART = 0.01  # of the drafter's GPTQ'd codes at most
+LUT_RTOL = 1e-2  # each lut4 table entry within
+TOKENS_PER_ROUND_RTOL = 0.05  # the acceptance of drafters whose codes differ (identical where they do not)
+
+
+def _drafter_stage(plan, target, shipped: tuple | None = None) -> dict:
+    """The drafter stage's torch phases of ``plan`` with the shipped ``target`` as ``drafter_build.build_drafter`` runs
+    them (no cache): the drafter's modules (shipped, and the A/B's fp16 ones), its packaged quantized weights,
+    quantization record, acceptance (the economics, n-gram baseline and device pass in it) and A/B. ``shipped``:
+    another run's (modules, fp16 modules), measured here in place of quantizing."""
+    import copy
+
+    from convert.export.quantized import packaged_from_codes, quantized_weights
+    from convert.pipeline import drafter_accept, drafter_build
+
+    target32 = drafter_build.stage_copy(plan, target)
+    assert {t.device.type for t in [*target32.core.parameters(), *target32.states().values()]} == \
+        {plan.torch_device.type}
+    if shipped is None:
+        modules, fp16, record = drafter_build.shipped_drafter(plan, target, target32)
+    else:
+        (modules, fp16), record = shipped, None
+    # the shipped modules, which are packaged, stay on the CPU
+    assert {t.device.type for t in [*modules.core.parameters(), *modules.core.buffers()]} == {"cpu"}
+    held_out = drafter_build.held_out_prompts(plan)
+    acceptance, ab = drafter_build.measure_held_out(plan, target, target32, modules, fp16, held_out)
+    acceptance["device"] = drafter_accept.device_pass(plan, target, target32, modules, held_out[0][0],
+                                                      plan.drafter.config.accept.tokens)
+    packaged = copy.deepcopy(modules)
+    packaged_from_codes(packaged.core)
+    return {"modules": (modules, fp16), "weights": quantized_weights(packaged.core), "record": record,
+            "acceptance": acceptance, "ab": ab}
+
+
+def _same_acceptance(cpu: dict, gpu: dict) -> None:
+    """The acceptance of the same drafter: tokens per round, acceptance by position, lossless verdicts, the bytes each
+    call reads (gathered rows follow the ids) and the n-gram baseline identical; the device pass's verdicts (its fp16
+    outputs may round to the neighbouring value: its ids are not compared); the A/B identical."""
+    for key in ("tokens_per_round", "acceptance_by_position", "lossless", "near_ties", "rounds", "economics", "ngram"):
+        assert gpu["acceptance"][key] == cpu["acceptance"][key], key
+    _same_verdicts(cpu, gpu)
+    assert gpu["ab"] == cpu["ab"]
+
+
+def _same_verdicts(cpu: dict, gpu: dict) -> None:
+    assert gpu["acceptance"]["lossless"] == cpu["acceptance"]["lossless"] is True
+    device, theirs = gpu["acceptance"]["device"], cpu["acceptance"]["device"]
+    assert device["lossless"] == theirs["lossless"] is True
+    assert device["range"]["over"] == theirs["range"]["over"] == [] and device["range"]["checked"] == theirs[
+        "range"]["checked"]
+    assert gpu["ab"]["significant_loss"] == cpu["ab"]["significant_loss"] is False
+
+
+@CUDA
+def test_the_drafter_stage_on_cuda_is_the_cpus(tmp_path):
+    """The dense fixture pair's drafter stage (4 calibration prompts, 4 held-out prompts, 32 tokens each) on the CPU
+    and on CUDA. The calibration's Hessians summed there and GPTQ run there may round a code the other way (at most
+    ``CODES_APART`` of them) and the lut4 tables agree within ``LUT_RTOL``; the CPU's GPTQ'd drafter measured on CUDA
+    accepts as on the CPU, identically (``_same_acceptance``); CUDA's own drafter has the same verdicts (lossless,
+    device pass, A/B) and its tokens per round within ``TOKENS_PER_ROUND_RTOL`` (identical where its codes are)."""
+    from convert.pipeline.build import shipped_modules
+
+    plan = _pair_plan(tmp_path)
+    gpu_plan = dataclasses.replace(plan, torch_device=resolve("cuda"))
+    target, _ = shipped_modules(plan)  # one target for both (the stage leaves it as it is)
+    cpu, gpu = _drafter_stage(plan, target), _drafter_stage(gpu_plan, target)
+    assert cpu["weights"].keys() == gpu["weights"].keys() and len(cpu["weights"]) > 10
+    codes = apart = 0
+    for name, want in cpu["weights"].items():
+        got = gpu["weights"][name]
+        assert got.codes.device.type == "cpu" and (got.method, got.group_size) == (want.method, want.group_size)
+        codes += want.codes.numel()
+        apart += int((want.codes != got.codes).sum())
+        assert torch.allclose(got.lut.float(), want.lut.float(), rtol=LUT_RTOL, atol=0), name
+    assert apart <= CODES_APART * codes, f"{apart} of {codes} codes apart ({apart / codes:.3g})"
+    assert [layer["name"] for layer in gpu["record"]["layers"]] == [layer["name"] for layer in cpu["record"]["layers"]]
+    _same_acceptance(cpu, _drafter_stage(gpu_plan, target, cpu["modules"]))
+    if apart == 0:
+        _same_acceptance(cpu, gpu)
+    else:
+        _same_verdicts(cpu, gpu)
+        want, got = cpu["acceptance"]["tokens_per_round"], gpu["acceptance"]["tokens_per_round"]
+        assert abs(got - want) <= TOKENS_PER_ROUND_RTOL * want, (want, got, f"{apart} of {codes} codes apart")

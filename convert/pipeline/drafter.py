@@ -186,9 +186,10 @@ def range_scale(plan, target: TargetModules, target32: TargetModules, modules, p
     """The drafter's own range scale (a power of two; ``convert/weights/rescale.py``, ``drafter_classes``) and its
     record: ``modules`` (fp16, as ``build_modules`` made them) computed in fp32 over speculative decoding of ``prompt``
     with the fp32 ``target32``, every product and layer watched, against the limits of the device the drafter's layout
-    targets. Raises ``RangeError`` where no scale reaches a tensor past its limit (its lm_head's logits, say)."""
+    targets; on the build's torch device (``plan.torch_device``, where ``target32`` is). Raises ``RangeError`` where no
+    scale reaches a tensor past its limit (its lm_head's logits, say)."""
     kind, device = plan.drafter.kind, DEVICE_OF_LAYOUT[plan.drafter.config.layout]
-    drafter32 = compute_copy(modules, torch.float32, share_weights=True)
+    drafter32 = compute_copy(modules, torch.float32, share_weights=True, device=plan.torch_device)
     peaks = Peaks(drafter=drafter32.core)
     with torch.no_grad(), device_arithmetic(None, peaks):
         speculative.speculate(*drivers(kind, target32, drafter32, anchor_table(target)), prompt, tokens)

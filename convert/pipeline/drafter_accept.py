@@ -1,6 +1,8 @@
 """The drafter stage's measurements: plain greedy references, speculative decoding over held-out prompts (lossless or
 refused), the bytes each call reads, the pair in the devices' arithmetic (the build's device pass) and the A/B verdict
-of a quantized drafter against its fp16 one."""
+of a quantized drafter against its fp16 one. Each computes where the modules it is given are (the build's torch
+device: ``drafter_build``), the device pass's fp16 copies on ``plan.torch_device``; the drivers and the statistics
+are numpy on the host."""
 
 from __future__ import annotations
 
@@ -67,9 +69,10 @@ def device_acceptance(plan, target: TargetModules, modules, prompts: list[list[i
     fp16 drafter in its layout's (``convert.fp16``, call by call: ``DeviceFunctions``), over speculative decoding of
     ``prompts`` for ``tokens`` ids each, checked against the target's own plain greedy decoding in that arithmetic
     (``accept``'s stats and runs), every product's input and port and every module's output of the drafter watched
-    (its ``RangeReport``)."""
-    target16 = compute_copy(target, torch.float16, share_weights=True)
-    drafter16 = compute_copy(modules, torch.float16, share_weights=True)
+    (its ``RangeReport``). The fp16 copies compute on ``plan.torch_device`` (the devices' arithmetic is emulated
+    there: ``convert.fp16``)."""
+    target16 = compute_copy(target, torch.float16, share_weights=True, device=plan.torch_device)
+    drafter16 = compute_copy(modules, torch.float16, share_weights=True, device=plan.torch_device)
     device = DEVICE_OF_LAYOUT[plan.drafter.config.layout]
     peaks = Peaks(only=torch.float16, drafter=drafter16.core)
     functions = (DeviceFunctions(ModuleFunctions(target16), DEVICE_OF_LAYOUT[plan.recipe.target.layout]),
@@ -90,7 +93,7 @@ def device_pass(plan, target: TargetModules, target32: TargetModules, modules, p
     tokens per round on it (no time recorded: a rebuild's manifest is the same); raises ``GateError`` where a drafter
     tensor leaves its device's range or the run is not lossless."""
     stats, runs, verdict = device_acceptance(plan, target, modules, [prompt], tokens)
-    drafter32 = compute_copy(modules, torch.float32, share_weights=True)
+    drafter32 = compute_copy(modules, torch.float32, share_weights=True, device=plan.torch_device)
     fp32, _ = accept(plan.drafter.kind, target32, drafter32, [prompt], tokens, anchor_table(target),
                      greedy_references(target32, [prompt], tokens))
     result = {"target_device": DEVICE_OF_LAYOUT[plan.recipe.target.layout], "device": verdict.device,

@@ -4,6 +4,13 @@ Stages: modules with the target's shipped tables -> (quantize) -> acceptance on 
 lossless check (and for a quantized drafter the paired A/B against the fp16 one) -> package per backend ->
 check (read back; the ``.aimodel`` replays a recorded speculative run on the Core AI runtime) -> compile ->
 manifest bound to the target build. A lossy run or a significant A/B loss fails closed (exit 1).
+
+The torch phases compute on the build's torch device (``build --device``: ``Plan.torch_device``): the fp32 compute
+copies of the target and the drafter (the range scale, the calibration and its Hessians, GPTQ, plain greedy, the
+acceptance and its economics, the n-gram baseline, the A/B) and the fp16 ones of the device pass are made there, and
+the host side of every call stays numpy (``ModuleFunctions``). The shipped modules, which are packaged, stay on the
+CPU: each GPTQ'd linear's codes come back there. The package check's recorded calls are made on the CPU, in this
+CPU's runtime arithmetic (``drafter_calibration.recorded_calls``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from convert.progress import console, stage
 from convert.runtime.economics import format_economics, ngram_speedup
 from convert.runtime.host import ModuleFunctions
 from convert.runtime.speculative import paired_ab
+from convert.torch_device import cache_key
 from convert.verify import gates
 from convert.weights.quantize import calibration_text
 from convert.weights.shipped import at_context
@@ -45,10 +53,12 @@ QUANTIZED_STAGE = "drafter-quantize"  # the build cache's stage of a drafter's G
 class PhaseKeys:
     """The prompt journals (``drafter.PromptJournal``) of the drafter stage's phases in the build ``cache``: each keyed
     by everything its prompts' results are computed from: the target's source files and recipe section (which make
-    its shipped weights), the drafter's source files and recipe section, the toolchain, the build's code, and the
-    phase's own inputs (its name, prompts and tokens; a digest of the drafter's weights where they were quantized
-    here). ``target_files`` / ``drafter_files``: records with ``path`` and ``sha256``. Nothing without an enabled
-    cache."""
+    its shipped weights), the drafter's source files and recipe section, the toolchain, the build's code, the torch
+    device off the CPU (``torch_device.cache_key``: a GPU's fp32 sums in another order can decide a near tie, or the
+    last bits of a GPTQ'd code, otherwise; so a build on one never restores the other's prompts or codes as its own,
+    and the CPU's keys are what they were), and the phase's own inputs (its name, prompts and tokens; a digest of the
+    drafter's weights where they were quantized here). ``target_files`` / ``drafter_files``: records with ``path``
+    and ``sha256``. Nothing without an enabled cache."""
 
     def __init__(self, plan, cache, target_files, drafter_files):
         self.cache = cache
@@ -58,7 +68,7 @@ class PhaseKeys:
             "target_sources": {f.path: f.sha256 for f in target_files},
             "target": plan.recipe.target.model_dump(mode="json"),
             "drafter_sources": {f.path: f.sha256 for f in drafter_files},
-            "drafter": plan.drafter.config.model_dump(mode="json")}
+            "drafter": plan.drafter.config.model_dump(mode="json"), **cache_key(plan.torch_device)}
 
     def key(self, phase: str, prompts: list[list[int]], tokens: int, modules=None) -> str | None:
         """``phase``'s key over ``prompts`` and ``tokens``; ``modules``: the drafter they run, by its weights."""
@@ -91,21 +101,24 @@ def held_out_prompts(plan) -> tuple[list[list[int]], dict]:
 
 
 def stage_copy(plan, target: TargetModules) -> TargetModules:
-    """The fp32 compute copy of the shipped ``target`` that the drafter stage runs its prompts on: its weights shared,
-    its states (the ane layout: the host's buffers, made when it is driven) at the rows the stage reaches
-    (``drafter.stage_target``), so a session holds those rows, not the package's whole context."""
+    """The fp32 compute copy of the shipped ``target`` that the drafter stage runs its prompts on, on the build's
+    torch device (on the CPU its weights shared; a GPU's copy is its own), its states (the ane layout: the host's
+    buffers, made when it is driven) at the rows the stage reaches (``drafter.stage_target``), so a session holds
+    those rows, not the package's whole context."""
     return compute_copy(at_context(target, plan.args, drafter.stage_target(plan.recipe)), torch.float32,
-                        share_weights=True)
+                        share_weights=True, device=plan.torch_device)
 
 
 def shipped_drafter(plan, target: TargetModules, target32: TargetModules,
                     reload_layers: Callable[[], torch.nn.Module] | None = None, keys: PhaseKeys | None = None):
     """(shipped modules, fp16 reference modules or None, quantization record or None). ``target32`` is the
-    shipped target computing in fp32, which GPTQ calibration drives. With ``reload_layers`` (a loader of the target's
-    decoder layers, a parted build's) the target lets its decoder layers go once the calibration's target calls are
-    made, while GPTQ runs, and loads them again after (``target32``'s are then gone: make it again). ``keys``: the
-    calibration's prompts are journaled and the GPTQ'd linears kept in the build cache (stage
-    ``QUANTIZED_STAGE``), whence a build run again restores them without calibrating (``PhaseKeys``)."""
+    shipped target computing in fp32 (``stage_copy``), which GPTQ calibration drives; the range scale, the
+    calibration's Hessians and the quantizers compute on the build's torch device, the shipped modules stay on the
+    CPU. With ``reload_layers`` (a loader of the target's decoder layers, a parted build's) the target lets its
+    decoder layers go once the calibration's target calls are made, while GPTQ runs, and loads them again after
+    (``target32``'s are then gone: make it again). ``keys``: the calibration's prompts are journaled and the GPTQ'd
+    linears kept in the build cache (stage ``QUANTIZED_STAGE``, keyed by the torch device too: ``PhaseKeys``), whence
+    a build run again restores them without calibrating."""
     dplan, quant = plan.drafter, plan.drafter.config.quantization
     with stage(f"load drafter {dplan.kind} ({dplan.snapshot.reference})"):
         modules = drafter.build_modules(dplan, plan.recipe, target, torch.float16)
@@ -134,22 +147,24 @@ def shipped_drafter(plan, target: TargetModules, target32: TargetModules,
         with stage(f"calibrate drafter: speculative decoding of {len(prompts)} x {spec.length} tokens + "
                    f"{spec.tokens} generated ({spec.corpus})"):
             journal = None if keys is None else keys.journal("calibrate", prompts, spec.tokens)
-            hessians = drafter_calibration.calibration_hessians(
-                dplan.kind, target32, compute_copy(modules, torch.float32, share_weights=True), prompts, spec.tokens,
-                drafter.anchor_table(target), plan.drafter_sessions, journal)
+            hessians = drafter_calibration.calibration_hessians(  # the copy is let go before the last group's GPTQ
+                dplan.kind, target32, compute_copy(modules, torch.float32, share_weights=True,
+                                                   device=plan.torch_device),
+                prompts, spec.tokens, drafter.anchor_table(target), plan.drafter_sessions, journal)
     groups = len(drafter_memory.hessian_groups(modules.core))
     replays = "" if hessians is None or groups == 1 else (
         f"; Hessians of {groups} groups of linears, from the calibration's drafter calls replayed")
     dropped = reload_layers is not None and hessians is not None
     if dropped:  # the target's calls are made; at 27B its layers' codes are 6.8 GB beside GPTQ's largest Hessians
         target.core.layers = target32.core.layers = torch.nn.ModuleList()
-    with stage(f"quantize drafter {quant.method} (groups of {quant.resolved_group_size}{replays})"):
+    device = plan.torch_device
+    with stage(f"quantize drafter {quant.method} (groups of {quant.resolved_group_size}{replays}) on {device.type}"):
         if quantized_key is None:
-            record = drafter_calibration.quantize(modules, quant, hessians)
+            record = drafter_calibration.quantize(modules, quant, hessians, device=device)
         else:
             entry = keys.cache.put(QUANTIZED_STAGE, quantized_key,
                                    lambda directory: drafter_calibration.store_quantized(modules, quant, hessians,
-                                                                                         directory))
+                                                                                         directory, device))
             record = entry.meta["record"]
     if dropped:
         with stage("load the target's decoder layers again, as packed codes (let go while GPTQ ran)"):
@@ -170,14 +185,15 @@ def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_
             keys: PhaseKeys | None = None) -> tuple[dict, dict | None]:
     """Acceptance of the shipped pair against ``references`` (plain greedy of each prompt: lossless or fail), the
     bytes each call reads and the predicted speedup, the n-gram baseline on the same target, and for a quantized
-    drafter the A/B verdict against the fp16 one. The torch modules compute in fp32 (``target32``: the shipped
-    target upcast) unless ``functions`` (the target's and the drafter's, e.g. Core AI sessions of the packages)
-    are given; the fp16 drafter of the A/B then runs as torch modules against that target (no fp16 package is
-    shipped). Bytes are a property of the graphs and are metered on the torch modules. ``keys``: the torch runs'
-    prompts are journaled (``PhaseKeys``; not on ``functions``)."""
+    drafter the A/B verdict against the fp16 one. The torch modules compute in fp32 on the build's torch device
+    (``target32``: the shipped target upcast, ``stage_copy``; the drafters' copies are made there) unless
+    ``functions`` (the target's and the drafter's, e.g. Core AI sessions of the packages) are given; the fp16 drafter
+    of the A/B then runs as torch modules against that target (no fp16 package is shipped). Bytes are a property of
+    the graphs and are metered on the torch modules. ``keys``: the torch runs' prompts are journaled (``PhaseKeys``;
+    not on ``functions``)."""
     dplan, spec, sessions = plan.drafter, plan.drafter.config.accept, plan.drafter_sessions
     embeddings = drafter.anchor_table(target)
-    drafter32 = compute_copy(modules, torch.float32, share_weights=True)
+    drafter32 = compute_copy(modules, torch.float32, share_weights=True, device=plan.torch_device)
     keys = keys if functions is None else None
 
     def journal(phase: str, drafter_modules=None):
@@ -201,7 +217,7 @@ def measure(plan, target: TargetModules, target32: TargetModules, modules, fp16_
     acceptance = {**stats, "economics": economics, "ngram": ngram}
     if fp16_modules is None:
         return acceptance, None
-    base32 = compute_copy(fp16_modules, torch.float32, share_weights=True)
+    base32 = compute_copy(fp16_modules, torch.float32, share_weights=True, device=plan.torch_device)
     with stage("A/B: the fp16 drafter on the same prompts"):
         base_stats, base_runs = drafter_accept.accept(dplan.kind, target32, base32, prompts, tokens, embeddings,
                                                references, with_drafter(ModuleFunctions(base32)), sessions,
@@ -273,7 +289,8 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
     target32 = stage_copy(plan, target)
     modules, fp16_modules, quantization = shipped_drafter(plan, target, target32, reload_layers, keys)
     if reload_layers is not None:
-        target32 = stage_copy(plan, target)  # over the layers loaded again
+        del target32  # (on a GPU its own memory) before the copy over the layers loaded again
+        target32 = stage_copy(plan, target)
     held_out = held_out_prompts(plan)
     acceptance, ab = measure_held_out(plan, target, target32, modules, fp16_modules, held_out, keys)
     tokens = dplan.config.accept.tokens

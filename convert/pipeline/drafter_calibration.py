@@ -1,6 +1,10 @@
 """The drafter's quantization: GPTQ's Hessians over speculative decoding as deployed (taken live, or replayed from
 recorded drafter calls a group of linears at a time), the quantizers over its own linears, their codes kept in and
-restored from the build cache, and the recorded calls its package check replays."""
+restored from the build cache, and the recorded calls its package check replays.
+
+The Hessians are summed where the compute copies run and the quantizers run on the build's torch device
+(``build --device``: ``Plan.torch_device``), each linear's codes and tables brought back to the CPU modules that are
+packaged; the package check's recorded calls are the CPU runtime's arithmetic and are made on the CPU."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import torch
 
 from convert import cache as build_cache
 from convert.errors import InputError
+from convert.export.functions import torch_device_of
 from convert.export.quantized import apply_quantized
 from convert.inputs.recipe import DrafterQuantization
 from convert.pipeline.drafter import BORROWED, PromptJournal, drivers, over_prompts
@@ -20,7 +25,7 @@ from convert.pipeline.drafter_memory import hessian_groups, own_linears
 from convert.runtime import speculative
 from convert.runtime.host import ModuleFunctions
 from convert.verify.checks import like_the_runtime
-from convert.weights.quantize import read_entry, round_to_nearest, summary, write_entry
+from convert.weights.quantize import read_entry, round_to_nearest, summary, to_cpu, write_entry
 from quant.gptq import HessianAccumulator, gptq_quantize
 from quant.types import QuantizedWeight
 
@@ -38,8 +43,9 @@ def calibration_hessians(kind: str, target_modules, drafter_modules, prompts: li
     them in prompt order, from reset states, through the drafter alone: the same calls on the same inputs in the same
     order, so the same Hessians bit for bit, however many sessions ran them. (No group's Hessians are held beside the
     target while it runs: at 27B a group is up to 2 GiB, and the target's 7.5 GB and the sessions' states are held
-    then.) Yields {linear name: Hessian} per group; a linear that saw no input is left out. ``journal``: the
-    recordings are kept there prompt by prompt (``over_prompts``; not where the Hessians are taken live)."""
+    then.) Yields {linear name: Hessian} per group, each summed on the torch device the drafter's compute copy is on;
+    a linear that saw no input is left out. ``journal``: the recordings are kept there prompt by prompt
+    (``over_prompts``; not where the Hessians are taken live)."""
     groups = hessian_groups(drafter_modules.core)
     # hooks see the calls as they happen only when one session makes them
     live = min(sessions, len(prompts)) <= 1 and len(groups) == 1
@@ -92,11 +98,12 @@ def _hessians(accumulators: dict[str, HessianAccumulator]) -> dict[str, torch.Te
 
 @contextmanager
 def _accumulating(core: torch.nn.Module, names: list[str]) -> Iterator[dict[str, HessianAccumulator]]:
-    """Forward hooks feeding each named linear's inputs into its ``HessianAccumulator`` while the block runs."""
-    modules = dict(core.named_modules())
+    """Forward hooks feeding each named linear's inputs into its ``HessianAccumulator`` (on the core's torch device)
+    while the block runs."""
+    modules, device = dict(core.named_modules()), torch_device_of(core)
     accumulators, hooks = {}, []
     for name in names:
-        accumulators[name] = HessianAccumulator(modules[name].in_features)
+        accumulators[name] = HessianAccumulator(modules[name].in_features, device)
         hooks.append(modules[name].register_forward_hook(
             lambda _m, inputs, _out, acc=accumulators[name]: acc.add(inputs[0])))
     try:
@@ -107,7 +114,7 @@ def _accumulating(core: torch.nn.Module, names: list[str]) -> Iterator[dict[str,
 
 
 def quantize(modules, quant: DrafterQuantization, hessians: Iterable[dict[str, torch.Tensor]] | None = None,
-             keep: Callable[[str, QuantizedWeight], None] | None = None) -> dict:
+             keep: Callable[[str, QuantizedWeight], None] | None = None, device: torch.device | None = None) -> dict:
     """4-bit of the drafter's own linears (round to nearest, or GPTQ under ``hessians``: groups of {name: Hessian},
     as ``calibration_hessians`` yields them, each dropped once its linears are quantized); the borrowed tables stay
     as the target ships them. Each linear becomes a ``CodesLinear`` as soon as it is quantized (its codes packed, the
@@ -115,7 +122,8 @@ def quantize(modules, quant: DrafterQuantization, hessians: Iterable[dict[str, t
     linear held until the end were 1 and a dense copy beside them 2 more), until
     ``export.quantized.packaged_from_codes`` makes them the layers a package is made from. Returns the manifest's
     quantization record. ``keep(name, weights)``: called with each linear's result as it is quantized
-    (``store_quantized``)."""
+    (``store_quantized``). ``device``: the torch device the quantizers run on (the build's; default where the weights
+    are), each linear's weight moved there and its codes and tables brought back to the CPU."""
     method, group = quant.format, quant.resolved_group_size
     linears = dict(own_linears(modules.core))
     own = [p for n, p in modules.core.named_parameters() if not n.startswith(BORROWED)]
@@ -123,9 +131,10 @@ def quantize(modules, quant: DrafterQuantization, hessians: Iterable[dict[str, t
     def quantized() -> Iterator[tuple[str, QuantizedWeight]]:
         for taken in ({name: None for name in linears},) if hessians is None else hessians:
             for name in list(taken):
-                weight, hessian = linears.pop(name).weight.detach().float(), taken.pop(name)
-                result = (round_to_nearest(method, weight, group) if hessian is None
-                          else gptq_quantize(weight, hessian, method, group, name=name))
+                weight, hessian = linears.pop(name).weight.detach(), taken.pop(name)
+                weight = (weight if device is None else weight.to(device)).float()
+                result = to_cpu(round_to_nearest(method, weight, group) if hessian is None
+                                else gptq_quantize(weight, hessian, method, group, name=name))
                 apply_quantized(modules.core, {name: result}, codes_only=True)
                 if keep is not None:
                     keep(name, result)
@@ -137,17 +146,18 @@ def quantize(modules, quant: DrafterQuantization, hessians: Iterable[dict[str, t
     return {"method": quant.method, "group_size": group, "bits_per_weight": bits_per_weight, "layers": layers}
 
 
-def store_quantized(modules, quant: DrafterQuantization, hessians, directory: Path) -> dict:
-    """``quantize``, each linear's codes written into ``directory`` (a build cache entry's) as soon as it is
-    quantized: a build killed in GPTQ leaves no entry. Returns the entry's metadata, which ``restore_quantized``
-    reads back."""
+def store_quantized(modules, quant: DrafterQuantization, hessians, directory: Path,
+                    device: torch.device | None = None) -> dict:
+    """``quantize`` (on ``device``), each linear's codes written into ``directory`` (a build cache entry's) as soon as
+    it is quantized: a build killed in GPTQ leaves no entry. Returns the entry's metadata, which
+    ``restore_quantized`` reads back."""
     linears = {}
 
     def keep(name: str, weights: QuantizedWeight) -> None:
         (directory / name).mkdir()
         linears[name] = write_entry(directory / name, {name: weights})
 
-    return {"record": quantize(modules, quant, hessians, keep), "linears": linears}
+    return {"record": quantize(modules, quant, hessians, keep, device), "linears": linears}
 
 
 def restore_quantized(modules, entry) -> dict:

@@ -13,6 +13,7 @@ from convert import progress
 from convert.cache import BuildCache
 from convert.pipeline.plan import Plan
 from convert.progress import console, stage
+from convert.torch_device import cache_key
 from convert.verify import gates
 from convert.verify.report import GateReport
 from manifests.identity import REPORT_FILE
@@ -40,7 +41,7 @@ def gate(plan: Plan, cache: BuildCache, source_files, compute: Callable[[GatePas
             "stage": GATE_STAGE, "code": build_cache.code_fingerprint(("convert.pipeline.build",)),
             "versions": build_cache.versions(GATE_TOOLCHAIN), "sources": {r.path: r.sha256 for r in source_files},
             "target": plan.recipe.target.model_dump(mode="json"), "data": data.identity.model_dump(),
-            "thresholds": thresholds.model_dump(), **_torch_device_key(plan)})
+            "thresholds": thresholds.model_dump(), **cache_key(plan.torch_device)})
         entry = cache.get(GATE_STAGE, entry_key)
         if entry is not None:
             with stage(f"numeric gate: restored from the cache (computed in {entry.meta['seconds']:.0f} s)"):
@@ -81,12 +82,6 @@ class GatePasses:
 
     def _key(self, name: str) -> str:
         return build_cache.key({"gate": self.gate_key, "passes": name})
-
-
-def _torch_device_key(plan: Plan) -> dict:
-    """The torch device a gate computed on, in its key (a GPU's fp32 sums in another order than the CPU's); nothing
-    for the CPU, whose entries keep the keys they had."""
-    return {} if plan.torch_device.type == "cpu" else {"torch_device": plan.torch_device.type}
 
 
 def _stored_report(directory: Path, report: GateReport) -> dict:

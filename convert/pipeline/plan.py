@@ -201,7 +201,7 @@ def host_buffer_names(args, target) -> tuple[str, ...]:
 
 def torch_stages(plan: Plan) -> list[tuple[str, torch.device]]:
     """Each torch stage of the build and the torch device it computes on: ``plan.torch_device`` where the stage
-    honours it, the CPU where it does not yet (issue #43)."""
+    honours it, the CPU where it does not (yet, issue #43; or by design: the drafter's package check's calls)."""
     cpu, device = torch.device("cpu"), plan.torch_device
     quant = plan.recipe.target.quantization
     stages = [("quantize", device)] if quant.format and quant.format != "exact2" else []
@@ -218,5 +218,19 @@ def torch_stages(plan: Plan) -> list[tuple[str, torch.device]]:
     calls = device if plan.parameter_count > plan_costs.CHAINED_RUN_PARAMETERS else cpu
     stages += [("gate reference", device), (candidate, device), ("package checks' recorded calls", calls)]
     if plan.recipe.drafter is not None:
-        stages.append(("drafter stage", cpu))
+        stages += drafter_stages(plan)
     return stages
+
+
+def drafter_stages(plan: Plan) -> list[tuple[str, torch.device]]:
+    """The drafter stage's torch phases (``drafter_build.build_drafter``) and where they compute: every phase of the
+    fp32 or fp16 compute copies on ``plan.torch_device`` (the recipe's: its range scale where the target is rescaled,
+    its quantization, acceptance, economics, n-gram baseline, the A/B of a quantized drafter, the device pass); the
+    package check's recorded calls on the CPU (the CPU runtime's arithmetic, which the check replays)."""
+    quant = plan.recipe.drafter.quantization
+    quantized = quant.method != "none"
+    phases = [*(["range"] if plan.recipe.target.rescale else []),
+              *([("calibration, GPTQ" if quant.uses_gptq else "quantization")] if quantized else []),
+              "plain greedy, acceptance, economics, n-gram baseline", *(["A/B"] if quantized else []), "device pass"]
+    return [(f"drafter stage: {', '.join(phases)}", plan.torch_device),
+            ("drafter package check's recorded calls", torch.device("cpu"))]

@@ -12,7 +12,8 @@ embedding lookup reads only its rows; a view of a state reads only its slice; a 
 are priced as shipped: a 4-bit linear at its packed bytes (codes and tables) per element, fp16 tensors at 2
 bytes, states at their package dtype. The ane layout's host buffers are what its host passes each call: the whole
 inputs of the package's entry that holds the call (its ladder's), whatever rows the compute copy's buffers have.
-Activations and outputs are not counted (small at batch 1).
+Activations and outputs are not counted (small at batch 1). The meter's masks are made on the device of the tensors
+it marks (the drafter stage's compute copies are on the build's torch device); the bytes are the same on any.
 """
 
 from __future__ import annotations
@@ -121,8 +122,9 @@ class _ReadMeter(TorchDispatchMode):
             if len(held) > 4096:
                 held[:] = _merged(held)
             return
-        mask = self.masks.setdefault(address, torch.zeros(elements, dtype=torch.bool))
-        ids = torch.arange(elements).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+        mask = self.masks.setdefault(address, torch.zeros(elements, dtype=torch.bool, device=tensor.device))
+        ids = torch.arange(elements, device=tensor.device).as_strided(tensor.shape, tensor.stride(),
+                                                                       tensor.storage_offset())
         if gather:  # the same gather over element ids: exactly the elements it reads
             ids = func(ids, *args[1:])
         mask[ids.reshape(-1)] = True

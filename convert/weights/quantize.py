@@ -505,7 +505,7 @@ def _compute(core, streamer: Streamer, unit: Unit, quant: Quantization, x, runne
             accumulator.add(core.norm(sample))
         streamer.free("norm")
         hessian = accumulator.hessian()
-        result["lm_head"] = _in_row_chunks(streamer, "lm_head", group, lambda w: _to_cpu(gptq_quantize(
+        result["lm_head"] = _in_row_chunks(streamer, "lm_head", group, lambda w: to_cpu(gptq_quantize(
             w, hessian, method, group, lut_refits=quant.lut_refits, name="lm_head")))
         return result
     if unit.gptq:
@@ -521,7 +521,7 @@ def _compute(core, streamer: Streamer, unit: Unit, quant: Quantization, x, runne
                 stacked = gptq_quantize_shared([weights[k] for k in chosen], hessian, method, group,
                                                lut_refits=quant.lut_refits, names=[names[k] for k in chosen])
                 for k, qw in zip(chosen, stacked, strict=True):
-                    results[k] = _to_cpu(qw)
+                    results[k] = to_cpu(qw)
             return results
 
         family = family_of(core.args)
@@ -539,7 +539,7 @@ def _compute(core, streamer: Streamer, unit: Unit, quant: Quantization, x, runne
 
 def _round_streamed(streamer: Streamer, name: str, method: str, group: int) -> QuantizedWeight:
     """Round-to-nearest of module ``name``'s weight (``_in_row_chunks``)."""
-    return _in_row_chunks(streamer, name, group, lambda w: _to_cpu(round_to_nearest(method, w, group)))
+    return _in_row_chunks(streamer, name, group, lambda w: to_cpu(round_to_nearest(method, w, group)))
 
 
 def _in_row_chunks(streamer: Streamer, name: str, group: int, quantize) -> QuantizedWeight:
@@ -613,7 +613,8 @@ def read_entry(entry: build_cache.Entry) -> dict[str, QuantizedWeight]:
     return weights
 
 
-def _to_cpu(qw: QuantizedWeight) -> QuantizedWeight:
+def to_cpu(qw: QuantizedWeight) -> QuantizedWeight:
+    """``qw`` with its codes and group tensors on the CPU (quantized on the torch device, kept and packaged here)."""
     for name in ("codes", *GROUP_TENSORS):
         value = getattr(qw, name)
         if value is not None:

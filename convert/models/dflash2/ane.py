@@ -61,14 +61,15 @@ class DFlash2AneCore(DFlash2Core):
         return {"ring_key_rows": torch.cat(keys), "ring_value_rows": torch.cat(values)}
 
     def draft(self, anchor_embedding, rope_cos, rope_sin, ring_keys, ring_values, **ring_masks):
-        args, dtype, width = self.args, self.compute_dtype, self.draft_width
-        masks = self.mask_embedding.to(dtype).reshape(1, -1, 1, 1) + torch.zeros(width - 1, dtype=dtype)  # no tile
+        args, dtype, width, device = self.args, self.compute_dtype, self.draft_width, anchor_embedding.device
+        # no tile; the constants on the inputs' device (a GPU's compute copy: torch.zeros alone makes a CPU tensor)
+        masks = self.mask_embedding.to(dtype).reshape(1, -1, 1, 1) + torch.zeros(width - 1, dtype=dtype, device=device)
         anchor = anchor_embedding[0].to(dtype)
         if self.residual_scale != 1:
             anchor = anchor * self.residual_scale
         h = torch.cat([channels_first(anchor), masks], dim=3)  # [1, H, 1, S]
         cos, sin = rope_cos.transpose(0, 1), rope_sin.transpose(0, 1)
-        block = torch.zeros((width, width), dtype=dtype)  # the block's rows all see each other
+        block = torch.zeros((width, width), dtype=dtype, device=device)  # the block's rows all see each other
         biases = {window: torch.cat([ring_masks[ring_mask_name(window)], block], dim=0)
                   for window in dict.fromkeys(args.layer_windows)}
         for i, layer in enumerate(self.layers):
