@@ -10,7 +10,7 @@ functions for ``--stage``:
   ``keep`` (``candidate``: the fp32 candidate and its 16 greedy passes; ``device``: the device pass in the layout's
   arithmetic; ``reference``: the transformers reference), and the gate's verdict.
 - ``calls``: the range scales, then every part's package-check calls (``calls_stage``) on the torch device, timed a
-  part at a time.
+  part at a time (without coreai-torch, as on the GPU machine: ``_without_coreai_torch``).
 - ``package``: the packaging stage on the host's cores (``package_stage``): every part's calls recorded, then every
   (part, format) job of the pool (``convert/pipeline/package_pool.py``) one after the other, each timed with its
   process's peak and its package's bytes. Longer than one command on a 2-core machine (about 3 h): it resumes from
@@ -102,6 +102,7 @@ def calls_stage(plan, phases: Phases) -> dict:
     from convert.pipeline import build
     from convert.weights.shipped import PartLoader
 
+    _without_coreai_torch()
     result, scales = shipped(plan, phases)
     schedule = build.short_schedule_inputs(PartLoader(plan, result, scales), plan.args.vocab_size)
     rows, counts, last = [None] * len(schedule), {}, None
@@ -111,6 +112,31 @@ def calls_stage(plan, phases: Phases) -> dict:
         counts[part.name] = len(calls)
         last = calls[-1][2]
     return {"calls": counts, "largest_logit": float(abs(last["logits"]).max()) if "logits" in last else None}
+
+
+def _without_coreai_torch() -> None:
+    """Where coreai-torch is not installed (the GPU machine: it needs the 188 MB coreai), a part is loaded with each
+    quantized layer's packed module (``export.quantized._packed_module``: coreai-torch's, which only the export and
+    the package read) a plain module holding the same codes and tables; a loaded part's calls compute from its fp16
+    weight (``QuantizedLinear.shipped_weight``), so what is recorded is the same."""
+    import importlib.util
+
+    from torch import nn
+
+    from convert.export import quantized
+
+    if importlib.util.find_spec("coreai_torch") is not None:
+        return
+
+    def held(q):
+        module = nn.Module()
+        for name in ("codes", "scale", "zero_point", "lut"):
+            if getattr(q, name) is not None:
+                module.register_buffer(name, getattr(q, name).contiguous())
+        return module
+
+    quantized._packed_module = held
+    print("coreai-torch not installed: the parts' packed modules are plain holders of their codes", flush=True)
 
 
 def package_stage(plan, phases: Phases, work: Path) -> dict:

@@ -15,6 +15,7 @@ import torch
 from convert.cache import BuildCache
 from convert.errors import InputError
 from convert.export.functions import compute_copy
+from convert.export.quantized import dense_products
 from convert.fp16 import Peaks
 from convert.models import family_of
 from convert.pipeline import build, gate_cache, partition
@@ -87,16 +88,21 @@ def test_the_weights_read_back_from_the_cache_are_the_ones_returned(built):
 
 
 # watched: the windows one after the other on one host. kept: the states between passes on disk, in memory, or in
-# memory with the pieces views of the whole target held as its codes (``HeldTarget``, here on the CPU)
-@pytest.mark.parametrize("watched, kept", [(False, "disk"), (True, "memory"), (False, "held")])
+# memory with the pieces views of the whole target held as its codes (``HeldTarget``, here on the CPU); "held-dense":
+# that, computed as on an accelerator (one host, each piece's weights dequantized once: ``dense_products``)
+@pytest.mark.parametrize("watched, kept", [(False, "disk"), (True, "memory"), (False, "held"), (False, "held-dense")])
 @pytest.mark.parametrize("built", ["hybrid", "hybrid-ane"], indirect=True)  # the commit-next-call contract
-def test_the_streamed_candidate_computes_what_the_whole_candidate_computes(built, watched, kept):
+def test_the_streamed_candidate_computes_what_the_whole_candidate_computes(built, watched, kept, monkeypatch):
     plan, modules, loader, *_ = built
+    if kept == "held-dense":
+        monkeypatch.setattr(gates, "_in_step", lambda _device: False)
+        dense = []
+        monkeypatch.setattr(gates, "dense_products", lambda core: dense.append(core) or dense_products(core))
     g = torch.Generator().manual_seed(5)
     windows = torch.randint(3, plan.args.vocab_size, (2, 80), generator=g).tolist()
     taps, probe = list(modules.core.taps), gates.default_probe(modules)
     peaks = Peaks() if watched else None
-    if kept == "held":
+    if kept.startswith("held"):
         loader = HeldTarget(loader, torch.device("cpu"))
         assert all(type(m).__name__ == "CodesLinear" for m in loader.whole.core.modules()
                    if type(m).__name__ in ("CodesLinear", "QuantizedLinear"))
@@ -106,6 +112,11 @@ def test_the_streamed_candidate_computes_what_the_whole_candidate_computes(built
         layers = {int(name.split(".")[2]) for name, kind in peaks.peaks if kind == "output"
                   and re.fullmatch(r"target\.layers\.\d+", name)}
         assert layers == set(range(plan.args.num_hidden_layers))
+    if kept == "held-dense":  # every piece dense: its quantized linears' weights as their blocks compute them
+        assert len(dense) == 4 * len(loader.units())
+        linears = [m for m in dense[1].modules() if type(m).__name__ == "CodesLinear" and not m.embedding]
+        assert linears and all(torch.equal(m.dense[lo:hi], m.dense_rows(lo, hi, torch.float32))
+                               for m in linears for lo, hi in m.row_blocks())
     candidate, generator = compute_copy(modules, torch.float32), torch.Generator().manual_seed(0)
     for window, got in zip(windows, streamed, strict=True):
         want = gates._candidate_window(candidate, window, taps, 4, probe, generator)

@@ -50,6 +50,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from convert.errors import PackageError
 from convert.export.hadamard import SignedHadamard
@@ -268,6 +269,9 @@ class CodesLinear(_SharedTensors):
             return self._lookup(x)
         if self.rotation is not None:
             x = self.rotation(x)
+        dense = self.__dict__.get("dense")
+        if dense is not None and dense.dtype == x.dtype:
+            return F.linear(x, dense, self.bias)
         return blocked_linear(self, x, self.row_blocks(), functools.partial(self.dense_rows, dtype=x.dtype), self.bias)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -289,6 +293,20 @@ class CodesLinear(_SharedTensors):
         bias = [] if self.bias is None else [self.bias]
         return math.ceil(self.shape[0] * self.shape[1] * self.bits / 8) + zero_points + sum(
             t.nbytes for t in [*tables, *rotation, *bias])
+
+
+def dense_products(core: nn.Module) -> None:
+    """Each quantized linear of ``core`` held as codes (``CodesLinear``, not an embedding) computes from its whole
+    weight dequantized once, in the dtype the core computes in (``dense_rows`` a block at a time: the values each
+    block's call takes), for as long as the module lives: a copy computing many calls on an accelerator,
+    whose memory holds a piece's dense weights beside the target's codes (the gate's candidate there,
+    ``verify/gates.py``). The codes stay; packaging never sees such a copy."""
+    for module in core.modules():
+        if isinstance(module, CodesLinear) and not module.embedding:
+            dense = torch.empty(module.shape, dtype=module.compute_dtype, device=module.words.device)
+            for lo, hi in module.row_blocks():
+                dense[lo:hi] = module.dense_rows(lo, hi, module.compute_dtype)
+            module.dense = dense
 
 
 def pack_codes(codes: torch.Tensor, bits: int, name: str = "weight") -> torch.Tensor:

@@ -65,6 +65,7 @@ from convert.errors import InputError, PackageError
 from convert.export.functions import compute_copy
 from convert.export.lockstep import over_sessions
 from convert.export.names import ARGMAX_IDS, LOGITS, TAPS
+from convert.export.quantized import dense_products
 from convert.fp16 import Peaks, device_arithmetic
 from convert.inputs.thresholds import GateThresholds, default_thresholds
 from convert.models import family_of
@@ -470,14 +471,20 @@ class _StreamedCandidate:
         """``work(host, window)`` of every window over a host per window session of the unit's piece (the ane
         layout's buffers carry between calls), its fp16 weights computing in ``compute_dtype`` a block at a
         time, so that the sessions run in step read each block once (``export.lockstep``); one host, in this
-        thread, when ``watched``."""
+        thread, when ``watched`` or on an accelerator. There sessions in step only contend for the interpreter
+        (each call is a few hundred small kernels; at 27B a piece took about 10 s, the candidate 3 h, on an H100:
+        docs/bench-logs/gpu-stages-gate-h100-2026-12-07-candidate.log), so the windows run one after the other
+        and, unwatched, each quantized linear of the piece computes from its weight dequantized once
+        (``export.quantized.dense_products``), not a block at a time each call."""
         windows = self.windows
         piece = compute_copy(self.loader.load([unit])[0], self.compute_dtype, share_weights=True,
                              device=self.torch_device)
-        if not self.watched:
+        if not self.watched and _in_step(self.torch_device):
             hosts = [ModuleFunctions(piece)] + [ModuleFunctions(piece.session()) for _ in windows[1:]]
             over_sessions(len(windows), hosts, work)
             return
+        if not self.watched:  # on an accelerator every call a plain product: the weights dequantized once
+            dense_products(piece.core)
         if self.peaks is not None:
             self.peaks.name({"layers.0": f"layers.{unit.layer_indices[0]}"} if unit.layer_indices else None,
                             own=False, target=piece.core)
@@ -555,6 +562,11 @@ class _StreamedCandidate:
                 buffers[name][...] = value.numpy()
             else:
                 states[name].copy_(value)
+
+
+def _in_step(torch_device: torch.device | None) -> bool:
+    """Whether a streamed candidate's windows run in step (``_StreamedCandidate.each``): on the CPU."""
+    return torch_device is None or torch_device.type == "cpu"
 
 
 def _rows_of(call: _Call, got: dict[str, np.ndarray], tapped: dict[int, np.ndarray], returned: list[int]) -> dict:
