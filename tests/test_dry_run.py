@@ -157,7 +157,7 @@ def test_every_recipe_dry_runs_without_downloading_a_weight(hub, tmp_path):
         assert "quantize (lut4-gptq): 92.5 h | 17 min" in summary  # COST_MODEL's rates at 27B
         assert "gate (16 x 256 tokens): 3.1 h | the reference under a minute, the candidate not measured" in summary
         assert "packaging (14 parts x 2 formats): 2.8 h" in summary
-        assert "range (1 x 256 tokens): not measured | not measured (on 16 CPU cores: 7 min)" in summary
+        assert "range (1 x 256 tokens): not measured | 2 min (one H100; on its 16 CPU cores: 7 min)" in summary
     summary = outputs["bonsai2_27b_dflash2.yaml"]
     assert "quantization exact" in summary and "would be refused" not in summary and "within budget" in summary
 

@@ -84,8 +84,10 @@ GATE_MEASURED_PARAMETERS = 26_895_998_464
 
 # The range stage (``target.rescale``): one fp32 pass, one piece at a time, over the gate's first window of 256 ids,
 # on the 16-core CPU of the device tool's H100 machine (bench/gpu_stages.py, docs/bench-logs/gpu-stages-gate-h100.log):
-# 52 of the 27B's 66 pieces in 346 s, about 439 s for all; not measured on the 2-core machine or on a GPU.
+# 52 of the 27B's 66 pieces in 346 s, about 439 s for all; with ``--device cuda`` on that machine's H100, all 66 in
+# 111.9 s (docs/bench-logs/gpu-stages-gate-h100-2026-12-07-candidate.log); not measured on the 2-core machine.
 RANGE_SECONDS_16_CORES = 439
+RANGE_SECONDS_GPU = 111.9
 
 
 GATE_MEASURED_TOKENS = 16 * (256 + 16)
@@ -132,11 +134,11 @@ def cpu_seconds(plan) -> dict[str, float]:
     return seconds
 
 
-def range_seconds_16_cores(plan) -> float:
-    """The range stage's seconds on 16 CPU cores, scaled from ``RANGE_SECONDS_16_CORES`` by parameters x windows x
-    (length + 1)."""
+def range_seconds(plan, measured: float) -> float:
+    """The range stage's seconds where it took ``measured`` at 27B (``RANGE_SECONDS_16_CORES``,
+    ``RANGE_SECONDS_GPU``), scaled by parameters x windows x (length + 1)."""
     target = plan.recipe.target
-    return RANGE_SECONDS_16_CORES * plan.args.parameter_count / GATE_MEASURED_PARAMETERS * \
+    return measured * plan.args.parameter_count / GATE_MEASURED_PARAMETERS * \
         max(1, target.gate.device_samples) * (target.gate.data.length + 1) / (256 + 1)
 
 

@@ -40,10 +40,12 @@ from convert.pipeline.plan_costs import (
     GATE_REFERENCE_GPU_SECONDS,
     GB,
     GPU_MACHINE,
+    RANGE_SECONDS_16_CORES,
+    RANGE_SECONDS_GPU,
     cpu_seconds,
     drafter_stage_parts,
     gate_scale,
-    range_seconds_16_cores,
+    range_seconds,
     refusal,
 )
 from convert.torch_device import describe
@@ -277,8 +279,9 @@ def time_lines(plan: Plan) -> list[str]:
                      f"{_hours(seconds.get(GPU_MACHINE))}")
     data = target.gate.data
     if target.rescale:
-        lines.append(f"    range ({max(1, target.gate.device_samples)} x {data.length} tokens): not measured | not "
-                     f"measured (on 16 CPU cores: {_hours(range_seconds_16_cores(plan))})")
+        lines.append(f"    range ({max(1, target.gate.device_samples)} x {data.length} tokens): not measured | "
+                     f"{_hours(range_seconds(plan, RANGE_SECONDS_GPU))} (one H100; on its 16 CPU cores: "
+                     f"{_hours(range_seconds(plan, RANGE_SECONDS_16_CORES))})")
     gate, packaging = cpu["gate"], cpu["packaging"]
     lines.append(f"    gate ({data.samples} x {data.length} tokens): {_hours(gate)} | the reference "
                  f"{_hours(GATE_REFERENCE_GPU_SECONDS * gate_scale(plan))}, the candidate not measured (--device)")
