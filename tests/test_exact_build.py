@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from convert.backends import coreai, coreml, mlir_bytecode
 from convert.cli import main
+from convert.export.hadamard import SignedHadamard, as_products
 from convert.verify import gates
 from tests.helpers.prism_packs import edit_json, edit_tensors, write_pack
 from tests.helpers.recipes import gate, tiny_dflash2, tiny_target
@@ -329,6 +330,18 @@ def test_a_parted_build_gates_and_loads_the_same_from_the_packs_view(written, tm
     assert reports[0].metrics == reports[1].metrics and reports[1].passed
     held = HeldTarget(PartLoader(viewed, exact_result(viewed)), torch.device("cpu"))
     assert gates.gate_streamed(viewed, held).metrics == reports[0].metrics
+    # as on an accelerator: one host, the weights dequantized once, the Hadamard rotations as products (fp32's
+    # rounding of another order of sums: the same verdicts, each metric within 1e-4 of the in-step one's)
+    monkeypatch.setattr(gates, "_in_step", lambda _device: False)
+    rotations = []
+    monkeypatch.setattr(gates, "as_products", lambda core: rotations.append(core) or as_products(core))
+    products = gates.gate_streamed(viewed, HeldTarget(PartLoader(viewed, exact_result(viewed)), torch.device("cpu")))
+    assert products.passed and rotations
+    turned = [m for core in rotations for m in core.modules() if isinstance(m, SignedHadamard)]
+    assert turned and all(m.form == "matmul" for m in turned)
+    for got, want in zip(products.metrics, reports[0].metrics, strict=True):
+        assert got.name == want.name and got.passed == want.passed
+        assert abs(got.value - want.value) <= 1e-4 * max(1.0, abs(want.value)), (got, want)
     for a, b in zip(*(PartLoader(p, exact_result(p)).load(p.parts) for p in (stored, viewed)), strict=True):
         state_a, state_b = a.core.state_dict(), b.core.state_dict()
         assert state_a.keys() == state_b.keys()

@@ -81,6 +81,18 @@ class SignedHadamard(nn.Module):
         return (butterflies(blocks, self.block) * (1 / math.sqrt(self.block))).flatten(-2)
 
 
+def as_products(core: nn.Module) -> None:
+    """Each ``SignedHadamard`` of ``core`` computed as one product by its block's matrix (the ``matmul`` form): on an
+    accelerator one kernel where the butterflies launch 31 (a compute copy's Python dispatch is what its calls wait
+    on there), the same transform within fp32's rounding (the module docstring: at the floor in torch). For an fp32
+    compute copy on an accelerator (the gate's candidate, ``verify/gates.py``), never a package: the butterflies
+    ship."""
+    for module in core.modules():
+        if isinstance(module, SignedHadamard) and module.form != "matmul":
+            module.register_buffer("hadamard", hadamard(module.block).float().to(module.signs.device))
+            module.form = "matmul"
+
+
 def check_signs(signs: torch.Tensor) -> None:
     if signs.dim() != 1 or signs.numel() == 0:
         raise ValueError(f"signs must be one vector of the input width, not a tensor of shape {list(signs.shape)}")

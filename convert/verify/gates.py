@@ -63,6 +63,7 @@ import torch
 
 from convert.errors import InputError, PackageError
 from convert.export.functions import compute_copy
+from convert.export.hadamard import as_products
 from convert.export.lockstep import over_sessions
 from convert.export.names import ARGMAX_IDS, LOGITS, TAPS
 from convert.export.quantized import dense_products
@@ -471,11 +472,14 @@ class _StreamedCandidate:
         """``work(host, window)`` of every window over a host per window session of the unit's piece (the ane
         layout's buffers carry between calls), its fp16 weights computing in ``compute_dtype`` a block at a
         time, so that the sessions run in step read each block once (``export.lockstep``); one host, in this
-        thread, when ``watched`` or on an accelerator. There sessions in step only contend for the interpreter
-        (each call is a few hundred small kernels; at 27B a piece took about 10 s, the candidate 3 h, on an H100:
-        docs/bench-logs/gpu-stages-gate-h100-2026-12-07-candidate.log), so the windows run one after the other
-        and, unwatched, each quantized linear of the piece computes from its weight dequantized once
-        (``export.quantized.dense_products``), not a block at a time each call."""
+        thread, when ``watched`` or on an accelerator. There each call is a few hundred small kernels, which the
+        interpreter dispatches for every session in turn, so sessions in step gain nothing (at 27B a piece took about
+        10 s, the candidate 3 h, on an H100: docs/bench-logs/gpu-stages-gate-h100-2026-12-07-candidate.log; py-spy
+        found the Hadamard butterflies, the step's barrier and the host's row lookups on top,
+        docs/bench-logs/gpu-stages-candidate-pyspy-h100-2026-12-07.txt): the windows run one after the other and,
+        unwatched, with fewer, larger kernels: each quantized linear of the piece from its weight dequantized once
+        (``export.quantized.dense_products``), each Walsh-Hadamard rotation as one product
+        (``export.hadamard.as_products``)."""
         windows = self.windows
         piece = compute_copy(self.loader.load([unit])[0], self.compute_dtype, share_weights=True,
                              device=self.torch_device)
@@ -483,8 +487,9 @@ class _StreamedCandidate:
             hosts = [ModuleFunctions(piece)] + [ModuleFunctions(piece.session()) for _ in windows[1:]]
             over_sessions(len(windows), hosts, work)
             return
-        if not self.watched:  # on an accelerator every call a plain product: the weights dequantized once
+        if not self.watched:  # on an accelerator fewer, larger kernels: the weights dequantized once, H a product
             dense_products(piece.core)
+            as_products(piece.core)
         if self.peaks is not None:
             self.peaks.name({"layers.0": f"layers.{unit.layer_indices[0]}"} if unit.layer_indices else None,
                             own=False, target=piece.core)
