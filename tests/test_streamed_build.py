@@ -89,9 +89,12 @@ def test_the_weights_read_back_from_the_cache_are_the_ones_returned(built):
 
 # watched: the windows one after the other on one host. kept: the states between passes on disk, in memory, or in
 # memory with the pieces views of the whole target held as its codes (``HeldTarget``, here on the CPU); "held-dense":
-# that, computed as on an accelerator (one host, each piece's weights dequantized once: ``dense_products``)
-@pytest.mark.parametrize("watched, kept", [(False, "disk"), (True, "memory"), (False, "held"), (False, "held-dense")])
-@pytest.mark.parametrize("built", ["hybrid", "hybrid-ane"], indirect=True)  # the commit-next-call contract
+# that, computed as on an accelerator (one host, each piece's weights dequantized once: ``dense_products``), in the
+# release layout only. Both fixtures have the commit-next-call contract.
+@pytest.mark.parametrize("built, watched, kept", [
+    *((built, watched, kept) for built in ("hybrid", "hybrid-ane")
+      for watched, kept in ((False, "disk"), (True, "memory"), (False, "held"))),
+    ("hybrid-ane", False, "held-dense")], indirect=["built"])
 def test_the_streamed_candidate_computes_what_the_whole_candidate_computes(built, watched, kept, monkeypatch):
     plan, modules, loader, *_ = built
     if kept == "held-dense":
