@@ -100,18 +100,28 @@ def calls_stage(plan, phases: Phases) -> dict:
     (measured on both CPU kinds: the GPU machine has no runtime to ask). Returns each part's call count and the last
     part's largest logit."""
     from convert.pipeline import build
-    from convert.weights.shipped import PartLoader
 
     _without_coreai_torch()
     result, scales = shipped(plan, phases)
+    calls = every_parts_calls(plan, result, scales, phases, functools.partial(build.record_part, rounds=True))
+    last = calls[-1][-1][2]
+    return {"calls": {part.name: len(c) for part, c in zip(plan.parts, calls, strict=True)},
+            "largest_logit": float(abs(last["logits"]).max()) if "logits" in last else None}
+
+
+def every_parts_calls(plan, result, scales, phases: Phases, record) -> list[list]:
+    """Each part's package-check calls, one part after the other on the rows the previous part returned, each timed:
+    ``record`` is ``build.record_part`` or a call of it (in a fresh process, say)."""
+    from convert.pipeline import build
+    from convert.weights.shipped import PartLoader
+
     schedule = build.short_schedule_inputs(PartLoader(plan, result, scales), plan.args.vocab_size)
-    rows, counts, last = [None] * len(schedule), {}, None
+    rows, calls = [None] * len(schedule), []
     for index, part in enumerate(plan.parts):
-        calls, rows = phases.run(f"calls {part.name}", functools.partial(
-            build.record_part, plan, result, index, schedule, rows, scales, rounds=True))
-        counts[part.name] = len(calls)
-        last = calls[-1][2]
-    return {"calls": counts, "largest_logit": float(abs(last["logits"]).max()) if "logits" in last else None}
+        part_calls, rows = phases.run(f"calls {part.name}", functools.partial(
+            record, plan, result, index, schedule, rows, scales))
+        calls.append(part_calls)
+    return calls
 
 
 def _without_coreai_torch() -> None:
@@ -145,24 +155,18 @@ def package_stage(plan, phases: Phases, work: Path) -> dict:
     a time, each in a fresh process as the pool runs it (``package_pool.package_job``, no build cache), its seconds,
     its process's peak (``VmHWM``) and its package's bytes appended to ``package-jobs.json`` in ``work`` as it ends. A
     job with a row is not run again and the calls file is read back: a stage longer than one command resumes (from the
-    same code: the rows do not say which). Returns the rows."""
+    same code: the rows do not say which). Returns the jobs' count, the measured rows' count and their seconds."""
     from bench.release_rehearsal import du
     from convert.cache import BuildCache
     from convert.pipeline import build, package_pool
     from convert.processes import in_fresh_process
-    from convert.weights.shipped import PartLoader
 
     result, scales = shipped(plan, phases)
     saved, rows_file = work / "calls.pt", work / "package-jobs.json"
     if saved.is_file():
         calls = torch.load(saved, weights_only=False)
     else:
-        schedule = build.short_schedule_inputs(PartLoader(plan, result, scales), plan.args.vocab_size)
-        rows, calls = [None] * len(schedule), []
-        for index, part in enumerate(plan.parts):
-            part_calls, rows = phases.run(f"calls {part.name}", functools.partial(
-                in_fresh_process, build.record_part, plan, result, index, schedule, rows, scales))
-            calls.append(part_calls)
+        calls = every_parts_calls(plan, result, scales, phases, functools.partial(in_fresh_process, build.record_part))
         torch.save(calls, saved)
     done = json.loads(rows_file.read_text()) if rows_file.is_file() else {}
     jobs = package_pool.jobs_of(plan)
