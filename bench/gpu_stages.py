@@ -50,7 +50,7 @@ from bench.common import arguments, write_json
 from bench.scale_build import _status
 from bench.torch_device import _peak_gib
 
-STAGES = ("gate", "calls", "package")
+STAGES = ("gate", "calls", "package", "drafter")
 
 
 class Phases:
@@ -189,6 +189,38 @@ def package_stage(plan, phases: Phases, work: Path) -> dict:
     return {"jobs": len(jobs), "measured": len(done), "seconds": round(sum(r["seconds"] for r in done.values()), 1)}
 
 
+def drafter_stage(plan, phases: Phases) -> dict:
+    """The drafter stage's torch phases (``drafter_build.build_drafter`` up to its packaging), each timed; a phase
+    that raises (the device pass's ``GateError`` on seeded weights, say) is recorded with its message."""
+    from convert.models.part import Part
+    from convert.pipeline import drafter_accept, drafter_build
+    from convert.weights.shipped import PartLoader
+
+    result, scales = shipped(plan, phases)
+    loader = PartLoader(plan, result, scales)
+
+    def lean_whole():
+        return loader.load([Part.whole(plan.args)], lean=True)[0]
+
+    target = phases.run("load the whole target as its codes", lean_whole)
+    target32 = phases.run("stage copy", lambda: drafter_build.stage_copy(plan, target))
+    modules, fp16_modules, quantization = phases.run("shipped drafter", lambda: drafter_build.shipped_drafter(
+        plan, target, target32, lambda: lean_whole().core.layers))
+    if not len(target32.core.layers):  # let go while GPTQ ran: made again, as build_drafter does
+        target32 = phases.run("stage copy again", lambda: drafter_build.stage_copy(plan, target))
+    held_out = drafter_build.held_out_prompts(plan)
+    acceptance, _ = phases.run("held-out acceptance", lambda: drafter_build.measure_held_out(
+        plan, target, target32, modules, fp16_modules, held_out))
+    verdict = {"tokens_per_round": acceptance.get("tokens_per_round"),
+               "quantization": None if quantization is None else quantization.get("method")}
+    try:
+        phases.run("device pass", lambda: drafter_accept.device_pass(plan, target, target32, modules, held_out[0][0],
+                                                                      plan.drafter.config.accept.tokens))
+    except Exception as error:  # noqa: BLE001 - the seeded pair's verdict is recorded, the time was spent
+        verdict["device_pass"] = f"{type(error).__name__}: {error}"
+    return verdict
+
+
 def _timed_job(*args):
     """``package_pool.package_job`` in its process; its package and the process's peak resident bytes."""
     from convert.pipeline.package_pool import package_job
@@ -205,11 +237,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=64, help="the pack's first layers (a quick rehearsal)")
     parser.add_argument("--host-memory-gb", type=float, default=None,
                         help="the recipe's target.max_host_memory_gb (default the recipe's own)")
+    parser.add_argument("--calibration-samples", type=int, default=None,
+                        help="the drafter stage's GPTQ calibration prompts (default the recipe's)")
     parser.add_argument("--no-range", action="store_true",
                         help="skip the range stage, its scales the identity (what it measures on the seeded pack)")
     options = parser.parse_args()
 
-    from bench.release_rehearsal import PACK_REPO, PACK_REVISION, RECIPE, du, snapshot_dir, write_pack
+    from bench import release_rehearsal as seeded
+
+    with_drafter = options.stage == "drafter"
+    if with_drafter and options.layers < 64:
+        parser.error("--stage drafter needs the pack's 64 layers (the drafter's taps reach layer 61)")
 
     work = options.workdir.resolve()
     cache = work / "hf-cache"
@@ -225,25 +263,33 @@ def main() -> None:
                     "device": describe(device), "stage": options.stage, "phases": phases.rows}
     written = work / f"pack-{options.layers}-layers.written"
     if not written.is_file():  # a resumed stage keeps the pack its first command wrote
-        phases.run("write the pack", lambda: write_pack(snapshot_dir(cache, PACK_REPO, PACK_REVISION),
-                                                        layers=options.layers))
+        pack = seeded.snapshot_dir(cache, seeded.PACK_REPO, seeded.PACK_REVISION)
+        phases.run("write the pack", lambda: seeded.write_pack(pack, layers=options.layers))
         written.touch()
+    if with_drafter and not (work / "drafter.written").is_file():
+        checkpoint = seeded.snapshot_dir(cache, seeded.DRAFTER_REPO, seeded.DRAFTER_REVISION)
+        phases.run("write the drafter", lambda: seeded.write_drafter(checkpoint))
+        (work / "drafter.written").touch()
     import yaml
 
-    recipe = yaml.safe_load(RECIPE.read_text())
-    recipe.pop("drafter", None)  # the target's stages: the drafter's checkpoint is not written
+    recipe = yaml.safe_load(seeded.RECIPE.read_text())
+    if not with_drafter:
+        recipe.pop("drafter", None)  # the target's stages: the drafter's checkpoint is not written
+    elif options.calibration_samples:
+        recipe["drafter"]["quantization"]["calibration"] = {"samples": options.calibration_samples}
     contract = recipe["target"]["contract"]
     contract["text_config.layer_types"] = contract["text_config.layer_types"][:options.layers]
     contract["text_config.num_hidden_layers"] = options.layers
     recipe["target"]["taps"] = [t for t in recipe["target"]["taps"] if t < options.layers] or [0]
     if options.host_memory_gb:
         recipe["target"]["max_host_memory_gb"] = options.host_memory_gb
-    target_only = work / RECIPE.name
-    target_only.write_text(yaml.safe_dump(recipe))
-    plan = phases.run("plan", lambda: make_plan(target_only, str(work / "bundle"), torch_device=device))
-    stages = {"gate": gate_stage, "calls": calls_stage, "package": functools.partial(package_stage, work=work)}
+    planned = work / seeded.RECIPE.name
+    planned.write_text(yaml.safe_dump(recipe))
+    plan = phases.run("plan", lambda: make_plan(planned, str(work / "bundle"), torch_device=device))
+    stages = {"gate": gate_stage, "calls": calls_stage, "package": functools.partial(package_stage, work=work),
+              "drafter": drafter_stage}
     result["verdict"] = stages[options.stage](plan, phases)
-    result["disk"] = {"hf_cache": du(cache), "build_cache": du(work / "cache")}
+    result["disk"] = {"hf_cache": seeded.du(cache), "build_cache": seeded.du(work / "cache")}
     print(result["verdict"], result["disk"], flush=True)
     write_json(options.json, result)
 
