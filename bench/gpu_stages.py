@@ -138,9 +138,10 @@ def _without_coreai_torch() -> None:
     if importlib.util.find_spec("coreai_torch") is not None:
         return
 
-    def held(q):
+    def held(q):  # the codes under coreai-torch's names (``QuantizedLinear.quantized_weight`` reads them)
         module = nn.Module()
-        for name in ("codes", "scale", "zero_point", "lut"):
+        module.register_buffer("indices" if q.method == "lut4" else "quantized_data", q.codes.contiguous())
+        for name in ("scale", "zero_point", "lut"):
             if getattr(q, name) is not None:
                 module.register_buffer(name, getattr(q, name).contiguous())
         return module
