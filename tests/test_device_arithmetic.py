@@ -116,12 +116,14 @@ class Block(nn.Module):
         return x + self.down(self.up(x))
 
 
-def test_peaks_name_the_module_that_computed_each_value():
+@pytest.mark.parametrize("hold", [False, True], ids=["read-at-once", "held-until-read"])
+def test_peaks_name_the_module_that_computed_each_value(hold):
+    """Read at once (the CPU's) or held as tensors until read (an accelerator's: ``Peaks.hold``), the same peaks."""
     torch.manual_seed(0)
     model = nn.Sequential(Block(), Block()).half()
     with torch.no_grad():
         model[1].up.weight.mul_(1000.0)
-    peaks = Peaks(only=HALF, m=model)
+    peaks = Peaks(only=HALF, hold=hold, m=model)
     x = torch.ones(2, 8, dtype=HALF)
     with torch.no_grad(), device_arithmetic("ane", peaks):
         model(x)
@@ -135,7 +137,11 @@ def test_peaks_name_the_module_that_computed_each_value():
     assert all(kind in Peaks.KINDS for _, kind in peaks.peaks)
 
 
-def test_peaks_count_values_past_fp16():
-    peaks = Peaks(only=HALF, m=nn.Identity())
+@pytest.mark.parametrize("hold", [False, True], ids=["read-at-once", "held-until-read"])
+def test_peaks_count_values_past_fp16(hold):
+    peaks = Peaks(only=HALF, hold=hold, m=nn.Identity())
     peaks.note("output", torch.tensor([1.0, FP16_MAX, math.inf, -math.inf], dtype=HALF), "x")
-    assert peaks.peaks[("x", "output")] == FP16_MAX and peaks.nonfinite[("x", "output")] == 2
+    peaks.note("output", torch.tensor([2.0, math.nan], dtype=HALF), "x")
+    peaks.note("output", torch.tensor([3.0], dtype=HALF), "y")
+    assert peaks.peaks == {("x", "output"): FP16_MAX, ("y", "output"): 3.0}
+    assert peaks.nonfinite == {("x", "output"): 3}
