@@ -80,14 +80,18 @@ DRAFTER_PHASES = ("drafter stage: range, calibration, GPTQ, plain greedy, accept
 
 def _pair_plan(tmp_path: Path, samples: int = 4, tokens: int = 32):
     """The dense fixture with its trained DFlash2 drafter (``recipes/tiny_qwen3_dflash2.yaml``, lut4-gptq), its
-    drafter's calibration and acceptance cut to ``samples`` prompts of 64 tokens and ``tokens`` generated."""
+    drafter's calibration (on the validation split) and acceptance cut to ``samples`` prompts of 64 tokens and
+    ``tokens`` generated."""
     from convert.pipeline.plan import make_plan
 
     recipe = tmp_path / "pair.yaml"
     text = (ROOT / "recipes" / "tiny_qwen3_dflash2.yaml").read_text().replace("path:../fixtures",
                                                                               f"path:{ROOT / 'fixtures'}")
     cut = f"samples: {samples}, length: 64, tokens: {tokens}"
-    recipe.write_text(text.replace("{method: lut4-gptq}", f"{{method: lut4-gptq, calibration: {{{cut}}}}}")
+    # calibrated on the shipped validation split: the train split is this Python's stdlib, which the device
+    # machine's Python 3.12 refuses to claim as the corpus the fixture's manifest names
+    recipe.write_text(text.replace("{method: lut4-gptq}",
+                                   f"{{method: lut4-gptq, calibration: {{corpus: 'fixture:validation', {cut}}}}}")
                       .replace("accept: {samples: 8, length: 64, tokens: 64}", f"accept: {{{cut}}}"))
     plan = make_plan(recipe, tmp_path / "out", tmp_path / "cache")
     assert plan.drafter.config.quantization.uses_gptq and plan.drafter.config.accept.samples == samples
