@@ -50,7 +50,7 @@ from bench.common import arguments, write_json
 from bench.scale_build import _status
 from bench.torch_device import _peak_gib
 
-STAGES = ("gate", "calls", "package", "drafter")
+STAGES = ("gate", "calls", "package", "drafter", "drafter-package")
 
 
 class Phases:
@@ -222,6 +222,56 @@ def drafter_stage(plan, phases: Phases) -> dict:
     return verdict
 
 
+def drafter_package_stage(plan, phases: Phases, work: Path) -> dict:
+    """The drafter's (format) jobs as ``drafter_build.build_drafter`` packages them after its torch phases: its
+    modules over the lean target (round to nearest in place of GPTQ, see the module docstring), the check's calls
+    (``drafter_calibration.recorded_calls`` on the first held-out prompt), ``packaged_from_codes``, the target's
+    decoder layers let go, then each format alone (``package_formats``, no build cache) with its seconds, its check's
+    seconds, the process's peak so far and the package's bytes."""
+    from bench.release_rehearsal import du
+    from convert.cache import BuildCache
+    from convert.export.quantized import packaged_from_codes
+    from convert.models.part import Part
+    from convert.pipeline import drafter, drafter_build, drafter_calibration
+    from convert.pipeline.packaging import package_formats
+    from convert.weights.shipped import PartLoader
+
+    result, scales = shipped(plan, phases)
+    dplan, quant = plan.drafter, plan.drafter.config.quantization
+    target = phases.run("load the whole target as its codes", lambda: PartLoader(plan, result, scales).load(
+        [Part.whole(plan.args)], lean=True)[0])
+    modules = phases.run("load the drafter", lambda: drafter.build_modules(dplan, plan.recipe, target,
+                                                                           torch.float16))
+    rounded = quant.model_copy(update={"method": quant.format})  # lut4-gptq's format, rounded to nearest
+    phases.run(f"quantize the drafter ({rounded.method}, round to nearest)",
+               lambda: drafter_calibration.quantize(modules, rounded))
+    prompt = drafter_build.held_out_prompts(plan)[0][0][:drafter_build.CHECK_PROMPT_TOKENS]
+    calls = phases.run("the check's recorded calls", lambda: drafter_calibration.recorded_calls(
+        dplan.kind, target, modules, prompt, drafter_build.CHECK_GENERATED, drafter.anchor_table(target)))
+    packaged_from_codes(modules.core)
+    target.core.layers = torch.nn.ModuleList()
+    stem = f"{dplan.kind}_{quant.method}"
+    rows_file = work / "drafter-jobs.json"
+    done = json.loads(rows_file.read_text()) if rows_file.is_file() else {}
+    for name in plan.recipe.backends:
+        if name in done:
+            continue
+        out = work / "drafter-job"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        started = time.perf_counter()
+        (packaged,) = package_formats([name], modules, out, stem, calls, BuildCache(enabled=False),
+                                      side_by_side=False)
+        done[name] = {"format": name, "seconds": round(time.perf_counter() - started, 1),
+                      "check_seconds": round(packaged.check_seconds, 1),
+                      "host_peak_gib_so_far": round(_status(os.getpid())["VmHWM"] / 2**30, 2),
+                      "package_bytes": du(packaged.path), "calls": len(calls)}
+        print(f"drafter {name} package", done[name], flush=True)
+        rows_file.write_text(json.dumps(done, indent=1))
+        shutil.rmtree(out)
+    return {"jobs": len(plan.recipe.backends), "measured": len(done)}
+
+
 def _timed_job(*args):
     """``package_pool.package_job`` in its process; its package and the process's peak resident bytes."""
     from convert.pipeline.package_pool import package_job
@@ -246,9 +296,9 @@ def main() -> None:
 
     from bench import release_rehearsal as seeded
 
-    with_drafter = options.stage == "drafter"
+    with_drafter = options.stage.startswith("drafter")
     if with_drafter and options.layers < 64:
-        parser.error("--stage drafter needs the pack's 64 layers (the drafter's taps reach layer 61)")
+        parser.error(f"--stage {options.stage} needs the pack's 64 layers (the drafter's taps reach layer 61)")
 
     work = options.workdir.resolve()
     cache = work / "hf-cache"
@@ -288,7 +338,7 @@ def main() -> None:
     planned.write_text(yaml.safe_dump(recipe))
     plan = phases.run("plan", lambda: make_plan(planned, str(work / "bundle"), torch_device=device))
     stages = {"gate": gate_stage, "calls": calls_stage, "package": functools.partial(package_stage, work=work),
-              "drafter": drafter_stage}
+              "drafter": drafter_stage, "drafter-package": functools.partial(drafter_package_stage, work=work)}
     result["verdict"] = stages[options.stage](plan, phases)
     result["disk"] = {"hf_cache": seeded.du(cache), "build_cache": seeded.du(work / "cache")}
     print(result["verdict"], result["disk"], flush=True)
