@@ -73,10 +73,13 @@ def drafter_stage_parts(plan) -> str:
 # -gate-streamed-reference.md): the candidate about 2.25 h and the streamed reference 3,022 s, about 3.1 h, for
 # 26,895,998,464 parameters over 16 windows of 256 tokens and 16 greedy tokens; scaled by parameters x windows x
 # (length + greedy). On one GPU (``build --device cuda``, docs/lab/2026-12-06-torch-stages-on-a-gpu.md): the
-# reference 40.7 s on one H200; the candidate not measured there.
+# reference 40.7 s on one H200; the candidate on one H100, its windows one after the other on one host
+# (docs/bench-logs/gpu-stages-gate-h100-2026-12-07-one-host.log): 46 of its 1,056 loads in 240 s, about 5,510 s for
+# all (measured before its Hadamard matrices were made once; not run to its end: longer than one 10-minute command).
 GATE_REFERENCE_CPU_SECONDS = 3022
 GATE_CANDIDATE_CPU_SECONDS = 2.25 * 3600
 GATE_REFERENCE_GPU_SECONDS = 40.7
+GATE_CANDIDATE_GPU_SECONDS = 240 / 46 * 1056
 
 
 GATE_MEASURED_PARAMETERS = 26_895_998_464

@@ -37,6 +37,7 @@ from convert.pipeline.partition import (
 from convert.pipeline.plan import Plan, host_buffer_names, make_plan, planned_recipe, torch_stages
 from convert.pipeline.plan_costs import (
     CPU_MACHINE,
+    GATE_CANDIDATE_GPU_SECONDS,
     GATE_REFERENCE_GPU_SECONDS,
     GB,
     GPU_MACHINE,
@@ -284,7 +285,8 @@ def time_lines(plan: Plan) -> list[str]:
                      f"{_hours(range_seconds(plan, RANGE_SECONDS_16_CORES))})")
     gate, packaging = cpu["gate"], cpu["packaging"]
     lines.append(f"    gate ({data.samples} x {data.length} tokens): {_hours(gate)} | the reference "
-                 f"{_hours(GATE_REFERENCE_GPU_SECONDS * gate_scale(plan))}, the candidate not measured (--device)")
+                 f"{_hours(GATE_REFERENCE_GPU_SECONDS * gate_scale(plan))}, the candidate "
+                 f"{_hours(GATE_CANDIDATE_GPU_SECONDS * gate_scale(plan))} (one H100, --device cuda)")
     lines.append(f"    packaging ({len(plan.parts)} part{'s' if len(plan.parts) > 1 else ''} x "
                  f"{len(plan.recipe.backends)} formats): {_hours(packaging)} | the same (the converters run on the "
                  "CPU)")
