@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from convert.cli import main
 from convert.errors import InputError
 from convert.pipeline import build
-from convert.processes import FreshPool, in_fresh_process, in_fresh_processes
+from convert.processes import in_fresh_process, in_fresh_processes
 from tests.helpers.pool_calls import refuse_or_mark, slept
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,28 +60,6 @@ def test_a_pool_call_that_fails_is_named_and_stops_the_calls_not_started(tmp_pat
     with pytest.raises(InputError, match="^part head, coreml package: head: refused$"):
         in_fresh_processes(refuse_or_mark, calls, [f"part {n}, coreml package" for n, _ in calls], 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["embed"]
-
-
-def test_a_pool_takes_calls_added_while_it_runs_and_keeps_its_width():
-    """Calls added while the first runs (the drafter's jobs after the target's) share the pool: the third call
-    waits for a free process of the two, and each call's results come back to whoever added it."""
-    with FreshPool(2, one_each=True) as pool:  # a sleeps long enough for c's process to start on a slow machine
-        first = pool.add(slept, [(4.0, 1), (0.0, 2)], ["a", "b"])
-        later = pool.add(slept, [(0.0, 3)], ["c"])
-        assert [value for value, *_ in pool.results(later)] == [3]
-        (a, _, a_start, a_end), (_, _, _, b_end) = pool.results(first)
-    assert a == 1 and b_end < a_end
-    assert pool.results(later)[0][2] >= b_end  # c started when b's process was free, while a still slept
-    assert pool.results(later)[0][2] < a_end
-
-
-def test_a_pool_call_that_fails_stops_the_calls_added_later(tmp_path):
-    with FreshPool(1) as pool:
-        pool.add(refuse_or_mark, [("head", str(tmp_path))], ["part head, coreai package"])
-        later = pool.add(refuse_or_mark, [("embed", str(tmp_path))], ["drafter, coreai package"])
-        with pytest.raises(InputError, match="^part head, coreai package: head: refused$"):
-            pool.results(later)
-    assert list(tmp_path.iterdir()) == []
 
 
 def _build(tmp_path: Path, name: str) -> dict:
