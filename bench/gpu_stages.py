@@ -190,19 +190,22 @@ def package_stage(plan, phases: Phases, work: Path) -> dict:
     return {"jobs": len(jobs), "measured": len(done), "seconds": round(sum(r["seconds"] for r in done.values()), 1)}
 
 
+def whole_target(plan, result, scales):
+    """The whole target loaded as the drafter stage holds it (``build._build_parts``'s ``lean_whole``): its quantized
+    weights as packed codes."""
+    from convert.models.part import Part
+    from convert.weights.shipped import PartLoader
+
+    return PartLoader(plan, result, scales).load([Part.whole(plan.args)], lean=True)[0]
+
+
 def drafter_stage(plan, phases: Phases) -> dict:
     """The drafter stage's torch phases (``drafter_build.build_drafter`` up to its packaging), each timed; a phase
     that raises (the device pass's ``GateError`` on seeded weights, say) is recorded with its message."""
-    from convert.models.part import Part
     from convert.pipeline import drafter_accept, drafter_build
-    from convert.weights.shipped import PartLoader
 
     result, scales = shipped(plan, phases)
-    loader = PartLoader(plan, result, scales)
-
-    def lean_whole():
-        return loader.load([Part.whole(plan.args)], lean=True)[0]
-
+    lean_whole = functools.partial(whole_target, plan, result, scales)
     target = phases.run("load the whole target as its codes", lean_whole)
     target32 = phases.run("stage copy", lambda: drafter_build.stage_copy(plan, target))
     modules, fp16_modules, quantization = phases.run("shipped drafter", lambda: drafter_build.shipped_drafter(
@@ -231,15 +234,12 @@ def drafter_package_stage(plan, phases: Phases, work: Path) -> dict:
     from bench.release_rehearsal import du
     from convert.cache import BuildCache
     from convert.export.quantized import packaged_from_codes
-    from convert.models.part import Part
     from convert.pipeline import drafter, drafter_build, drafter_calibration
     from convert.pipeline.packaging import package_formats
-    from convert.weights.shipped import PartLoader
 
     result, scales = shipped(plan, phases)
     dplan, quant = plan.drafter, plan.drafter.config.quantization
-    target = phases.run("load the whole target as its codes", lambda: PartLoader(plan, result, scales).load(
-        [Part.whole(plan.args)], lean=True)[0])
+    target = phases.run("load the whole target as its codes", lambda: whole_target(plan, result, scales))
     modules = phases.run("load the drafter", lambda: drafter.build_modules(dplan, plan.recipe, target,
                                                                            torch.float16))
     rounded = quant.model_copy(update={"method": quant.format})  # lut4-gptq's format, rounded to nearest
@@ -250,7 +250,7 @@ def drafter_package_stage(plan, phases: Phases, work: Path) -> dict:
         dplan.kind, target, modules, prompt, drafter_build.CHECK_GENERATED, drafter.anchor_table(target)))
     packaged_from_codes(modules.core)
     target.core.layers = torch.nn.ModuleList()
-    stem = f"{dplan.kind}_{quant.method}"
+    stem = drafter_build.package_stem(dplan)
     rows_file = work / "drafter-jobs.json"
     done = json.loads(rows_file.read_text()) if rows_file.is_file() else {}
     for name in plan.recipe.backends:

@@ -309,8 +309,7 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
     del fp16_modules  # the A/B's reference (the drafter's fp16 weights) is not packaged
     target.core.layers = torch.nn.ModuleList()
     packages = []
-    method = dplan.config.quantization.method
-    stem = f"{dplan.kind}_{'fp16' if method == 'none' else method}"  # as forge names it: dflash2_lut4.aimodel
+    stem = package_stem(dplan)
 
     for done in package_formats(plan.recipe.backends, modules, out, stem, calls, cache):
         packages.append(package_entry(done.format, done.path, out, done.check, done.compiled))
@@ -319,6 +318,12 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
                          quantization, acceptance, ab)
     (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
     return manifest
+
+
+def package_stem(dplan) -> str:
+    """The drafter's packages' file stem, as forge names them: ``dflash2_lut4`` (``dflash2_fp16`` unquantized)."""
+    method = dplan.config.quantization.method
+    return f"{dplan.kind}_{'fp16' if method == 'none' else method}"
 
 
 def _write_extras(dplan, modules, out: Path) -> list[dict]:
