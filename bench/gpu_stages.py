@@ -9,6 +9,7 @@ functions for ``--stage``:
   (``build.exact_result``), then the streamed gate (``gates.gate_streamed``) with each of its passes timed through its
   ``keep`` (``candidate``: the fp32 candidate and its 16 greedy passes; ``device``: the device pass in the layout's
   arithmetic; ``reference``: the transformers reference), and the gate's verdict.
+  ``--gate-pass candidate`` or ``device`` times that pass alone (the 27B's passes each fit one command).
 - ``calls``: the range scales, then every part's package-check calls (``calls_stage``) on the torch device, timed a
   part at a time (without coreai-torch, as on the GPU machine: ``_without_coreai_torch``).
 - ``package``: the packaging stage on the host's cores (``package_stage``): every part's calls recorded, then every
@@ -81,14 +82,34 @@ def shipped(plan, phases: Phases):
     return phases.run("pack weights", lambda: build.exact_result(plan, scales)), scales
 
 
-def gate_stage(plan, phases: Phases) -> dict:
+GATE_PASSES = ("all", "candidate", "device")
+
+
+class _PassDone(Exception):
+    """The one gate pass asked for (``--gate-pass``) is timed: the gate stops there."""
+
+
+def gate_stage(plan, phases: Phases, only: str = "all") -> dict:
+    """The streamed gate, each pass timed; ``only`` (``--gate-pass``): that pass alone (``candidate``: the fp32
+    candidate; ``device``: the device pass, which needs nothing of the candidate's), the gate stopped after it, so that
+    each of the 27B's passes fits one command of the GPU machine."""
     from convert.pipeline import build
     from convert.verify import gates
 
+    def keep(name: str, compute):
+        if only == "all":
+            return phases.run(name, compute)
+        if name != only:
+            return None
+        phases.run(name, compute)
+        raise _PassDone
+
     result, scales = shipped(plan, phases)
     loader = phases.run("hold the target", lambda: build.gate_loader(plan, result, scales))
-    report = phases.run("gate", lambda: gates.gate_streamed(plan, loader,
-                                                            keep=lambda name, compute: phases.run(name, compute)))
+    try:
+        report = phases.run("gate", lambda: gates.gate_streamed(plan, loader, keep=keep))
+    except _PassDone:
+        return {"pass": only, "seconds": phases.rows[only]["seconds"]}
     return {"passed": report.passed, "metrics": {m.name: m.value for m in report.metrics},
             "device_passed": report.device.passed if report.device else None}
 
@@ -290,6 +311,8 @@ def main() -> None:
                         help="the recipe's target.max_host_memory_gb (default the recipe's own)")
     parser.add_argument("--calibration-samples", type=int, default=None,
                         help="the drafter stage's GPTQ calibration prompts (default the recipe's)")
+    parser.add_argument("--gate-pass", choices=GATE_PASSES, default="all",
+                        help="one pass of the gate to time, the gate stopped after it (default: all, and the verdict)")
     parser.add_argument("--no-range", action="store_true",
                         help="skip the range stage, its scales the identity (what it measures on the seeded pack)")
     options = parser.parse_args()
@@ -337,7 +360,8 @@ def main() -> None:
     planned = work / seeded.RECIPE.name
     planned.write_text(yaml.safe_dump(recipe))
     plan = phases.run("plan", lambda: make_plan(planned, str(work / "bundle"), torch_device=device))
-    stages = {"gate": gate_stage, "calls": calls_stage, "package": functools.partial(package_stage, work=work),
+    stages = {"gate": functools.partial(gate_stage, only=options.gate_pass), "calls": calls_stage,
+              "package": functools.partial(package_stage, work=work),
               "drafter": drafter_stage, "drafter-package": functools.partial(drafter_package_stage, work=work)}
     result["verdict"] = stages[options.stage](plan, phases)
     result["disk"] = {"hf_cache": seeded.du(cache), "build_cache": seeded.du(work / "cache")}

@@ -64,22 +64,26 @@ def test_ane_greedy_equals_stateful_and_its_history_the_states(tmp_path):
         assert np.abs(states[state][:, :, :used] - history[buffer][:, :, :used]).max() < 1e-5
 
 
-def test_host_buffers_write_rows_at_positions_and_ring_slots():
+@pytest.mark.parametrize("on", [None, torch.device("cpu")], ids=["numpy", "tensors"])
+def test_host_buffers_write_rows_at_positions_and_ring_slots(on):
+    """``on``: the buffers held as tensors (``HostOwned.on``), the rows returned as tensors."""
     spec = FunctionSpec("step", (TensorSpec("position_ids", (1, 3), "int32"), TensorSpec("ring", (1, 4, 2), "float32")),
                         (TensorSpec("ring_rows", (1, 3, 2), "float32"),))
 
     class Echo:
         def call(self, function, inputs):
-            return {"ring_rows": np.arange(6, dtype=np.float32).reshape(1, 3, 2) + 100 * inputs["position_ids"][0, 0]}
+            rows = np.arange(6, dtype=np.float32).reshape(1, 3, 2) + 100 * inputs["position_ids"][0, 0]
+            return {"ring_rows": rows if on is None else torch.from_numpy(rows)}
 
         def reset(self):
             pass
 
-    host = HostOwned(Echo(), {"step": spec}, {"buffers": {"ring": {"rows": "ring_rows", "axis": 1, "ring": 4}}})
+    host = HostOwned(Echo(), {"step": spec}, {"buffers": {"ring": {"rows": "ring_rows", "axis": 1, "ring": 4}}}, on=on)
     assert host.call("step", {"position_ids": np.array([[3, 4, 5]], np.int32)}) == {}
+    assert isinstance(host.buffers["ring"], np.ndarray if on is None else torch.Tensor)
     ring = host.states()["ring"][0]
     assert ring.tolist() == [[302, 303], [304, 305], [0, 0], [300, 301]]  # slots 3, 0, 1 = positions mod 4
-    flat = HostOwned(Echo(), {"step": spec}, {"buffers": {"ring": {"rows": "ring_rows", "axis": 1}}})
+    flat = HostOwned(Echo(), {"step": spec}, {"buffers": {"ring": {"rows": "ring_rows", "axis": 1}}}, on=on)
     flat.call("step", {"position_ids": np.array([[2, 3, 4]], np.int32)})
     assert flat.states()["ring"][0].tolist() == [[0, 0], [0, 0], [200, 201], [202, 203]]  # position 4: past, dropped
     plain = Echo()  # a part without layers takes no buffer: driven as it is
@@ -174,9 +178,12 @@ def test_hybrid_ane_functions_match_the_stateful_ones(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_a_ladder_entry_computes_what_the_full_context_computes(tmp_path, kind):
+@pytest.mark.parametrize("tensors", [False, True], ids=["numpy", "tensors"])
+def test_a_ladder_entry_computes_what_the_full_context_computes(tmp_path, kind, tensors):
     """``ladder: [32]`` under context 64: the host calls the 32-row entries while a call's rows fit them (passing the
-    buffers' leading rows) and the full ones after; logits and the host's buffers equal the single-context modules'."""
+    buffers' leading rows) and the full ones after; logits and the host's buffers equal the single-context modules'.
+    ``tensors``: the laddered host holds its buffers as tensors where the modules compute (``ModuleFunctions``'s on an
+    accelerator), here on the CPU against the numpy host."""
     from convert.models import read_args
     from tests.helpers.qwen3_5_checkpoints import write_checkpoint as write_hybrid
 
@@ -187,7 +194,8 @@ def test_a_ladder_entry_computes_what_the_full_context_computes(tmp_path, kind):
         target = Target(source="path:x", graphs=Graphs(prefill=16, verify=8), context=64, logits=True, layout="ane",
                         ladder=ladder)
         modules = build_modules(args, target, load_tensors(tmp_path / "ckpt"), torch.float32)
-        functions[len(ladder)] = ModuleFunctions(modules)
+        functions[len(ladder)] = ModuleFunctions(modules, tensors=tensors and bool(ladder))
+    assert all(isinstance(b, torch.Tensor) == tensors for b in functions[1].host_buffers().values())
     laddered = functions[1].modules
     assert {"prefill_32", "decode_32", "verify_32"} <= set(laddered.functions)
     assert laddered.contract["ladder"] == [32] and laddered.functions["verify_32"][1].width == 8
@@ -205,6 +213,34 @@ def test_a_ladder_entry_computes_what_the_full_context_computes(tmp_path, kind):
     assert called == ["prefill_32", "prefill_32", "verify_32", "verify_32", "decode_32", "verify", "decode"]
     for name, buffer in functions[0].states().items():
         assert np.abs(buffer - functions[1].states()[name]).max() < 1e-5, name
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_host_buffers_held_as_tensors_compute_what_numpy_buffers_compute(tmp_path, kind):
+    """The host's buffers as tensors where the modules compute (what ``ModuleFunctions`` holds on an accelerator) and
+    as numpy arrays: through prefill chunks, decodes and verifies rolled back, the same logits and ids, bit for bit,
+    and the same buffers."""
+    from convert.models import read_args
+    from tests.helpers.qwen3_5_checkpoints import write_checkpoint as write_hybrid
+
+    (write_checkpoint if kind == "dense" else write_hybrid)(tmp_path / "ckpt")
+    args = read_args(read_json(tmp_path / "ckpt" / "config.json"))
+    target = Target(source="path:x", graphs=Graphs(prefill=16, verify=8), context=64, logits=True, layout="ane")
+    modules = build_modules(args, target, load_tensors(tmp_path / "ckpt"), torch.float32)
+    hosts = [ModuleFunctions(modules, tensors=tensors) for tensors in (False, True)]
+    drivers = [TargetDriver(h, modules.widths, modules.contract) for h in hosts]
+    ids = torch.randint(4, args.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    script = [("prefill", ids[0:16], 0), ("prefill", ids[16:21], 16), ("decode", [ids[21]], 21),
+              ("verify", ids[22:30], 22), ("verify", ids[25:33], 25), ("decode", [ids[33]], 33)]
+    for function, tokens, p0 in script:
+        numpy_out, tensor_out = (d.run(function, tokens, p0) for d in drivers)
+        assert set(numpy_out) == set(tensor_out) and all(isinstance(v, np.ndarray) for v in tensor_out.values())
+        for name, value in numpy_out.items():
+            assert np.array_equal(value, tensor_out[name]), (function, p0, name)
+    numpy_buffers, tensor_buffers = (h.states() for h in hosts)
+    assert len(numpy_buffers) == (2 if kind == "dense" else 6)
+    for name, buffer in numpy_buffers.items():
+        assert np.array_equal(buffer, tensor_buffers[name]), name
 
 
 def test_a_ladder_is_the_ane_layouts_and_lies_below_the_context():

@@ -33,6 +33,7 @@ import torch
 
 from convert.errors import InputError
 from convert.export.ane import MASKED, history_mask_row, rope_rows
+from convert.export.functions import torch_device_of
 from convert.export.names import (
     ACCEPT,
     ANCHOR_ID,
@@ -156,13 +157,16 @@ class HostOwned:
     shows: after each call the buffers hold what its states would hold."""
 
     def __init__(self, functions: Functions, specs: dict, contract: dict, lookup=None,
-                 split_head: tuple[int, int] | None = None, codebooks=None):
+                 split_head: tuple[int, int] | None = None, codebooks=None, on: torch.device | None = None):
         """``contract``: the target's (or the drafter's); its buffers taken by no function of ``specs`` are left out.
         ``lookup``: the embedding rows of ids (``ids -> rows``; ``table_lookup``, ``module_lookup``), for a package that
         takes the host's rows. ``split_head``: the vocabulary rows of the head the package computes when it is a split
         head's part (its ids count from the first; it returns ``max_logit`` for the host to merge the parts' ids).
-        ``codebooks``: a DFlash2 drafter's (predecessor, successor) codebook lookups, for its selector walk."""
+        ``codebooks``: a DFlash2 drafter's (predecessor, successor) codebook lookups, for its selector walk.
+        ``on``: a torch device the buffers are held on as tensors (torch modules computing on an accelerator, whose
+        calls return the buffers' rows as tensors there: ``ModuleFunctions``); numpy on the host without it."""
         self.functions, self.specs, self.lookup, self.split_head = functions, specs, lookup, split_head
+        self.on = on
         inputs = {t.name: t for spec in specs.values() for t in spec.inputs}
         outputs = {t.name for spec in specs.values() for t in spec.outputs}
         self.rules = {name: rule for name, rule in contract.get("buffers", {}).items() if name in inputs}
@@ -180,7 +184,8 @@ class HostOwned:
         self.logits_parts = parts if parts and set(parts) <= outputs else []
         self.codebooks = codebooks
         # each as large as the largest function takes it (a ladder's entries take leading rows)
-        self.buffers = {t.name: np.zeros(t.shape, dtype=t.dtype)
+        self.buffers = {t.name: np.zeros(t.shape, dtype=t.dtype) if on is None else
+                        torch.zeros(t.shape, dtype=TORCH_DTYPES[t.dtype], device=on)
                         for t in buffer_specs(list(specs.values()), self.rules)}
         # a ring's slots: the position each holds (-1: none yet), for the ring masks
         ring = next((rule["ring"] for rule in self.rules.values() if rule.get("ring")), None)
@@ -194,7 +199,7 @@ class HostOwned:
             self.slot_positions[...] = -1
 
     def states(self) -> dict[str, np.ndarray]:
-        return dict(self.buffers)
+        return dict(self.buffers) if self.on is None else numpy_outputs(self.buffers)
 
     def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``inputs`` as a driver gives them (``input_ids``, ``position_ids``, a hybrid's ``accept`` / ``valid``); the
@@ -208,7 +213,7 @@ class HostOwned:
         for name, rule in self.rules.items():
             rows = out.pop(rule["rows"], None)
             if rows is not None:
-                write(self.buffers[name], np.asarray(rows), rule, where)
+                write(self.buffers[name], rows if self.on is not None else np.asarray(rows), rule, where)
                 written |= bool(rule.get("ring"))
         if written:
             self.slot_positions[where % len(self.slot_positions)] = where
@@ -249,7 +254,8 @@ class HostOwned:
             if wanted is not None and wanted != self.buffers[name].shape:
                 index = [slice(None)] * len(wanted)
                 index[rule["axis"]] = slice(0, wanted[rule["axis"]])
-                given[name] = np.ascontiguousarray(self.buffers[name][tuple(index)])
+                leading = self.buffers[name][tuple(index)]
+                given[name] = np.ascontiguousarray(leading) if self.on is None else leading.contiguous()
         if self.positions and where is not None:
             given.update(self.position_inputs(spec, where))
         if self.ring_masks and where is not None:
@@ -317,9 +323,10 @@ def rung(specs: dict, ladder: list[int], function: str, inputs: dict[str, np.nda
 POSITION_INPUTS = frozenset({ROPE_COS, ROPE_SIN, HISTORY_MASK})  # what the host computes from position_ids
 
 
-def write(buffer: np.ndarray, rows: np.ndarray, rule: dict, where: np.ndarray | None) -> None:
+def write(buffer, rows, rule: dict, where: np.ndarray | None) -> None:
     """A call's ``rows`` into a host ``buffer`` by its contract ``rule`` (``manifests.schema.HostBuffer``): at the
-    call's positions ``where`` (or their ring slots), at the leading rows, or the whole buffer."""
+    call's positions ``where`` (or their ring slots), at the leading rows, or the whole buffer. Both numpy arrays, or
+    both torch tensors on one device (``HostOwned.on``)."""
     mode, axis = rule.get("write", "positions"), rule["axis"]
     if mode == "whole":
         buffer[...] = rows
@@ -327,6 +334,11 @@ def write(buffer: np.ndarray, rows: np.ndarray, rule: dict, where: np.ndarray | 
     slots = np.arange(rows.shape[axis]) if mode == "leading" else where % rule["ring"] if rule.get("ring") else where
     kept = slots < buffer.shape[axis]  # a padding row past the buffer is never read
     index = [slice(None)] * buffer.ndim
+    if isinstance(buffer, torch.Tensor):
+        index[axis] = torch.as_tensor(slots[kept], device=buffer.device)
+        taken = torch.as_tensor(np.flatnonzero(kept), device=rows.device)
+        buffer[tuple(index)] = rows.index_select(axis, taken).to(buffer.dtype)  # cast as numpy casts
+        return
     index[axis] = slots[kept]
     buffer[tuple(index)] = np.compress(kept, rows, axis=axis)
 
@@ -350,11 +362,12 @@ DERIVED_INPUTS = {**dict.fromkeys(POSITION_INPUTS, POSITION_IDS), COMMIT_MASK: A
 
 
 def host_owned(functions: Functions, specs: dict, contract: dict, lookup=None,
-               split_head: tuple[int, int] | None = None, codebooks=None) -> Functions:
+               split_head: tuple[int, int] | None = None, codebooks=None, on: torch.device | None = None) -> Functions:
     """``functions`` (one package's, with ``specs``) as a runtime drives them under the target's (or drafter's)
     ``contract``: with what the host owns of them (``HostOwned``: buffers, position inputs, the embedding lookup, the
-    argmax, a ring's masks, a selector's walk), else themselves (a package with states, or a part of one)."""
-    owned = HostOwned(functions, specs, contract, lookup, split_head, codebooks)
+    argmax, a ring's masks, a selector's walk), else themselves (a package with states, or a part of one). ``on``:
+    ``HostOwned``'s."""
+    owned = HostOwned(functions, specs, contract, lookup, split_head, codebooks, on)
     host_argmax = owned.argmax and any(t.name == LOGITS for spec in specs.values() for t in spec.outputs)
     served = owned.rules or owned.positions or owned.embedded or owned.commits or owned.ring_masks or \
         owned.selector or owned.logits_parts
@@ -386,24 +399,32 @@ def module_codebooks(core):
                  for table in (selector.predecessor_codebook, selector.successor_codebook))
 
 
-def owned_as_modules(functions: Functions, specs: dict, modules) -> Functions:
+def owned_as_modules(functions: Functions, specs: dict, modules, on: torch.device | None = None) -> Functions:
     """``host_owned`` for the package (or the torch calls) of export ``modules``: their contract, the lookup in their
-    core's table, their part's split head, a DFlash2 core's codebooks."""
+    core's table, their part's split head, a DFlash2 core's codebooks; ``on``: ``HostOwned``'s."""
     part = getattr(modules.core, "part", None)  # a drafter's core has none
     split = part.head if part is not None and part.splits_head else None
     return host_owned(functions, specs, modules.contract, module_lookup(modules.core), split,
-                      module_codebooks(modules.core))
+                      module_codebooks(modules.core), on)
 
 
 class ModuleFunctions:
     """``Functions`` over target export modules (numpy in and out; every core output, logits included), with what the
     host owns where the modules' contract says so (``host_owned``: the lookup in the core's own table, the head's
-    first row from its part)."""
+    first row from its part). Modules on an accelerator keep the host's buffers there as tensors (``HostOwned.on``),
+    each call's rows for them written there: in the ane layout a call's history (at a 27B's 8,192 rows about 34 MB
+    a full-attention layer) would otherwise travel to the accelerator and its rows back at every call."""
 
-    def __init__(self, modules):
+    def __init__(self, modules, tensors: bool | None = None):
+        """``tensors``: whether the buffers are tensors where the modules compute (default: on an accelerator)."""
         self.modules = modules
         specs = {name: spec for name, (_, spec) in modules.functions.items()}
-        self.driven = owned_as_modules(_ModuleCalls(modules), specs, modules)
+        where = torch_device_of(modules.core)
+        calls = _ModuleCalls(modules)
+        tensors = where.type != "cpu" if tensors is None else tensors
+        self.driven = owned_as_modules(calls, specs, modules, where if tensors else None)
+        if isinstance(self.driven, HostOwned) and self.driven.on is not None:
+            calls.held = {rule["rows"] for rule in self.driven.rules.values()}
 
     def reset(self) -> None:
         self.driven.reset()
@@ -443,12 +464,15 @@ class _ModuleCalls:
 
     def __init__(self, modules):
         self.modules = modules
+        self.held: set[str] = set()  # outputs returned as the tensors they are (the rows of buffers held beside them)
 
     def reset(self) -> None:
         self.modules.reset()
 
     def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return numpy_outputs(self.modules.call(function, **inputs))
+        out = self.modules.call(function, **inputs)
+        return {**numpy_outputs({k: v for k, v in out.items() if k not in self.held}),
+                **{k: v for k, v in out.items() if k in self.held}}
 
     def states(self) -> dict[str, np.ndarray]:
         return numpy_outputs(self.modules.states())

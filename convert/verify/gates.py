@@ -75,6 +75,7 @@ from convert.progress import bar as progress_bar
 from convert.progress import console, steps
 from convert.runtime.chain import coreai_chain, coreai_functions, link_inputs, module_chain
 from convert.runtime.host import COMMIT, ModuleFunctions, TargetDriver, module_driver, module_lookup
+from convert.torch_device import free_bytes
 from convert.verify import checks
 from convert.verify.reference import memory_mapped, streamed_reference
 from convert.verify.report import (
@@ -409,13 +410,14 @@ def streamed_candidate(loader, windows: list[list[int]], taps: list[int], greedy
     embedding, each decoder layer, the head, each a part with the part functions of ``convert/pipeline/partition.py``;
     views of a target the loader holds, ``convert.weights.shipped.HeldTarget``). Steps 1-3 depend on no output: each
     piece runs every window's calls, from a fresh state, on the rows the previous piece returned, and keeps its state
-    per window (in memory up to ``state_room`` bytes, the rest on disk: a 27B's states are about 1 GB a window in
-    fp32); each greedy token is one more pass, restoring and keeping those states. ``consume(index, window)``: called
-    with each window once its logits, taps, probe and first greedy id are computed; the windows returned keep them as
-    ``consume`` left them. ``device`` (``convert.fp16.device_arithmetic``): each piece computes in that device's
-    arithmetic; ``peaks``: noted as each piece computes, under the whole target's names (``target.layers.i``); with
-    either, the windows run one after the other in this thread (the arithmetic and the watch are this thread's), not
-    in step. ``torch_device``: where each piece computes (default the CPU), its states kept from there."""
+    per window (in memory up to ``state_room`` bytes, on an accelerator ``DEVICE_STATE_SHARE`` of its free memory, the
+    rest on disk: a 27B's states are about 1 GB a window in fp32); each greedy token is one more pass, restoring and
+    keeping those states. ``consume(index, window)``: called with each window once its logits, taps, probe and first
+    greedy id are computed; the windows returned keep them as ``consume`` left them. ``device``
+    (``convert.fp16.device_arithmetic``): each piece computes in that device's arithmetic; ``peaks``: noted as each
+    piece computes, under the whole target's names (``target.layers.i``); with either, the windows run one after the
+    other in this thread (the arithmetic and the watch are this thread's), not in step. ``torch_device``: where each
+    piece computes (default the CPU), its states kept from there."""
     return _StreamedCandidate(loader, windows, taps, greedy_tokens, probe_accepts, generator, compute_dtype, consume,
                               peaks, device, torch_device, state_room).run(what)
 
@@ -444,7 +446,8 @@ class _StreamedCandidate:
         self.watched = peaks is not None or device is not None
         self.scratch: Path | None = None
         self.kept: dict[tuple[int, int], tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]] = {}
-        self.room = state_room
+        accelerated = torch_device is not None and torch_device.type != "cpu"
+        self.room = int(DEVICE_STATE_SHARE * free_bytes(torch_device)) if accelerated else state_room
 
     def run(self, what: str) -> list[_Window]:
         """The first pass (steps 1-3 and the first greedy id) over every piece, then one pass a greedy token."""
@@ -550,9 +553,9 @@ class _StreamedCandidate:
         size = sum(t.nbytes for t in states.values()) + sum(b.nbytes for b in buffers.values())
         if size <= self.room:
             self.room -= size
-            self.kept[w, u] = ({k: v.clone() for k, v in states.items()}, {k: v.copy() for k, v in buffers.items()})
+            self.kept[w, u] = ({k: v.clone() for k, v in states.items()}, {k: _copy(v) for k, v in buffers.items()})
             return
-        torch.save({**states, **{k: torch.from_numpy(v.copy()) for k, v in buffers.items()}},
+        torch.save({**states, **{k: torch.as_tensor(_copy(v)) for k, v in buffers.items()}},
                    self.scratch / f"{w}-{u}.pt")
 
     def restore(self, piece: ModuleFunctions, w: int, u: int) -> None:
@@ -563,10 +566,21 @@ class _StreamedCandidate:
                 (buffers if name in buffers else states)[name][...] = value
             return
         for name, value in torch.load(self.scratch / f"{w}-{u}.pt").items():
-            if name in buffers:
+            if name in buffers and not isinstance(buffers[name], torch.Tensor):
                 buffers[name][...] = value.numpy()
             else:
-                states[name].copy_(value)
+                (buffers if name in buffers else states)[name].copy_(value)
+
+
+def _copy(buffer):
+    """A copy of a host buffer: a numpy array's, or a tensor's where the host holds it on an accelerator."""
+    return buffer.clone() if isinstance(buffer, torch.Tensor) else buffer.copy()
+
+
+DEVICE_STATE_SHARE = 0.5
+"""The share of an accelerator's memory free when a streamed candidate starts that its windows' states may take
+between greedy passes (they stay where they are computed; the rest: a piece's compute copy, at 27B the head's 5 GB
+of fp32 weights, and its activations). On the CPU the plan's ``gate_state_room`` sets it."""
 
 
 def _in_step(torch_device: torch.device | None) -> bool:
