@@ -96,7 +96,8 @@ def ane_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     of ``ane_tiles``, a block of rows at a time. Returns fp32 [..., M, N]."""
     step = max(1, _CHUNK // max(1, -(-a.shape[-1] // TILE) * b.shape[-1] *
                                 math.prod(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))))
-    return torch.cat([ane_tiles(a[..., lo:lo + step, :], b).sum(-3, dtype=torch.float32)
+    lanes = _b_lanes(b)  # once for every block of rows (a linear's weight: copied once a product, not once a row)
+    return torch.cat([_tiles(_a_lanes(a[..., lo:lo + step, :]), lanes).sum(-3, dtype=torch.float32)
                       for lo in range(0, a.shape[-2], step)], dim=-2)
 
 
@@ -109,10 +110,21 @@ def ane_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     rounds the sum once to fp16, as ``ane_tiles_spelled_out`` does by hand (``tests/test_device_arithmetic.py`` checks
     the two agree bit for bit). A partial formed in fp32 before its rounding is a double rounding, which differs from
     one rounding of the exact sum only where the fp32 sum lands on an fp16 tie."""
-    pad = -a.shape[-1] % TILE
-    # [..., T, M, 4] and [..., T, 4, N], contiguous: the broadcast products below run on unit strides
-    a = nn.functional.pad(a, (0, pad)).unflatten(-1, (-1, TILE)).movedim(-2, -3).contiguous()
-    b = nn.functional.pad(b, (0, 0, 0, pad)).unflatten(-2, (-1, TILE)).contiguous()
+    return _tiles(_a_lanes(a), _b_lanes(b))
+
+
+def _a_lanes(a: torch.Tensor) -> torch.Tensor:
+    """``a`` [..., M, K] as [..., T, M, 4], K padded with zeros, contiguous (the products below run on unit strides)."""
+    return nn.functional.pad(a, (0, -a.shape[-1] % TILE)).unflatten(-1, (-1, TILE)).movedim(-2, -3).contiguous()
+
+
+def _b_lanes(b: torch.Tensor) -> torch.Tensor:
+    """``b`` [..., K, N] as [..., T, 4, N], K padded with zeros, contiguous."""
+    return nn.functional.pad(b, (0, 0, 0, -b.shape[-2] % TILE)).unflatten(-2, (-1, TILE)).contiguous()
+
+
+def _tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``ane_tiles`` of operands in lanes (``_a_lanes``, ``_b_lanes``)."""
     tiles = a[..., 0, None] * b[..., :, None, 0, :]  # the first product, rounded
     for lane in range(1, TILE):
         tiles.addcmul_(a[..., lane, None], b[..., :, None, lane, :])
