@@ -9,7 +9,7 @@ packaged; the package check's recorded calls are the CPU runtime's arithmetic an
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +24,7 @@ from convert.pipeline.drafter import BORROWED, PromptJournal, drivers, over_prom
 from convert.pipeline.drafter_memory import hessian_groups, own_linears
 from convert.runtime import speculative
 from convert.runtime.host import ModuleFunctions
-from convert.verify.checks import like_the_runtime
+from convert.verify.checks import like_the_runtime, runtime_rounds_partial_sums
 from convert.weights.quantize import read_entry, round_to_nearest, summary, to_cpu, write_entry
 from quant.gptq import HessianAccumulator, gptq_quantize
 from quant.types import QuantizedWeight
@@ -175,25 +175,30 @@ class Recording:
     without them (``outputs=False``: a calibration's replays need the inputs alone, and a draft call's outputs hold its
     fp32 logits, 7 MB at the 27B vocabulary)."""
 
-    def __init__(self, functions: ModuleFunctions, outputs: bool = True):
-        self.functions, self.calls, self.outputs = functions, [], outputs
+    def __init__(self, functions: ModuleFunctions, outputs: bool = True, arithmetic=nullcontext):
+        """``arithmetic``: a context each call computes in (``checks.like_the_runtime``: the runtime's)."""
+        self.functions, self.calls, self.outputs, self.arithmetic = functions, [], outputs, arithmetic
 
     def reset(self) -> None:
         self.functions.reset()
         self.calls.append(("reset", {}, {}))
 
     def call(self, function: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = self.functions.call(function, inputs)
+        with self.arithmetic():
+            out = self.functions.call(function, inputs)
         self.calls.append((function, {k: np.array(v) for k, v in inputs.items()}, out if self.outputs else {}))
         return out
 
 
 def recorded_calls(kind: str, target_modules, drafter_modules, prompt: list[int], tokens: int,
                    embeddings: np.ndarray) -> list:
-    """The drafter calls of a short speculative run of the shipped fp16 modules, with their outputs, computed as this
-    CPU's Core AI runtime computes (``checks.like_the_runtime``): what the drafter's package check replays."""
+    """The drafter calls of a short speculative run of the shipped fp16 modules, with their outputs, the drafter's
+    computed as this CPU's Core AI runtime computes (``checks.like_the_runtime``): what the drafter's package check
+    replays. The target's calls, which only make the drafter's inputs, compute in torch's own fp16 kernels: the
+    runtime's true fp16 is one elementwise op an inner index, and a 27B target's prefill in it ran past 40 minutes on
+    2 cores (docs/lab/2026-12-07-27b-calls-and-candidate-on-an-h100.md)."""
     target, drafter = drivers(kind, target_modules, drafter_modules, embeddings)
-    drafter.functions = Recording(drafter.functions)
-    with like_the_runtime():
-        speculative.speculate(target, drafter, prompt, tokens)
+    rounds = runtime_rounds_partial_sums()
+    drafter.functions = Recording(drafter.functions, arithmetic=lambda: like_the_runtime(rounds))
+    speculative.speculate(target, drafter, prompt, tokens)
     return drafter.functions.calls
