@@ -318,12 +318,10 @@ TOKENS_PER_ROUND_RTOL = 0.05  # the acceptance of drafters whose codes differ (i
 
 def _drafter_stage(plan, target, shipped: tuple | None = None) -> dict:
     """The drafter stage's torch phases of ``plan`` with the shipped ``target`` as ``drafter_build.build_drafter`` runs
-    them (no cache): the drafter's modules (shipped, and the A/B's fp16 ones), its packaged quantized weights,
+    them (no cache): the drafter's modules (shipped, and the A/B's fp16 ones), the quantized weights it ships,
     quantization record, acceptance (the economics, n-gram baseline and device pass in it) and A/B. ``shipped``:
     another run's (modules, fp16 modules), measured here in place of quantizing."""
-    import copy
 
-    from convert.export.quantized import packaged_from_codes, quantized_weights
     from convert.pipeline import drafter_accept, drafter_build
 
     target32 = drafter_build.stage_copy(plan, target)
@@ -339,9 +337,10 @@ def _drafter_stage(plan, target, shipped: tuple | None = None) -> dict:
     acceptance, ab = drafter_build.measure_held_out(plan, target, target32, modules, fp16, held_out)
     acceptance["device"] = drafter_accept.device_pass(plan, target, target32, modules, held_out[0][0],
                                                       plan.drafter.config.accept.tokens)
-    packaged = copy.deepcopy(modules)
-    packaged_from_codes(packaged.core)
-    return {"modules": (modules, fp16), "weights": quantized_weights(packaged.core), "record": record,
+    # the codes and tables a package is made from (``packaged_from_codes`` would build coreai-torch's modules, which
+    # a GPU machine may not have): the drafter's own quantized linears and the tables it borrows
+    weights = {name: m.quantized_weight() for name, m in modules.core.named_modules() if hasattr(m, "quantized_weight")}
+    return {"modules": (modules, fp16), "weights": weights, "record": record,
             "acceptance": acceptance, "ab": ab}
 
 
