@@ -196,7 +196,7 @@ def recorded_calls(kind: str, target_modules, drafter_modules, prompt: list[int]
     computed as this CPU's Core AI runtime computes (``checks.like_the_runtime``): what the drafter's package check
     replays. The target's calls, which only make the drafter's inputs, compute in torch's own fp16 kernels: the
     runtime's true fp16 is one elementwise op an inner index, and a 27B target's prefill in it ran past 40 minutes on
-    2 cores (docs/lab/2026-12-07-27b-calls-and-candidate-on-an-h100.md)."""
+    2 cores (docs/lab/2026-12-07-host-buffers-and-the-drafter-check.md)."""
     target, drafter = drivers(kind, target_modules, drafter_modules, embeddings)
     rounds = runtime_rounds_partial_sums()
     drafter.functions = Recording(drafter.functions, arithmetic=lambda: like_the_runtime(rounds))
