@@ -73,13 +73,14 @@ def drafter_stage_parts(plan) -> str:
 # -gate-streamed-reference.md): the candidate about 2.25 h and the streamed reference 3,022 s, about 3.1 h, for
 # 26,895,998,464 parameters over 16 windows of 256 tokens and 16 greedy tokens; scaled by parameters x windows x
 # (length + greedy). On one GPU (``build --device cuda``, docs/lab/2026-12-06-torch-stages-on-a-gpu.md): the
-# reference 40.7 s on one H200; the candidate on one H100, its windows one after the other on one host
-# (docs/bench-logs/gpu-stages-gate-h100-2026-12-07-one-host.log): 46 of its 1,056 loads in 240 s, about 5,510 s for
-# all (measured before its Hadamard matrices were made once; not run to its end: longer than one 10-minute command).
+# reference 40.7 s on one H200; the candidate on one H100 with the host's buffers on the device, measured on the pack's
+# first 4 layers (docs/lab/2026-12-07-host-buffers-and-the-drafter-check.md): a piece's first pass at most 14 s for
+# 3 loads, the later passes' 90 loads in at least 13.5 s; computed for the 27B's 66 pieces x 16 passes (not run at
+# full size: its first runs there, before these changes, took about 5 s a load).
 GATE_REFERENCE_CPU_SECONDS = 3022
 GATE_CANDIDATE_CPU_SECONDS = 2.25 * 3600
 GATE_REFERENCE_GPU_SECONDS = 40.7
-GATE_CANDIDATE_GPU_SECONDS = 240 / 46 * 1056
+GATE_CANDIDATE_GPU_SECONDS = 14 / 3 * 66 + 13.5 / 90 * 66 * 15
 
 
 GATE_MEASURED_PARAMETERS = 26_895_998_464
@@ -96,10 +97,13 @@ RANGE_SECONDS_GPU = 111.9
 GATE_MEASURED_TOKENS = 16 * (256 + 16)
 
 
-# Packaging: the parted 27B target in both formats on the same machine (docs/benchmarks.md, "Parts of the Bonsai 27B
-# packaged as its build packages them", 2026-12-05): about 10,000 s (2.8 h) for its 14 parts, packaged, checked and
-# compiled; scaled by parameters and formats. Core AI's and Core ML's converters run on the CPU: a GPU does not help.
-PACKAGING_CPU_SECONDS = 10_000
+# Packaging: the parted 27B target in both formats on the same machine (docs/lab/2026-12-07-27b-on-an-h100-profiles.md,
+# bench/gpu_stages.py --stage package): its 14 parts' check calls recorded in 547.9 s, then its 28 (part, format) jobs
+# one after the other in 12,361.5 s; scaled by parameters and formats. Core AI's and Core ML's converters and the
+# runtime's check run on the CPU: on the GPU machine (16 cores, 128 GB) a pool of 8 jobs at once, longest first, takes
+# about 1,700 s of the same jobs (computed from the measured jobs, 2 cores each; not run).
+PACKAGING_CPU_SECONDS = 547.9 + 12_361.5
+PACKAGING_POOL_SECONDS = 1_700
 
 
 PACKAGING_MEASURED_PARAMETERS = 26_895_998_464
@@ -125,16 +129,21 @@ CHAINED_RUN_PARAMETERS = 50_000_000
 def cpu_seconds(plan) -> dict[str, float]:
     """The estimated seconds of the stages measured on the CPU machine (``quantize``, ``gate``, ``packaging``), scaled
     from the rates above; a stage with nothing to do or no measured rate left out."""
-    target, parameters = plan.recipe.target, plan.args.parameter_count
+    target = plan.recipe.target
     seconds = {}
     if target.quantization.format not in (None, "exact2"):
         quantize = quantize_seconds(plan.args, target).get(CPU_MACHINE)
         if quantize is not None:
             seconds["quantize"] = quantize
     seconds["gate"] = (GATE_REFERENCE_CPU_SECONDS + GATE_CANDIDATE_CPU_SECONDS) * gate_scale(plan)
-    seconds["packaging"] = PACKAGING_CPU_SECONDS * parameters / PACKAGING_MEASURED_PARAMETERS * \
-        len(plan.recipe.backends) / PACKAGING_MEASURED_FORMATS
+    seconds["packaging"] = PACKAGING_CPU_SECONDS * packaging_scale(plan)
     return seconds
+
+
+def packaging_scale(plan) -> float:
+    """The plan's packaging against the measured one: parameters x formats."""
+    return plan.args.parameter_count / PACKAGING_MEASURED_PARAMETERS * len(plan.recipe.backends) / \
+        PACKAGING_MEASURED_FORMATS
 
 
 def range_seconds(plan, measured: float) -> float:
