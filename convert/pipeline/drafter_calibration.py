@@ -24,7 +24,7 @@ from convert.pipeline.drafter import BORROWED, PromptJournal, drivers, over_prom
 from convert.pipeline.drafter_memory import hessian_groups, own_linears
 from convert.runtime import speculative
 from convert.runtime.host import ModuleFunctions
-from convert.verify.checks import like_the_runtime, runtime_rounds_partial_sums
+from convert.verify.checks import like_the_runtime
 from convert.weights.quantize import read_entry, round_to_nearest, summary, to_cpu, write_entry
 from quant.gptq import HessianAccumulator, gptq_quantize
 from quant.types import QuantizedWeight
@@ -198,7 +198,6 @@ def recorded_calls(kind: str, target_modules, drafter_modules, prompt: list[int]
     runtime's true fp16 is one elementwise op an inner index, and a 27B target's prefill in it ran past 40 minutes on
     2 cores (docs/lab/2026-12-07-host-buffers-and-the-drafter-check.md)."""
     target, drafter = drivers(kind, target_modules, drafter_modules, embeddings)
-    rounds = runtime_rounds_partial_sums()
-    drafter.functions = Recording(drafter.functions, arithmetic=lambda: like_the_runtime(rounds))
+    drafter.functions = Recording(drafter.functions, arithmetic=like_the_runtime)  # the runtime asked once a process
     speculative.speculate(target, drafter, prompt, tokens)
     return drafter.functions.calls

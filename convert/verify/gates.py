@@ -566,10 +566,8 @@ class _StreamedCandidate:
                 (buffers if name in buffers else states)[name][...] = value
             return
         for name, value in torch.load(self.scratch / f"{w}-{u}.pt").items():
-            if name in buffers and not isinstance(buffers[name], torch.Tensor):
-                buffers[name][...] = value.numpy()
-            else:
-                (buffers if name in buffers else states)[name].copy_(value)
+            held = (buffers if name in buffers else states)[name]
+            held[...] = value.numpy() if isinstance(held, np.ndarray) else value
 
 
 def _copy(buffer):
