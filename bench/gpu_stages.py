@@ -249,12 +249,11 @@ def drafter_stage(plan, phases: Phases) -> dict:
 def drafter_package_stage(plan, phases: Phases, work: Path) -> dict:
     """The drafter's (format) jobs as ``drafter_build.build_drafter`` packages them after its torch phases: its
     modules over the lean target (round to nearest in place of GPTQ, see the module docstring), the check's calls
-    (``drafter_calibration.recorded_calls`` on the first held-out prompt), ``packaged_from_codes``, the target's
-    decoder layers let go, then each format alone (``package_formats``, no build cache) with its seconds, its check's
-    seconds, the process's peak so far and the package's bytes."""
+    by its modules as packaged (``drafter_build.packaged_calls``), the target's decoder layers let go, then each
+    format alone (``package_formats``, no build cache) with its seconds, its check's seconds, the process's peak so
+    far and the package's bytes."""
     from bench.release_rehearsal import du
     from convert.cache import BuildCache
-    from convert.export.quantized import packaged_from_codes
     from convert.pipeline import drafter, drafter_build, drafter_calibration
     from convert.pipeline.packaging import package_formats
 
@@ -266,10 +265,8 @@ def drafter_package_stage(plan, phases: Phases, work: Path) -> dict:
     rounded = quant.model_copy(update={"method": quant.format})  # lut4-gptq's format, rounded to nearest
     phases.run(f"quantize the drafter ({rounded.method}, round to nearest)",
                lambda: drafter_calibration.quantize(modules, rounded))
-    prompt = drafter_build.held_out_prompts(plan)[0][0][:drafter_build.CHECK_PROMPT_TOKENS]
-    calls = phases.run("the check's recorded calls", lambda: drafter_calibration.recorded_calls(
-        dplan.kind, target, modules, prompt, drafter_build.CHECK_GENERATED, drafter.anchor_table(target)))
-    packaged_from_codes(modules.core)
+    calls = phases.run("the check's recorded calls", lambda: drafter_build.packaged_calls(
+        plan, target, modules, drafter_build.held_out_prompts(plan)))
     target.core.layers = torch.nn.ModuleList()
     stem = drafter_build.package_stem(dplan)
     rows_file = work / "drafter-jobs.json"

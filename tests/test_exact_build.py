@@ -460,9 +460,9 @@ def test_a_lean_target_gives_the_drafter_stage_the_dense_targets_results(written
     the calls its package check replays are the dense target's, bit for bit, and the lean target holds its quantized
     weights at their shipped bits (2 a weight and the scales here), the fp32 compute copy sharing them."""
     from convert.export.functions import compute_copy
-    from convert.export.quantized import CodesLinear, packaged_from_codes, quantized_weights
+    from convert.export.quantized import CodesLinear, quantized_weights
     from convert.models.part import Part
-    from convert.pipeline import drafter, drafter_build, drafter_calibration
+    from convert.pipeline import drafter_build
     from convert.pipeline.build import exact_result, shipped_modules
     from convert.pipeline.plan import make_plan
     from convert.weights.shipped import PartLoader
@@ -495,9 +495,7 @@ def test_a_lean_target_gives_the_drafter_stage_the_dense_targets_results(written
         target32 = compute_copy(target, torch.float32)
         acceptance, ab = drafter_build.measure_held_out(plan, target, target32, modules, fp16,
                                                         drafter_build.held_out_prompts(plan))
-        prompt = drafter_build.held_out_prompts(plan)[0][0][:24]
-        calls = drafter_calibration.recorded_calls("dflash2", target, modules, prompt, 4, drafter.anchor_table(target))
-        packaged_from_codes(modules.core)
+        calls = drafter_build.packaged_calls(plan, target, modules, drafter_build.held_out_prompts(plan))
         results.append((modules, record, acceptance, ab, calls))
     assert layers_in_gptq == [0] and len(lean.core.layers) == len(dense.core.layers) == 2
     (dense_drafter, *dense_rest), (lean_drafter, *lean_rest) = results

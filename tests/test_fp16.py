@@ -321,3 +321,31 @@ def test_drafters_in_true_fp16_are_within_the_checks_bounds(tmp_path, kind):
     assert stats["ids_compared"] >= 20
     assert stats["max_output_delta"] <= checks.FP16_OUTPUT_BOUND
     shutil.rmtree(tmp_path)
+
+
+@pytest.mark.parametrize("layout", ["ane", "stateful"])
+def test_the_drafter_checks_calls_are_the_packaged_modules_own(tmp_path, monkeypatch, layout):
+    """The calls a DFlash2 drafter's package check replays (``drafter_build.packaged_calls``) are its modules' outputs
+    as packaged, in this CPU's runtime arithmetic, bit for bit: replayed on those modules, no output moves. Its
+    modules before packaging (each quantized linear a ``CodesLinear``) compute the ane layout's 1x1 convolutions as
+    row products, which the runtime's true fp16 rounds at every partial sum: they miss the recorded outputs there
+    (here by 0.03, at the 27B drafter's width its selector projection by 0.41: both past the check's 0.02), and
+    match them in the stateful layout, where the package multiplies rows too."""
+    write_checkpoint(tmp_path / "ckpt", hidden_size=64, num_hidden_layers=4)
+    draft = {"target_layer_ids": [0, 2, 3], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
+             "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
+    write_drafter(tmp_path / "drafter", config=drafter_config(vocab_size=4096, dflash_config=draft))
+    source = f"source: path:{tmp_path / 'drafter'}\n  context_update: 16\n  ring: 64\n  layout: {layout}"
+    plan = _plan(tmp_path, tmp_path / "ckpt", DRAFTER.format(taps=[0, 2, 3], hidden="false", kind="dflash2",
+                                                              source=source))
+    target, _ = shipped_modules(plan)
+    target32 = compute_copy(target, torch.float32)
+    modules, _, _ = drafter_build.shipped_drafter(plan, target, target32)
+    unpackaged, _, _ = drafter_build.shipped_drafter(plan, target, target32)
+    calls = drafter_build.packaged_calls(plan, target, modules, drafter_build.held_out_prompts(plan))
+    assert sum(function == "draft" for function, *_ in calls) >= drafter_build.CHECK_GENERATED // 2
+    assert checks.replay_coreai(_computing(modules, checks.like_the_runtime), calls)["max_output_delta"] == 0.0
+    monkeypatch.setattr(checks, "FP16_OUTPUT_BOUND", float("inf"))  # the distance itself, not the check's verdict
+    before = checks.replay_coreai(_computing(unpackaged, checks.like_the_runtime), calls)["max_output_delta"]
+    assert (before > 0.0) if layout == "ane" else (before == 0.0)
+    shutil.rmtree(tmp_path)

@@ -9,8 +9,8 @@ The torch phases compute on the build's torch device (``build --device``: ``Plan
 copies of the target and the drafter (the range scale, the calibration and its Hessians, GPTQ, plain greedy, the
 acceptance and its economics, the n-gram baseline, the A/B) and the fp16 ones of the device pass are made there, and
 the host side of every call stays numpy (``ModuleFunctions``). The shipped modules, which are packaged, stay on the
-CPU: each GPTQ'd linear's codes come back there. The package check's recorded calls are made on the CPU, in this
-CPU's runtime arithmetic (``drafter_calibration.recorded_calls``).
+CPU: each GPTQ'd linear's codes come back there. The package check's recorded calls are made on the CPU by the modules
+as packaged, in this CPU's runtime arithmetic (``packaged_calls``).
 """
 
 from __future__ import annotations
@@ -302,10 +302,7 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
     console.print(format_stats(acceptance))
     if ab:
         console.print(format_ab(ab))
-    prompt = held_out[0][0][:CHECK_PROMPT_TOKENS]
-    calls = drafter_calibration.recorded_calls(dplan.kind, target, modules, prompt, CHECK_GENERATED,
-                                               drafter.anchor_table(target))
-    packaged_from_codes(modules.core)  # its quantized linears and a lean target's tables, as a package is made
+    calls = packaged_calls(plan, target, modules, held_out)
     del fp16_modules  # the A/B's reference (the drafter's fp16 weights) is not packaged
     target.core.layers = torch.nn.ModuleList()
     packages = []
@@ -318,6 +315,19 @@ def build_drafter(plan, target: TargetModules, target_manifest: Manifest, target
                          quantization, acceptance, ab)
     (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
     return manifest
+
+
+def packaged_calls(plan, target: TargetModules, modules, held_out: list) -> list:
+    """The calls the drafter's package check replays (``drafter_calibration.recorded_calls`` over the first held-out
+    prompt), recorded by its modules as they are packaged (``packaged_from_codes``: its quantized linears and a lean
+    target's tables become the layers a package is made from), so that every product is the package's own: in the ane
+    layout a 1x1 convolution, which the runtime sums in fp32, where a ``CodesLinear`` multiplies rows, which the
+    runtime's true fp16 rounds at every partial sum (at the 27B drafter's width its selector projection came out 0.41
+    from the package's: docs/lab/2026-12-07-the-drafter-check-at-27b.md)."""
+    packaged_from_codes(modules.core)
+    prompt = held_out[0][0][:CHECK_PROMPT_TOKENS]
+    return drafter_calibration.recorded_calls(plan.drafter.kind, target, modules, prompt, CHECK_GENERATED,
+                                              drafter.anchor_table(target))
 
 
 def package_stem(dplan) -> str:

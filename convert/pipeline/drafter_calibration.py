@@ -192,11 +192,11 @@ class Recording:
 
 def recorded_calls(kind: str, target_modules, drafter_modules, prompt: list[int], tokens: int,
                    embeddings: np.ndarray) -> list:
-    """The drafter calls of a short speculative run of the shipped fp16 modules, with their outputs, the drafter's
-    computed as this CPU's Core AI runtime computes (``checks.like_the_runtime``): what the drafter's package check
-    replays. The target's calls, which only make the drafter's inputs, compute in torch's own fp16 kernels: the
-    runtime's true fp16 is one elementwise op an inner index, and a 27B target's prefill in it ran past 40 minutes on
-    2 cores (docs/lab/2026-12-07-host-buffers-and-the-drafter-check.md)."""
+    """The drafter calls of a short speculative run of the fp16 modules (as packaged: ``drafter_build.packaged_calls``),
+    with their outputs, the drafter's computed as this CPU's Core AI runtime computes (``checks.like_the_runtime``):
+    what the drafter's package check replays. The target's calls, which only make the drafter's inputs, compute in
+    torch's own fp16 kernels: the runtime's true fp16 is one elementwise op an inner index, and a 27B target's
+    prefill in it ran past 40 minutes on 2 cores (docs/lab/2026-12-07-host-buffers-and-the-drafter-check.md)."""
     target, drafter = drivers(kind, target_modules, drafter_modules, embeddings)
     drafter.functions = Recording(drafter.functions, arithmetic=like_the_runtime)  # the runtime asked once a process
     speculative.speculate(target, drafter, prompt, tokens)
