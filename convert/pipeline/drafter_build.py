@@ -321,9 +321,9 @@ def packaged_calls(plan, target: TargetModules, modules, held_out: list) -> list
     """The calls the drafter's package check replays (``drafter_calibration.recorded_calls`` over the first held-out
     prompt), recorded by its modules as they are packaged (``packaged_from_codes``: its quantized linears and a lean
     target's tables become the layers a package is made from), so that every product is the package's own: in the ane
-    layout a 1x1 convolution, which the runtime sums in fp32, where a ``CodesLinear`` multiplies rows, which the
-    runtime's true fp16 rounds at every partial sum (at the 27B drafter's width its selector projection came out 0.41
-    from the package's: docs/lab/2026-12-07-the-drafter-check-at-27b.md)."""
+    layout a 1x1 convolution, which the runtime rounds about once (as torch's kernel does), where a ``CodesLinear``
+    multiplies rows, which the runtime's true fp16 rounds at every partial sum (at the 27B drafter's width its selector
+    projection came out 0.41 from the package's: docs/lab/2026-12-07-the-drafter-check-at-27b.md)."""
     packaged_from_codes(modules.core)
     prompt = held_out[0][0][:CHECK_PROMPT_TOKENS]
     return drafter_calibration.recorded_calls(plan.drafter.kind, target, modules, prompt, CHECK_GENERATED,
