@@ -295,22 +295,27 @@ drafter:
 """
 
 
+def _dflash2_plan(tmp: Path, drafter_extra: str = ""):
+    """A pair plan of a 4-layer target and a DFlash2 drafter with a candidate selector, tapping layers 0, 2 and 3;
+    ``drafter_extra``: more of the recipe's drafter section."""
+    write_checkpoint(tmp / "ckpt", hidden_size=64, num_hidden_layers=4)
+    draft = {"target_layer_ids": [0, 2, 3], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
+             "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
+    write_drafter(tmp / "drafter", config=drafter_config(vocab_size=4096, dflash_config=draft))
+    source = f"source: path:{tmp / 'drafter'}\n  context_update: 16\n  ring: 64{drafter_extra}"
+    return _plan(tmp, tmp / "ckpt", DRAFTER.format(taps=[0, 2, 3], hidden="false", kind="dflash2", source=source))
+
+
 @pytest.mark.parametrize("kind", ["dflash2", "mtp"])
 def test_drafters_in_true_fp16_are_within_the_checks_bounds(tmp_path, kind):
     """A drafter's package-check replay with its fp16 modules computing in true fp16 in place of the runtime, against
     the calls of the fp32 modules: ids equal but for near ties (the top-2 and top-k edge gaps), floats within the
     check's bound."""
     if kind == "dflash2":
-        write_checkpoint(tmp_path / "ckpt", hidden_size=64, num_hidden_layers=4)
-        draft = {"target_layer_ids": [0, 2, 3], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
-                 "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
-        write_drafter(tmp_path / "drafter", config=drafter_config(vocab_size=4096, dflash_config=draft))
-        extra = DRAFTER.format(taps=[0, 2, 3], hidden="false", kind=kind,
-                               source=f"source: path:{tmp_path / 'drafter'}\n  context_update: 16\n  ring: 64")
+        plan = _dflash2_plan(tmp_path)
     else:
         write_target_with_head(tmp_path / "ckpt")
-        extra = DRAFTER.format(taps=[], hidden="true", kind=kind, source="")
-    plan = _plan(tmp_path, tmp_path / "ckpt", extra)
+        plan = _plan(tmp_path, tmp_path / "ckpt", DRAFTER.format(taps=[], hidden="true", kind=kind, source=""))
     target, _ = shipped_modules(plan)
     target32 = compute_copy(target, torch.float32)
     modules, _, _ = drafter_build.shipped_drafter(plan, target, target32)
@@ -331,13 +336,7 @@ def test_the_drafter_checks_calls_are_the_packaged_modules_own(tmp_path, monkeyp
     row products, which the runtime's true fp16 rounds at every partial sum: they miss the recorded outputs there
     (here by 0.03, at the 27B drafter's width its selector projection by 0.41: both past the check's 0.02), and
     match them in the stateful layout, where the package multiplies rows too."""
-    write_checkpoint(tmp_path / "ckpt", hidden_size=64, num_hidden_layers=4)
-    draft = {"target_layer_ids": [0, 2, 3], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
-             "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
-    write_drafter(tmp_path / "drafter", config=drafter_config(vocab_size=4096, dflash_config=draft))
-    source = f"source: path:{tmp_path / 'drafter'}\n  context_update: 16\n  ring: 64\n  layout: {layout}"
-    plan = _plan(tmp_path, tmp_path / "ckpt", DRAFTER.format(taps=[0, 2, 3], hidden="false", kind="dflash2",
-                                                              source=source))
+    plan = _dflash2_plan(tmp_path, f"\n  layout: {layout}")
     target, _ = shipped_modules(plan)
     target32 = compute_copy(target, torch.float32)
     modules, _, _ = drafter_build.shipped_drafter(plan, target, target32)
