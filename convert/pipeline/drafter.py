@@ -33,7 +33,7 @@ from convert.export.quantized import (
     table_shape,
 )
 from convert.export.spec import FunctionSpec
-from convert.fp16 import Peaks, device_arithmetic
+from convert.fp16 import Peaks
 from convert.inputs import contract
 from convert.inputs.recipe import Drafter, Recipe
 from convert.inputs.sources import Snapshot, resolve
@@ -41,7 +41,7 @@ from convert.models import drafter_family
 from convert.pipeline.partition import row_align
 from convert.progress import console
 from convert.runtime import speculative
-from convert.runtime.host import ModuleFunctions, TargetDriver
+from convert.runtime.host import DeviceFunctions, ModuleFunctions, TargetDriver
 from convert.verify.gates import DEVICE_OF_LAYOUT
 from convert.weights import rescale
 from convert.weights.target import TargetModules
@@ -191,8 +191,12 @@ def range_scale(plan, target: TargetModules, target32: TargetModules, modules, p
     kind, device = plan.drafter.kind, DEVICE_OF_LAYOUT[plan.drafter.config.layout]
     drafter32 = compute_copy(modules, torch.float32, share_weights=True, device=plan.torch_device)
     peaks = Peaks(drafter=drafter32.core)
-    with torch.no_grad(), device_arithmetic(None, peaks):
-        speculative.speculate(*drivers(kind, target32, drafter32, anchor_table(target)), prompt, tokens)
+    target_driver, drafter_driver = drivers(kind, target32, drafter32, anchor_table(target))
+    # the drafter's calls alone watched: the target's every op noted too kept an H100 busy 4.9 s a round on the
+    # 27B (docs/lab/2026-12-07-27b-pair-on-an-h100.md), and ``rescale.choose`` judges the drafter's peaks only
+    drafter_driver.functions = DeviceFunctions(drafter_driver.functions, None, peaks)
+    with torch.no_grad():
+        speculative.speculate(target_driver, drafter_driver, prompt, tokens)
     scales, entries = rescale.choose(peaks, device, rescale.drafter_classes(drafter32.core, "drafter"), "drafter")
     for line in rescale.lines(scales, entries, device, f"{kind} drafter's residual stream"):
         console.print(line)

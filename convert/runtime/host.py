@@ -442,10 +442,11 @@ class ModuleFunctions:
 
 class DeviceFunctions:
     """``Functions`` whose every call computes in ``device``'s arithmetic (``convert.fp16.device_arithmetic``: fp16
-    modules as the ANE or the GPU computes them), noting ``peaks`` when given: a pair whose target and drafter run on
-    different devices enters each one's arithmetic call by call."""
+    modules as the ANE or the GPU computes them; None: torch's own, watched), noting ``peaks`` when given: a pair whose
+    target and drafter run on different devices enters each one's arithmetic call by call, and a range watches one
+    of the pair's calls alone."""
 
-    def __init__(self, functions, device: str, peaks=None):
+    def __init__(self, functions, device: str | None, peaks=None):
         self.functions, self.device, self.peaks = functions, device, peaks
 
     def reset(self) -> None:
