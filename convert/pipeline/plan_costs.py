@@ -73,14 +73,12 @@ def drafter_stage_parts(plan) -> str:
 # -gate-streamed-reference.md): the candidate about 2.25 h and the streamed reference 3,022 s, about 3.1 h, for
 # 26,895,998,464 parameters over 16 windows of 256 tokens and 16 greedy tokens; scaled by parameters x windows x
 # (length + greedy). On one GPU (``build --device cuda``, docs/lab/2026-12-06-torch-stages-on-a-gpu.md): the
-# reference 40.7 s on one H200; the candidate on one H100 with the host's buffers on the device, measured on the pack's
-# first 4 layers (docs/lab/2026-12-07-host-buffers-and-the-drafter-check.md): a piece's first pass at most 14 s for
-# 3 loads, the later passes' 90 loads in at least 13.5 s; computed for the 27B's 66 pieces x 16 passes (not run at
-# full size: its first runs there, before these changes, took about 5 s a load).
+# reference 40.7 s on one H200; the candidate 341.0 s on one H100 at full size, the target held there as its codes
+# (bench/gpu_stages.py --gate-pass candidate, docs/lab/2026-12-07-27b-pair-on-an-h100.md).
 GATE_REFERENCE_CPU_SECONDS = 3022
 GATE_CANDIDATE_CPU_SECONDS = 2.25 * 3600
 GATE_REFERENCE_GPU_SECONDS = 40.7
-GATE_CANDIDATE_GPU_SECONDS = 14 / 3 * 66 + 13.5 / 90 * 66 * 15
+GATE_CANDIDATE_GPU_SECONDS = 341.0
 
 
 GATE_MEASURED_PARAMETERS = 26_895_998_464
@@ -101,8 +99,10 @@ GATE_MEASURED_TOKENS = 16 * (256 + 16)
 # bench/gpu_stages.py --stage package): its 14 parts' check calls recorded in 547.9 s, then its 28 (part, format) jobs
 # one after the other in 12,361.5 s; scaled by parameters and formats. Core AI's and Core ML's converters and the
 # runtime's check run on the CPU: on the GPU machine (16 cores, 128 GB) a pool of 8 jobs at once, longest first, takes
-# about 1,700 s of the same jobs (computed from the measured jobs, 2 cores each; not run).
+# about 1,700 s of the same jobs (computed from the measured jobs, 2 cores each; not run), after the 14 parts' check
+# calls recorded on its H100 in 84.4 s (bench/gpu_stages.py --stage calls, docs/lab/2026-12-07-27b-pair-on-an-h100.md).
 PACKAGING_CPU_SECONDS = 547.9 + 12_361.5
+PACKAGING_CALLS_GPU_SECONDS = 84.4
 PACKAGING_POOL_SECONDS = 1_700
 
 
@@ -144,6 +144,13 @@ def packaging_scale(plan) -> float:
     """The plan's packaging against the measured one: parameters x formats."""
     return plan.args.parameter_count / PACKAGING_MEASURED_PARAMETERS * len(plan.recipe.backends) / \
         PACKAGING_MEASURED_FORMATS
+
+
+def gpu_packaging_seconds(plan) -> float:
+    """The packaging stage on the GPU machine: the parts' check calls on its GPU (scaled by parameters), then the
+    pool of (part, format) jobs on its cores (parameters x formats)."""
+    return PACKAGING_CALLS_GPU_SECONDS * plan.args.parameter_count / PACKAGING_MEASURED_PARAMETERS + \
+        PACKAGING_POOL_SECONDS * packaging_scale(plan)
 
 
 def range_seconds(plan, measured: float) -> float:

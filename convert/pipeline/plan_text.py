@@ -41,13 +41,12 @@ from convert.pipeline.plan_costs import (
     GATE_REFERENCE_GPU_SECONDS,
     GB,
     GPU_MACHINE,
-    PACKAGING_POOL_SECONDS,
     RANGE_SECONDS_16_CORES,
     RANGE_SECONDS_GPU,
     cpu_seconds,
     drafter_stage_parts,
     gate_scale,
-    packaging_scale,
+    gpu_packaging_seconds,
     range_seconds,
     refusal,
 )
@@ -291,8 +290,8 @@ def time_lines(plan: Plan) -> list[str]:
                  f"{_hours(GATE_CANDIDATE_GPU_SECONDS * gate_scale(plan))} (one H100, --device cuda)")
     lines.append(f"    packaging ({len(plan.parts)} part{'s' if len(plan.parts) > 1 else ''} x "
                  f"{len(plan.recipe.backends)} formats): {_hours(packaging)} | "
-                 f"{_hours(PACKAGING_POOL_SECONDS * packaging_scale(plan))} (8 jobs at once on 16 cores; the "
-                 "converters run on the CPU)")
+                 f"{_hours(gpu_packaging_seconds(plan))} (the parts' check calls on the GPU, then 8 jobs at once "
+                 "on 16 cores; the converters run on the CPU)")
     if plan.recipe.drafter is not None:
         lines.append("    drafter stages (calibration, quantize, acceptance A/B): not measured at this size")
     return lines
