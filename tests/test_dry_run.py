@@ -158,6 +158,8 @@ def test_every_recipe_dry_runs_without_downloading_a_weight(hub, tmp_path):
         assert "gate (16 x 256 tokens): 3.1 h | the reference under a minute, the candidate 6 min (one H100" in summary
         assert "packaging (14 parts x 2 formats): 3.6 h | 30 min (the parts' check calls on the GPU, then 8" in summary
         assert "range (1 x 256 tokens): not measured | 2 min (one H100; on its 16 CPU cores: 7 min)" in summary
+    assert "not measured at this size; its packages (the check's calls, 2 formats): 60 min | not measured" in \
+        outputs["dflash2_27b.yaml"]  # the 27B drafter's measured on 2 cores: 1,305.6 + 2,131.1 + 162.0 s
     summary = outputs["bonsai2_27b_dflash2.yaml"]
     assert "quantization exact" in summary and "would be refused" not in summary and "within budget" in summary
 

@@ -112,6 +112,15 @@ PACKAGING_MEASURED_PARAMETERS = 26_895_998_464
 PACKAGING_MEASURED_FORMATS = 2
 
 
+# The drafter's packages: the Bonsai 27B DFlash2 drafter (1,924,404,480 parameters, lut4) on the 2-core machine
+# (bench/gpu_stages.py --stage drafter-package, docs/lab/2026-12-07-27b-pair-on-an-h100.md): its check's calls recorded
+# by its packaged modules in 1,305.6 s, then each (format) job with its check: Core AI 2,131.1 s (the runtime's replay
+# of 23 calls 2,068.4 s), Core ML 162.0 s; scaled by the drafter's parameters.
+DRAFTER_CALLS_CPU_SECONDS = 1_305.6
+DRAFTER_JOB_CPU_SECONDS = {"coreai": 2_131.1, "coreml": 162.0}
+DRAFTER_MEASURED_PARAMETERS = 1_924_404_480
+
+
 CPU_MACHINE = "2 CPU cores"  # COST_MODEL's name of the CPU machine the rates were measured on
 
 
@@ -151,6 +160,12 @@ def gpu_packaging_seconds(plan) -> float:
     pool of (part, format) jobs on its cores (parameters x formats)."""
     return PACKAGING_CALLS_GPU_SECONDS * plan.args.parameter_count / PACKAGING_MEASURED_PARAMETERS + \
         PACKAGING_POOL_SECONDS * packaging_scale(plan)
+
+
+def drafter_packaging_seconds(plan) -> float:
+    """The drafter's packages on the 2-core machine: its check's calls, then its (format) jobs, by its parameters."""
+    return (DRAFTER_CALLS_CPU_SECONDS + sum(DRAFTER_JOB_CPU_SECONDS[name] for name in plan.recipe.backends)) * \
+        plan.drafter.args.parameter_count / DRAFTER_MEASURED_PARAMETERS
 
 
 def range_seconds(plan, measured: float) -> float:

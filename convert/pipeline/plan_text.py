@@ -44,6 +44,7 @@ from convert.pipeline.plan_costs import (
     RANGE_SECONDS_16_CORES,
     RANGE_SECONDS_GPU,
     cpu_seconds,
+    drafter_packaging_seconds,
     drafter_stage_parts,
     gate_scale,
     gpu_packaging_seconds,
@@ -293,7 +294,9 @@ def time_lines(plan: Plan) -> list[str]:
                  f"{_hours(gpu_packaging_seconds(plan))} (the parts' check calls on the GPU, then 8 jobs at once "
                  "on 16 cores; the converters run on the CPU)")
     if plan.recipe.drafter is not None:
-        lines.append("    drafter stages (calibration, quantize, acceptance A/B): not measured at this size")
+        packages = _hours(drafter_packaging_seconds(plan))
+        lines.append("    drafter stages (calibration, quantize, acceptance A/B): not measured at this size; its "
+                     f"packages (the check's calls, {len(plan.recipe.backends)} formats): {packages} | not measured")
     return lines
 
 
