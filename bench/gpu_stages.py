@@ -16,6 +16,13 @@ functions for ``--stage``:
   (part, format) job of the pool (``convert/pipeline/package_pool.py``) one after the other, each timed with its
   process's peak and its package's bytes. Longer than one command on a 2-core machine (about 3 h): it resumes from
   the files it keeps in ``--workdir`` (run it from one commit's copy, as ``bench/release_rehearsal.py`` says).
+- ``drafter``: the drafter stage's torch phases (``drafter_stage``); ``drafter-package``: the drafter's (format)
+  jobs on the host's cores (``drafter_package_stage``).
+- ``drafter-devices``: the drafter stage's torch phases on the CPU, then on ``--device``, from one target, compared
+  (``drafter_devices_stage``: GPTQ codes apart, lut4 tables, acceptance fields, verdicts). With ``--layers 2
+  --drafter-layers 1`` it is the pair at the 27B width over two layers: a drafter of ``--drafter-layers`` at the
+  published width tapping five layers spread over the pack's ``--layers``; ``--drafter-prompts N`` cuts its
+  calibration (on the shipped validation split, which any Python reads) and acceptance to N prompts.
 
 Each phase's seconds, the GPU's peak memory (``torch.cuda.max_memory_allocated``) and the process's host peak
 (``VmHWM``), and the disk the inputs and the plan use. The seeded values make the verdict the gate's own (the
@@ -55,7 +62,7 @@ from bench.common import arguments, write_json
 from bench.scale_build import _status
 from bench.torch_device import _peak_gib
 
-STAGES = ("gate", "calls", "package", "drafter", "drafter-package")
+STAGES = ("gate", "calls", "package", "drafter", "drafter-package", "drafter-devices")
 
 
 class Phases:
@@ -250,6 +257,62 @@ def drafter_stage(plan, phases: Phases) -> dict:
     return verdict
 
 
+ACCEPTANCE_FIELDS = ("tokens_per_round", "acceptance_by_position", "lossless", "near_ties", "rounds", "economics",
+                     "ngram")
+
+
+def drafter_devices_stage(plan, phases: Phases) -> dict:
+    """The drafter stage's torch phases on the CPU, then on ``plan``'s device, from one target held as its codes; the
+    second against the first: the GPTQ'd codes apart and the largest lut4 table difference (relative), each acceptance
+    field equal or not, and the verdicts (lossless, the device pass, the A/B's loss)."""
+    import dataclasses
+
+    result, scales = shipped(plan, phases)
+    target = phases.run("load the whole target as its codes", lambda: whole_target(plan, result, scales))
+    runs = {}
+    for device in (torch.device("cpu"), plan.torch_device):
+        on = dataclasses.replace(plan, torch_device=device)
+        runs[device.type] = phases.run(f"drafter stage on {device.type}", functools.partial(
+            _drafter_run, on, target, lambda: whole_target(plan, result, scales).core.layers))
+    cpu, other = runs["cpu"], runs[plan.torch_device.type]
+    codes = apart = 0
+    lut_gap = 0.0
+    for name, want in cpu["weights"].items():
+        got = other["weights"][name]
+        codes += want.codes.numel()
+        apart += int((want.codes != got.codes).sum())
+        if want.lut is not None:
+            lut_gap = max(lut_gap, float(((got.lut.float() - want.lut.float()).abs() /
+                                          want.lut.float().abs().clamp_min(1e-12)).max()))
+    acceptance = {key: other["acceptance"].get(key) == cpu["acceptance"].get(key) for key in ACCEPTANCE_FIELDS}
+    return {"codes": codes, "codes_apart": apart, "codes_apart_fraction": apart / max(1, codes),
+            "lut_max_relative_difference": lut_gap, "acceptance_fields_equal": acceptance,
+            "verdicts": {device: run["verdicts"] for device, run in runs.items()},
+            "tokens_per_round": {device: run["acceptance"].get("tokens_per_round") for device, run in runs.items()}}
+
+
+def _drafter_run(plan, target, reload_layers) -> dict:
+    """One device's drafter stage, as ``drafter_build.build_drafter`` runs its torch phases (no cache), and what
+    ``drafter_devices_stage`` compares."""
+    from convert.pipeline import drafter_accept, drafter_build
+
+    target32 = drafter_build.stage_copy(plan, target)
+    modules, fp16_modules, _ = drafter_build.shipped_drafter(plan, target, target32, reload_layers)
+    if not len(target32.core.layers):  # let go while GPTQ ran: made again, as build_drafter does
+        target32 = drafter_build.stage_copy(plan, target)
+    held_out = drafter_build.held_out_prompts(plan)
+    acceptance, ab = drafter_build.measure_held_out(plan, target, target32, modules, fp16_modules, held_out)
+    verdicts = {"lossless": acceptance.get("lossless"), "ab_significant_loss": (ab or {}).get("significant_loss")}
+    try:
+        device = drafter_accept.device_pass(plan, target, target32, modules, held_out[0][0],
+                                            plan.drafter.config.accept.tokens)
+        verdicts["device_pass"] = {"lossless": device["lossless"], "over": device["range"]["over"]}
+    except Exception as error:  # noqa: BLE001 - a seeded drafter's verdict is recorded, and compared
+        verdicts["device_pass"] = f"{type(error).__name__}: {error}"
+    weights = {name: m.quantized_weight() for name, m in modules.core.named_modules() if hasattr(m, "quantized_weight")}
+    return {"weights": weights, "acceptance": acceptance, "verdicts": verdicts}
+
+
 def drafter_package_stage(plan, phases: Phases, work: Path) -> dict:
     """The drafter's (format) jobs as ``drafter_build.build_drafter`` packages them after its torch phases: its
     modules over the lean target (round to nearest in place of GPTQ, see the module docstring), the check's calls
@@ -317,6 +380,12 @@ def main() -> None:
                         help="one pass of the gate to time, the gate stopped after it (default: all, and the verdict)")
     parser.add_argument("--no-range", action="store_true",
                         help="skip the range stage, its scales the identity (what it measures on the seeded pack)")
+    parser.add_argument("--drafter-layers", type=int, default=None,
+                        help="a drafter of N layers at the published width tapping the pack's first --layers (default: "
+                             "the published 5 layers, which tap layer 61 and need all 64)")
+    parser.add_argument("--drafter-prompts", type=int, default=None,
+                        help="the drafter's calibration and acceptance cut to N prompts of 64 ids, 32 generated, "
+                             "calibrated on the fixture corpus's shipped validation split")
     parser.add_argument("--check-bound", type=float, default=None,
                         help="the package checks' fp16 output bound for this run (default the build's, "
                              "checks.FP16_OUTPUT_BOUND): to time a whole check of a seeded checkpoint above it")
@@ -325,8 +394,11 @@ def main() -> None:
     from bench import release_rehearsal as seeded
 
     with_drafter = options.stage.startswith("drafter")
-    if with_drafter and options.layers < 64:
-        parser.error(f"--stage {options.stage} needs the pack's 64 layers (the drafter's taps reach layer 61)")
+    if with_drafter and options.layers < 64 and options.drafter_layers is None:
+        parser.error(f"--stage {options.stage} needs the pack's 64 layers (the drafter's taps reach layer 61) or "
+                     "--drafter-layers")
+    taps = seeded.DRAFTER_TAPS if options.drafter_layers is None else \
+        sorted({round(i * (options.layers - 1) / 4) for i in range(5)})  # five spread over the pack's layers
 
     work = options.workdir.resolve()
     cache = work / "hf-cache"
@@ -351,10 +423,15 @@ def main() -> None:
         pack = seeded.snapshot_dir(cache, seeded.PACK_REPO, seeded.PACK_REVISION)
         phases.run("write the pack", lambda: seeded.write_pack(pack, layers=options.layers))
         written.touch()
-    if with_drafter and not (work / "drafter.written").is_file():
+    drafter_written = work / ("drafter.written" if options.drafter_layers is None else
+                              f"drafter-{options.drafter_layers}-layers-{options.layers}.written")
+    if with_drafter and not drafter_written.is_file():
         checkpoint = seeded.snapshot_dir(cache, seeded.DRAFTER_REPO, seeded.DRAFTER_REVISION)
-        phases.run("write the drafter", lambda: seeded.write_drafter(checkpoint))
-        (work / "drafter.written").touch()
+        for old in work.glob("drafter*.written"):
+            old.unlink()
+        phases.run("write the drafter", lambda: seeded.write_drafter(
+            checkpoint, layers=options.drafter_layers or 5, taps=taps))
+        drafter_written.touch()
     import yaml
 
     recipe = yaml.safe_load(seeded.RECIPE.read_text())
@@ -362,10 +439,20 @@ def main() -> None:
         recipe.pop("drafter", None)  # the target's stages: the drafter's checkpoint is not written
     elif options.calibration_samples:
         recipe["drafter"]["quantization"]["calibration"] = {"samples": options.calibration_samples}
+    if with_drafter and options.drafter_prompts:
+        cut = {"samples": options.drafter_prompts, "length": 64, "tokens": 32}
+        recipe["drafter"]["quantization"]["calibration"] = {"corpus": "fixture:validation", **cut}
+        recipe["drafter"]["accept"] = cut
+    if with_drafter and options.drafter_layers is not None:
+        count = options.drafter_layers
+        recipe["drafter"]["contract"].update({"num_hidden_layers": count, "layer_types": ["sliding_attention"] * count,
+                                              "dflash_config.target_layer_ids": taps})
     contract = recipe["target"]["contract"]
     contract["text_config.layer_types"] = contract["text_config.layer_types"][:options.layers]
     contract["text_config.num_hidden_layers"] = options.layers
     recipe["target"]["taps"] = [t for t in recipe["target"]["taps"] if t < options.layers] or [0]
+    if with_drafter and options.drafter_layers is not None:
+        recipe["target"]["taps"] = taps
     if options.host_memory_gb:
         recipe["target"]["max_host_memory_gb"] = options.host_memory_gb
     planned = work / seeded.RECIPE.name
@@ -373,7 +460,8 @@ def main() -> None:
     plan = phases.run("plan", lambda: make_plan(planned, str(work / "bundle"), torch_device=device))
     stages = {"gate": functools.partial(gate_stage, only=options.gate_pass), "calls": calls_stage,
               "package": functools.partial(package_stage, work=work),
-              "drafter": drafter_stage, "drafter-package": functools.partial(drafter_package_stage, work=work)}
+              "drafter": drafter_stage, "drafter-package": functools.partial(drafter_package_stage, work=work),
+              "drafter-devices": drafter_devices_stage}
     result["verdict"] = stages[options.stage](plan, phases)
     result["disk"] = {"hf_cache": seeded.du(cache), "build_cache": seeded.du(work / "cache")}
     print(result["verdict"], result["disk"], flush=True)

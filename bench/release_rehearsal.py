@@ -241,28 +241,33 @@ def write_pack(directory: Path, seed: int = 0, layers: int = 64) -> None:
     _write_tokenizer(directory)
 
 
-def drafter_config() -> dict:
-    """The published DFlash2 config fields (z-lab's layout; the recipe's drafter contract)."""
+DRAFTER_TAPS = [5, 19, 33, 47, 61]
+
+
+def drafter_config(layers: int = 5, taps: list[int] | None = None) -> dict:
+    """The published DFlash2 config fields (z-lab's layout; the recipe's drafter contract); ``layers`` and ``taps``
+    (the target layers it reads) for a drafter at the published width over a pack's first layers."""
     return {
         "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "is_causal": False,
-        "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 5, "num_attention_heads": 32,
+        "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": layers, "num_attention_heads": 32,
         "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 248320, "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000}, "layer_types": ["sliding_attention"] * 5,
-        "sliding_window": 2048, "max_window_layers": 5, "num_target_layers": 64, "tie_word_embeddings": False,
-        "eos_token_id": 248044, "dtype": "bfloat16",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000},
+        "layer_types": ["sliding_attention"] * layers, "sliding_window": 2048, "max_window_layers": layers,
+        "num_target_layers": 64, "tie_word_embeddings": False, "eos_token_id": 248044, "dtype": "bfloat16",
         "dflash_config": {"block_size": 8, "mask_token_id": 248070, "conv_group_size": 16, "conv_kernel_size": 2,
-                          "selector_rank": 256, "selector_top_k": 16, "target_layer_ids": [5, 19, 33, 47, 61]},
+                          "selector_rank": 256, "selector_top_k": 16,
+                          "target_layer_ids": list(DRAFTER_TAPS if taps is None else taps)},
     }
 
 
-def write_drafter(directory: Path, seed: int = 1) -> int:
-    """The drafter's files; returns its parameter count."""
+def write_drafter(directory: Path, seed: int = 1, layers: int = 5, taps: list[int] | None = None) -> int:
+    """The drafter's files (``drafter_config``'s ``layers`` and ``taps``); returns its parameter count."""
     from safetensors.torch import save_file
 
     from convert.models.dflash2.config import CODEBOOKS, SELECTOR_FILE, DFlash2Args, expected_shapes
 
     directory.mkdir(parents=True, exist_ok=True)
-    config = drafter_config()
+    config = drafter_config(layers, taps)
     shapes = expected_shapes(DFlash2Args.from_config(config))
     generator = torch.Generator().manual_seed(seed)
     main, selector = {}, {}
