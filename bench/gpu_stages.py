@@ -234,26 +234,15 @@ def whole_target(plan, result, scales):
 def drafter_stage(plan, phases: Phases) -> dict:
     """The drafter stage's torch phases (``drafter_build.build_drafter`` up to its packaging), each timed; a phase
     that raises (the device pass's ``GateError`` on seeded weights, say) is recorded with its message."""
-    from convert.pipeline import drafter_accept, drafter_build
-
     result, scales = shipped(plan, phases)
     lean_whole = functools.partial(whole_target, plan, result, scales)
     target = phases.run("load the whole target as its codes", lean_whole)
-    target32 = phases.run("stage copy", lambda: drafter_build.stage_copy(plan, target))
-    modules, fp16_modules, quantization = phases.run("shipped drafter", lambda: drafter_build.shipped_drafter(
-        plan, target, target32, lambda: lean_whole().core.layers))
-    if not len(target32.core.layers):  # let go while GPTQ ran: made again, as build_drafter does
-        target32 = phases.run("stage copy again", lambda: drafter_build.stage_copy(plan, target))
-    held_out = drafter_build.held_out_prompts(plan)
-    acceptance, _ = phases.run("held-out acceptance", lambda: drafter_build.measure_held_out(
-        plan, target, target32, modules, fp16_modules, held_out))
-    verdict = {"tokens_per_round": acceptance.get("tokens_per_round"),
+    run = _drafter_run(plan, target, lambda: lean_whole().core.layers, phases.run)
+    quantization = run["quantization"]
+    verdict = {"tokens_per_round": run["acceptance"].get("tokens_per_round"),
                "quantization": None if quantization is None else quantization.get("method")}
-    try:
-        phases.run("device pass", lambda: drafter_accept.device_pass(plan, target, target32, modules, held_out[0][0],
-                                                                      plan.drafter.config.accept.tokens))
-    except Exception as error:  # noqa: BLE001 - the seeded pair's verdict is recorded, the time was spent
-        verdict["device_pass"] = f"{type(error).__name__}: {error}"
+    if isinstance(run["verdicts"]["device_pass"], str):  # the seeded pair's verdict is recorded, the time was spent
+        verdict["device_pass"] = run["verdicts"]["device_pass"]
     return verdict
 
 
@@ -275,10 +264,12 @@ def drafter_devices_stage(plan, phases: Phases) -> dict:
         runs[device.type] = phases.run(f"drafter stage on {device.type}", functools.partial(
             _drafter_run, on, target, lambda: whole_target(plan, result, scales).core.layers))
     cpu, other = runs["cpu"], runs[plan.torch_device.type]
+    weights = {device: {name: m.quantized_weight() for name, m in run["modules"].core.named_modules()
+                        if hasattr(m, "quantized_weight")} for device, run in runs.items()}
     codes = apart = 0
     lut_gap = 0.0
-    for name, want in cpu["weights"].items():
-        got = other["weights"][name]
+    for name, want in weights["cpu"].items():
+        got = weights[plan.torch_device.type][name]
         codes += want.codes.numel()
         apart += int((want.codes != got.codes).sum())
         if want.lut is not None:
@@ -291,26 +282,27 @@ def drafter_devices_stage(plan, phases: Phases) -> dict:
             "tokens_per_round": {device: run["acceptance"].get("tokens_per_round") for device, run in runs.items()}}
 
 
-def _drafter_run(plan, target, reload_layers) -> dict:
-    """One device's drafter stage, as ``drafter_build.build_drafter`` runs its torch phases (no cache), and what
-    ``drafter_devices_stage`` compares."""
+def _drafter_run(plan, target, reload_layers, run=lambda _name, compute: compute()) -> dict:
+    """One device's drafter stage, as ``drafter_build.build_drafter`` runs its torch phases (no cache), each phase
+    through ``run`` (``Phases.run`` to time it): its modules, quantization record, acceptance and verdicts."""
     from convert.pipeline import drafter_accept, drafter_build
 
-    target32 = drafter_build.stage_copy(plan, target)
-    modules, fp16_modules, _ = drafter_build.shipped_drafter(plan, target, target32, reload_layers)
+    target32 = run("stage copy", lambda: drafter_build.stage_copy(plan, target))
+    modules, fp16_modules, quantization = run("shipped drafter", lambda: drafter_build.shipped_drafter(
+        plan, target, target32, reload_layers))
     if not len(target32.core.layers):  # let go while GPTQ ran: made again, as build_drafter does
-        target32 = drafter_build.stage_copy(plan, target)
+        target32 = run("stage copy again", lambda: drafter_build.stage_copy(plan, target))
     held_out = drafter_build.held_out_prompts(plan)
-    acceptance, ab = drafter_build.measure_held_out(plan, target, target32, modules, fp16_modules, held_out)
+    acceptance, ab = run("held-out acceptance", lambda: drafter_build.measure_held_out(
+        plan, target, target32, modules, fp16_modules, held_out))
     verdicts = {"lossless": acceptance.get("lossless"), "ab_significant_loss": (ab or {}).get("significant_loss")}
     try:
-        device = drafter_accept.device_pass(plan, target, target32, modules, held_out[0][0],
-                                            plan.drafter.config.accept.tokens)
+        device = run("device pass", lambda: drafter_accept.device_pass(
+            plan, target, target32, modules, held_out[0][0], plan.drafter.config.accept.tokens))
         verdicts["device_pass"] = {"lossless": device["lossless"], "over": device["range"]["over"]}
-    except Exception as error:  # noqa: BLE001 - a seeded drafter's verdict is recorded, and compared
+    except Exception as error:  # noqa: BLE001 - a seeded drafter's verdict is recorded (and compared)
         verdicts["device_pass"] = f"{type(error).__name__}: {error}"
-    weights = {name: m.quantized_weight() for name, m in modules.core.named_modules() if hasattr(m, "quantized_weight")}
-    return {"weights": weights, "acceptance": acceptance, "verdicts": verdicts}
+    return {"modules": modules, "quantization": quantization, "acceptance": acceptance, "verdicts": verdicts}
 
 
 def drafter_package_stage(plan, phases: Phases, work: Path) -> dict:
@@ -450,9 +442,8 @@ def main() -> None:
     contract = recipe["target"]["contract"]
     contract["text_config.layer_types"] = contract["text_config.layer_types"][:options.layers]
     contract["text_config.num_hidden_layers"] = options.layers
-    recipe["target"]["taps"] = [t for t in recipe["target"]["taps"] if t < options.layers] or [0]
-    if with_drafter and options.drafter_layers is not None:
-        recipe["target"]["taps"] = taps
+    recipe["target"]["taps"] = taps if with_drafter and options.drafter_layers is not None else \
+        [t for t in recipe["target"]["taps"] if t < options.layers] or [0]
     if options.host_memory_gb:
         recipe["target"]["max_host_memory_gb"] = options.host_memory_gb
     planned = work / seeded.RECIPE.name
