@@ -286,6 +286,7 @@ def _drafter_run(plan, target, reload_layers, run=lambda _name, compute: compute
     """One device's drafter stage, as ``drafter_build.build_drafter`` runs its torch phases (no cache), each phase
     through ``run`` (``Phases.run`` to time it): its modules, quantization record, acceptance and verdicts."""
     from convert.pipeline import drafter_accept, drafter_build
+    from convert.progress import stage
 
     target32 = run("stage copy", lambda: drafter_build.stage_copy(plan, target))
     modules, fp16_modules, quantization = run("shipped drafter", lambda: drafter_build.shipped_drafter(
@@ -297,8 +298,12 @@ def _drafter_run(plan, target, reload_layers, run=lambda _name, compute: compute
         plan, target, target32, modules, fp16_modules, held_out))
     verdicts = {"lossless": acceptance.get("lossless"), "ab_significant_loss": (ab or {}).get("significant_loss")}
     try:
-        device = run("device pass", lambda: drafter_accept.device_pass(
-            plan, target, target32, modules, held_out[0][0], plan.drafter.config.accept.tokens))
+        def device_pass():
+            with stage(f"device pass of the pair on {plan.torch_device.type}"):  # its heartbeat: minutes at 27B
+                return drafter_accept.device_pass(plan, target, target32, modules, held_out[0][0],
+                                                  plan.drafter.config.accept.tokens)
+
+        device = run("device pass", device_pass)
         verdicts["device_pass"] = {"lossless": device["lossless"], "over": device["range"]["over"]}
     except Exception as error:  # noqa: BLE001 - a seeded drafter's verdict is recorded (and compared)
         verdicts["device_pass"] = f"{type(error).__name__}: {error}"
