@@ -454,6 +454,89 @@ def test_the_release_pairs_shape_builds_on_a_tiny_pack(written, tmp_path, monkey
 
 
 @pytest.mark.heavy  # minutes on 2 cores: `make test-heavy` (the suite's 15-minute budget, docs/development.md)
+def test_the_target_pool_beside_the_drafter_stage_gives_the_sequential_bundle(written, tmp_path, monkeypatch):
+    """The release pair's shape in parts, its target's packaging pool (``--jobs 2``) run in the background while the
+    drafter stage computes (``build._overlaps``: by default where that stage runs on an accelerator; here on the CPU):
+    the drafter stage began before the pool was done and the target's manifest was made after it began; the bundle,
+    both manifests included, is the build one part after the other's, byte for byte but the run-to-run files."""
+    import time
+
+    from convert.pipeline import build, drafter_build
+    from tests.helpers.bundle_files import comparable_manifest, files
+    from tests.helpers.dflash2_checkpoints import tiny_config, write_drafter
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    draft = {"target_layer_ids": [0, 1], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
+             "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
+    write_drafter(tmp_path / "drafter", config=tiny_config(hidden_size=128, vocab_size=320, dflash_config=draft))
+    recipe = pair_recipe(tmp_path / "pair.yaml", written / "pack", tmp_path / "drafter", max_part_mb=0.06)
+    monkeypatch.setattr(build, "_check_part_size", lambda entry, max_part_mb: None)
+    times: dict[str, list[float]] = {"drafter stage": [], "pool done": [], "target manifest": []}
+    jobs, stage_copy, finish_target = build.package_jobs, drafter_build.stage_copy, build._finish_target
+
+    def timed(name, function):
+        def call(*args, **kwargs):
+            value = function(*args, **kwargs)
+            times[name].append(time.monotonic())
+            return value
+        return call
+
+    monkeypatch.setattr(build, "package_jobs", timed("pool done", jobs))
+    monkeypatch.setattr(drafter_build, "stage_copy", timed("drafter stage", stage_copy))
+    monkeypatch.setattr(build, "_finish_target", timed("target manifest", finish_target))
+    monkeypatch.setattr(build, "_overlaps", lambda plan: True)
+    beside = CliRunner().invoke(main, ["build", str(recipe), "-o", str(tmp_path / "beside"), "--jobs", "2"])
+    assert beside.exit_code == 0, beside.output
+    assert len(times["pool done"]) == 1 and len(times["target manifest"]) == 1
+    assert times["drafter stage"][0] < times["pool done"][0] < times["target manifest"][0]
+    monkeypatch.setattr(build, "_overlaps", lambda plan: False)
+    for found in times.values():
+        found.clear()
+    sequential = CliRunner().invoke(main, ["build", str(recipe), "-o", str(tmp_path / "sequential"), "--jobs", "1"])
+    assert sequential.exit_code == 0, sequential.output
+    assert times["pool done"] == [] and times["target manifest"][0] < times["drafter stage"][0]
+    assert files(tmp_path / "beside") == files(tmp_path / "sequential")
+    assert sum(v != "varies" for v in files(tmp_path / "beside").values()) > 20
+    for half in ("target", "drafter"):
+        assert comparable_manifest(tmp_path / "beside" / half) == comparable_manifest(tmp_path / "sequential" / half)
+
+
+@pytest.mark.heavy  # minutes on 2 cores: `make test-heavy` (the suite's 15-minute budget, docs/development.md)
+def test_a_drafter_stage_that_fails_beside_the_pool_stops_it_and_publishes_nothing(written, tmp_path, monkeypatch,
+                                                                                  capfd):
+    """The same pair with the pool beside the drafter stage, whose first phase refuses while the pool's jobs run:
+    exit 1 naming the refusal, no bundle and no staging folder beside where it would be, no pool process left, and
+    fewer jobs ended than the pool had (it was stopped, not waited for)."""
+    import multiprocessing
+    import re
+
+    from convert.errors import GateError
+    from convert.pipeline import build, drafter_build
+    from tests.helpers.dflash2_checkpoints import tiny_config, write_drafter
+
+    draft = {"target_layer_ids": [0, 1], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
+             "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
+    write_drafter(tmp_path / "drafter", config=tiny_config(hidden_size=128, vocab_size=320, dflash_config=draft))
+    recipe = pair_recipe(tmp_path / "pair.yaml", written / "pack", tmp_path / "drafter", max_part_mb=0.06)
+    monkeypatch.setattr(build, "_check_part_size", lambda entry, max_part_mb: None)
+    monkeypatch.setattr(build, "_overlaps", lambda plan: True)
+
+    def refuse(*_args):
+        raise GateError("the drafter stage refused (a test)")
+
+    monkeypatch.setattr(drafter_build, "stage_copy", refuse)
+    out = tmp_path / "out" / "bundle"
+    result = CliRunner().invoke(main, ["build", str(recipe), "-o", str(out), "--jobs", "2", "--no-cache"])
+    assert result.exit_code == 1, result.output
+    assert "the drafter stage refused (a test)" in result.output
+    assert not out.exists() and list((tmp_path / "out").iterdir()) == []
+    assert multiprocessing.active_children() == []
+    jobs = int(re.search(r"package (\d+) jobs \(", result.output).group(1))
+    ended = capfd.readouterr().err.count("✓ package job: part ")
+    assert jobs >= 4 and ended < jobs
+
+
+@pytest.mark.heavy  # minutes on 2 cores: `make test-heavy` (the suite's 15-minute budget, docs/development.md)
 def test_a_lean_target_gives_the_drafter_stage_the_dense_targets_results(written, tmp_path):
     """The drafter stage of a parted target runs it from its packed codes (``PartLoader.load(lean=True)``: each
     quantized linear a ``CodesLinear``): the quantized drafter, its acceptance and A/B, the bytes each call reads and

@@ -2,7 +2,6 @@
 ``build --jobs`` and the host memory; and (heavy) a parted build with the pool gives the bundle of the build one part
 after the other byte for byte, below and above ``CHAINED_RUN_PARAMETERS``, and resumes job by job from the cache."""
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -15,12 +14,8 @@ from convert.pipeline.package_pool import Job, job_bytes, jobs_of, pool_width
 from convert.pipeline.partition import BASE_BYTES, GB, packaging_bytes
 from convert.pipeline.plan import make_plan
 from convert.verify import gates
+from tests.helpers.bundle_files import comparable_manifest, files
 from tests.helpers.recipes import FLAT_LOGITS, gate, recipe, tiny_target
-
-# what differs run to run in any two builds (bench/bundle_hashes.py's RUN_TO_RUN): the gate report (its timings) and
-# the Core AI runtime's ODIX lowering (one .aimodel lowered twice gave two .odix files)
-RUN_TO_RUN_FILE = "gate_report.json"
-RUN_TO_RUN_SUFFIX = ".odix"
 
 
 def _recipe(folder: Path, checkpoint: Path, **fields) -> Path:
@@ -47,6 +42,9 @@ def test_the_pool_is_as_wide_as_the_cores_the_jobs_and_the_memory_allow(tmp_path
     assert width == 2 and why == (f"16 cores; host memory: 2 of the largest job's {peak / GB:.1f} GB within "
                                   f"target.max_host_memory_gb {budget:g} beside the build process")
     assert pool_width(tight, 8, cores=16)[0] == 2  # --jobs does not lift the memory's bound
+    # beside the drafter stage (its bytes held by the build process while the pool runs): room for one job less
+    width, why = pool_width(tight, cores=16, beside=int(peak))
+    assert width == 1 and why.endswith(f"beside the build process and the drafter stage's {peak / GB:.1f} GB")
     # every (part, format) once, the part with layers first (the longest), though the head's packaging memory is larger
     assert job_bytes(plan, 1) > job_bytes(plan, 0)
     assert jobs_of(plan) == [Job(0, "layers-0-2", "coreai"), Job(0, "layers-0-2", "coreml"), Job(1, "head", "coreai"),
@@ -63,29 +61,6 @@ def _jobs_done(log: str) -> list[str]:
     """The jobs a log says finished, as "part, format", sorted."""
     return sorted(line.split("✓ package job: part ")[1].split(" (4 jobs)")[0] for line in log.splitlines()
                   if "✓ package job: part " in line)
-
-
-def _files(bundle: Path) -> dict[str, str]:
-    """sha256 of every file of the bundle by its path; "varies" for the run-to-run files and the manifest (compared
-    apart)."""
-    found = {}
-    for path in sorted(p for p in bundle.rglob("*") if p.is_file()):
-        name = path.relative_to(bundle).as_posix()
-        varies = name in (RUN_TO_RUN_FILE, "manifest.json") or name.endswith(RUN_TO_RUN_SUFFIX)
-        found[name] = "varies" if varies else hashlib.sha256(path.read_bytes()).hexdigest()
-    return found
-
-
-def _manifest(bundle: Path) -> dict:
-    """The manifest less the hashes of the run-to-run files (its ``records``: the gate report; the .odix files)."""
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    del manifest["records"]
-    for package in manifest["packages"]:
-        for step in package["compile"]:
-            for file in step.get("files") or []:
-                if file["path"].endswith(RUN_TO_RUN_SUFFIX):
-                    file["sha256"] = "run to run"
-    return manifest
 
 
 @pytest.mark.heavy
@@ -107,10 +82,10 @@ def test_the_pooled_build_is_the_sequential_build_byte_for_byte(tmp_path, tiny_c
                                                   "layers-0-2, coreml"]
     sequential = _build(recipe_path, tmp_path / "sequential", "--jobs", "1", "--no-cache")
     assert "package job" not in sequential + capfd.readouterr().err
-    pooled_files, sequential_files = _files(tmp_path / "pooled"), _files(tmp_path / "sequential")
+    pooled_files, sequential_files = files(tmp_path / "pooled"), files(tmp_path / "sequential")
     assert len(pooled_files) == 25 and sum(v != "varies" for v in pooled_files.values()) == 21
     assert pooled_files == sequential_files
-    assert _manifest(tmp_path / "pooled") == _manifest(tmp_path / "sequential")
+    assert comparable_manifest(tmp_path / "pooled") == comparable_manifest(tmp_path / "sequential")
     scope = json.loads((tmp_path / "pooled" / "manifest.json").read_text())["gate"]["artifact"]["scope"]
     assert scope == (gates.PARTS_REPLAYED if short else gates.PARTS_CHAINED)
     if short:
@@ -119,5 +94,5 @@ def test_the_pooled_build_is_the_sequential_build_byte_for_byte(tmp_path, tiny_c
     workers = capfd.readouterr().err
     assert "package 4 jobs (2 parts x 2 formats), 2 at once" in resumed
     assert workers.count("restored from the cache (") == 4 and len(_jobs_done(workers)) == 4
-    assert _files(tmp_path / "resumed") == pooled_files
-    assert _manifest(tmp_path / "resumed") == _manifest(tmp_path / "pooled")
+    assert files(tmp_path / "resumed") == pooled_files
+    assert comparable_manifest(tmp_path / "resumed") == comparable_manifest(tmp_path / "pooled")

@@ -1,6 +1,8 @@
 """Stages in a fresh process (convert/processes.py): the result and the stage's own errors come back; a process that
 dies is named, not hung on; a pool of them returns its results in the order of its calls and names the call that
-failed; and the parted build with every stage in a process of its own gives the bundle of the build in one process."""
+failed; a pool driven from a thread (``InBackground``) returns or raises there and, stopped, kills its processes
+within seconds; and the parted build with every stage in a process of its own gives the bundle of the build in one
+process."""
 
 import json
 import os
@@ -13,8 +15,8 @@ from click.testing import CliRunner
 from convert.cli import main
 from convert.errors import InputError
 from convert.pipeline import build
-from convert.processes import in_fresh_process, in_fresh_processes
-from tests.helpers.pool_calls import refuse_or_mark, slept
+from convert.processes import InBackground, Stopped, in_fresh_process, in_fresh_processes
+from tests.helpers.pool_calls import held, refuse_or_mark, slept
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,6 +62,63 @@ def test_a_pool_call_that_fails_is_named_and_stops_the_calls_not_started(tmp_pat
     with pytest.raises(InputError, match="^part head, coreml package: head: refused$"):
         in_fresh_processes(refuse_or_mark, calls, [f"part {n}, coreml package" for n, _ in calls], 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["embed"]
+
+
+def _pooled(seconds: float, calls: int, stop=None) -> list:
+    return in_fresh_processes(slept, [(seconds, i) for i in range(calls)], [f"call {i}" for i in range(calls)], 2,
+                              stop=stop)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_pool_in_the_background_returns_its_results_or_its_error_there():
+    running = InBackground(_pooled, 0.0, 3)
+    assert [value for value, *_ in running.result()] == [0, 1, 2]
+    running.stop()  # a no-op once it has ended
+    failing = InBackground(in_fresh_processes, _refuse, [("tensor.y",)], ["part head, coreai package"], 1)
+    with pytest.raises(InputError, match="^part head, coreai package: tensor.y: refused$"):
+        failing.result()
+
+
+def test_a_pool_stopped_ends_its_running_calls_and_starts_no_more(tmp_path):
+    """Two calls of a minute each running, four more waiting: stopped, it ends within seconds, its running calls
+    unwound (each removed its temporary folder) and no process left, the four never started; a pool stopped before it
+    starts raises ``Stopped`` saying how many calls were not done."""
+    import threading
+    import time
+
+    from convert import processes
+
+    started = time.time()
+    calls = [(60.0, str(tmp_path), f"call-{i}") for i in range(6)]
+    running = InBackground(in_fresh_processes, held, calls, [f"call {i}" for i in range(6)], 2)
+    deadline = time.time() + 60
+    while len(list(tmp_path.iterdir())) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    children = multiprocessing_children()
+    assert len(children) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["call-0", "call-1"]
+    running.stop()
+    assert time.time() - started < 30 + processes.STOP_POLL_SECONDS
+    assert list(tmp_path.iterdir()) == []  # unwound, not killed: their temporaries removed, none started after
+    time.sleep(0.5)
+    assert not any(_alive(pid) for pid in children)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(Stopped, match="^stopped with 3 of 3 calls not done$"):
+        _pooled(60.0, 3, stop)
+
+
+def multiprocessing_children() -> list[int]:
+    """The pids of this process's spawned workers (not the resource tracker)."""
+    import multiprocessing
+
+    return [p.pid for p in multiprocessing.active_children() if p.pid is not None]
 
 
 def _build(tmp_path: Path, name: str) -> dict:

@@ -5,6 +5,7 @@ Each stage is a plain function; ``spec-convert build`` calls ``make_plan`` then 
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -40,7 +41,7 @@ from convert.pipeline.record import (
     target_manifest,
     write_drafter_interface,
 )
-from convert.processes import in_fresh_process, in_this_process
+from convert.processes import InBackground, in_fresh_process, in_this_process
 from convert.progress import console, stage
 from convert.runtime.host import TargetDriver
 from convert.torch_device import describe, free_bytes
@@ -60,12 +61,19 @@ from manifests.schema import Manifest, Rescale
 
 @dataclass(frozen=True)
 class BuiltTarget:
-    """What building the target gives the drafter stage: its manifest, and (when a drafter needs them) the whole
-    modules as shipped, with, for a parted target, a loader of their decoder layers again (None: the modules' own)."""
+    """What building the target gives the drafter stage: its source files, its manifest (``finished``: made, or where
+    a parted target's packaging pool runs beside the drafter stage, ``_overlaps``, made once the pool is done: the
+    first call waits for it), and (when a drafter needs them) the whole modules as shipped, with, for a parted
+    target, a loader of their decoder layers again (None: the modules' own)."""
 
-    manifest: Manifest
+    files: list
+    finished: Callable[[], Manifest]
     modules: TargetModules | None
     reload_layers: Callable[[], nn.ModuleList] | None = None
+
+
+def _made(value):
+    return lambda: value
 
 
 def shipped_modules(plan: Plan, cache: BuildCache | None = None,
@@ -166,13 +174,15 @@ def build(plan: Plan, cache: BuildCache | None = None, strict: bool = False) -> 
         target_dir = tmp / plan.target_dir.relative_to(plan.output)
         target_dir.mkdir(exist_ok=True)
         built = _build_target(plan, target_dir, failed_report, cache, stack)
-        manifest = built.manifest
-        manifests = [manifest]
+        manifests = []
         if plan.drafter:
             progress.phase("drafter")
-            drafter_manifest = build_drafter(plan, built.modules, manifest, target_dir, tmp / "drafter", cache,
-                                             built.reload_layers)
+            drafter_manifest = build_drafter(plan, built.modules, built.files, built.finished, target_dir,
+                                             tmp / "drafter", cache, built.reload_layers)
             manifests.append(drafter_manifest)
+        manifest = built.finished()
+        manifests.insert(0, manifest)
+        if plan.drafter:
             progress.phase("pair check")
             with stage("check-pair: the drafter's binding against the target bundle"):
                 problems = identity.pair_mismatches(drafter_manifest, manifest, target_dir)
@@ -242,7 +252,8 @@ def _build_target(plan: Plan, out: Path, failed_report: Path, cache: BuildCache,
         if done.format == "coreai":
             report.artifact = _artifact_of_whole(plan, modules, done, report, failed_report)
         packages.append(package_entry(done.format, done.path, out, done.check, done.compiled))
-    return BuiltTarget(_finish_target(plan, out, source_files, modules, packages, None, quantization, report), modules)
+    manifest = _finish_target(plan, out, source_files, modules, packages, None, quantization, report)
+    return BuiltTarget(source_files, _made(manifest), modules)
 
 
 def _artifact_of_whole(plan: Plan, modules: TargetModules, done, report: GateReport, failed_report: Path):
@@ -303,7 +314,10 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, 
     ``CHAINED_RUN_PARAMETERS`` the quantize stage, the gate and each part run in a fresh process
     (``convert.processes``): this one holds none of their memory. When a drafter needs them, the whole modules come
     with the manifest, their quantized weights as packed codes, with a loader of their decoder layers again (the
-    drafter stage lets them go while it quantizes the drafter; ``stack`` keeps a scratch cache until then)."""
+    drafter stage lets them go while it quantizes the drafter; ``stack`` keeps a scratch cache until then). Where the
+    drafter stage computes on an accelerator (``_overlaps``), a packaging pool runs beside it: the target's manifest
+    is made when the drafter stage asks for it (``BuiltTarget.finished``), and ``stack`` stops the pool when the
+    build fails first."""
     run = in_fresh_process if plan.parameter_count > CHAINED_RUN_PARAMETERS else in_this_process
     scales, ranged = run(streamed_range_stage, plan) if plan.recipe.target.rescale else (rescale.Scales(), None)
     result = run(quantize_stage, plan, parts_cache(plan, cache, stack), {r.path: r.sha256 for r in source_files},
@@ -317,25 +331,38 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, 
     report = gate(plan, cache, source_files, gated, failed_report)
     progress.phase("packages")
     loader = PartLoader(plan, result, scales)
-    packages, parts = _package_parts(plan, loader, out, cache, report, failed_report)
-    # the record reads every unit back (the tables' codes too) and needs only the core's names and shapes: from the
-    # outline, before the tables load (measured at the 27B width: the finish peaked at 13.9 GiB the other way round,
-    # 9.2 GiB this way)
-    quantization = quantization_record(plan.recipe.target.quantization, result, loader.outline) \
-        if result is not None else None
-    with stage("load the embedding and the lm_head (identity hashes, drafter interface)"):
-        tables = loader.load([tables_part(plan.args)])[0]
-    manifest = _finish_target(plan, out, source_files, tables, packages, parts, quantization, report)
-    del tables
+    packaged = _package_parts(plan, loader, out, cache, report, failed_report, stack if _overlaps(plan) else None)
+
+    def finish() -> Manifest:
+        packages, parts = packaged()
+        # the record reads every unit back (the tables' codes too) and needs only the core's names and shapes: from
+        # the outline, before the tables load (measured at the 27B width: the finish peaked at 13.9 GiB the other way
+        # round, 9.2 GiB this way)
+        quantization = quantization_record(plan.recipe.target.quantization, result, loader.outline) \
+            if result is not None else None
+        with stage("load the embedding and the lm_head (identity hashes, drafter interface)"):
+            tables = loader.load([tables_part(plan.args)])[0]
+        return _finish_target(plan, out, source_files, tables, packages, parts, quantization, report)
+
+    finished = functools.cache(finish)  # made once: the drafter stage's call and the build's
+    if not _overlaps(plan):
+        finished()  # before the drafter stage loads the target: the tables are let go first
     if not plan.drafter:
-        return BuiltTarget(manifest, None)
+        return BuiltTarget(source_files, finished, None)
 
     def lean_whole() -> TargetModules:
         return loader.load([Part.whole(plan.args)], lean=True)[0]
 
     with stage("load the whole target for the drafter stage, its quantized weights as packed codes"):
         whole = lean_whole()
-    return BuiltTarget(manifest, whole, lambda: lean_whole().core.layers)
+    return BuiltTarget(source_files, finished, whole, lambda: lean_whole().core.layers)
+
+
+def _overlaps(plan: Plan) -> bool:
+    """Whether a parted target's packaging pool (``_pooled_parts``) runs beside the drafter stage: where that stage
+    computes on an accelerator. The pool's jobs (the converters, the Core AI runtime's check) are the CPU's; on the
+    CPU the two would share its cores."""
+    return plan.drafter is not None and plan.torch_device.type != "cpu"
 
 
 def _gate_parts(plan: Plan, result: QuantizeResult | None, scales: rescale.Scales, passes: GatePasses | None,
@@ -380,8 +407,8 @@ def tables_part(args) -> Part:
     return Part("tables", args.vocab_size, embedding=(0, args.vocab_size), head=(0, args.vocab_size))
 
 
-def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache, report: GateReport,
-                   failed_report: Path) -> tuple[list[dict], list[dict]]:
+def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache, report: GateReport, failed_report: Path,
+                   beside: ExitStack | None = None) -> Callable[[], tuple[list[dict], list[dict]]]:
     """Package, check and compile each part (``convert/pipeline/partition.py``), no package over
     ``target.max_part_mb``, each part's check replaying the calls it made in the chained torch parts. The Core AI
     checks are the artifact gate: the parts chained on the runtime in lockstep with the torch parts, or, above
@@ -390,28 +417,35 @@ def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache, report: Gat
     ``CHAINED_RUN_PARAMETERS`` alone) every part's calls are recorded first and the (part, format) jobs run side by
     side (``_pooled_parts``); else one part after the other: above
     ``CHAINED_RUN_PARAMETERS`` each part loaded, recorded and packaged alone in a fresh process (``_package_part``).
-    Returns the package entries and the manifest's parts."""
+    ``beside``: the pool runs in the background (``processes.InBackground``, stopped by this stack when the build
+    fails first), at a width that leaves room for the drafter stage. Returns a function that gives the package
+    entries and the manifest's parts (waiting for the pool)."""
     target, parts = plan.recipe.target, plan.parts
     short = plan.parameter_count > CHAINED_RUN_PARAMETERS
     # by default a pool only above CHAINED_RUN_PARAMETERS: below, a part packages in seconds, about what a pool
     # process takes to start (its imports: 5 s measured), and the formats of a part already run side by side
-    width, why = pool_width(plan, plan.package_jobs) if short or plan.package_jobs else (1, "")
+    held = plan.drafter_stage_bytes if beside is not None else 0
+    width, why = pool_width(plan, plan.package_jobs, beside=held) if short or plan.package_jobs else (1, "")
     if width > 1:
-        pieces, results = _pooled_parts(plan, loader, out, cache, short, width, why)
-    elif short:
-        pieces, results = None, _fresh_parts(plan, loader, out, cache)
+        waited = _pooled_parts(plan, loader, out, cache, short, width, why, beside)
     else:
-        pieces, results = _chained_parts(plan, loader, out, cache)
-    packages = [entry for entries, _, _ in results for entry in entries]
-    checked = [done for _, _, coreai in results for done in coreai]
-    if checked:
-        what = f"{len(checked)} parts chained on the Core AI runtime" if not short else \
-            f"{len(checked)} parts, each replayed on its own (the chained run is above {CHAINED_RUN_PARAMETERS:,} " \
-            "parameters)"
-        with stage(f"artifact gate: {what}"):
-            result = gates.artifact_of_parts(checked, parts, pieces, target.taps, loader.outline, not short)
-        report.artifact = _held_to_reference(plan, result, loader.outline, report, failed_report)
-    return packages, [record for _, record, _ in results]
+        waited = _made((None, _fresh_parts(plan, loader, out, cache)) if short else
+                       _chained_parts(plan, loader, out, cache))
+
+    def packaged() -> tuple[list[dict], list[dict]]:
+        pieces, results = waited()
+        packages = [entry for entries, _, _ in results for entry in entries]
+        checked = [done for _, _, coreai in results for done in coreai]
+        if checked:
+            what = f"{len(checked)} parts chained on the Core AI runtime" if not short else \
+                f"{len(checked)} parts, each replayed on its own (the chained run is above " \
+                f"{CHAINED_RUN_PARAMETERS:,} parameters)"
+            with stage(f"artifact gate: {what}"):
+                result = gates.artifact_of_parts(checked, parts, pieces, target.taps, loader.outline, not short)
+            report.artifact = _held_to_reference(plan, result, loader.outline, report, failed_report)
+        return packages, [record for _, record, _ in results]
+
+    return packaged
 
 
 def _recorded(plan: Plan, loader: PartLoader, short: bool) -> tuple[list | None, list[list]]:
@@ -433,16 +467,27 @@ def _recorded(plan: Plan, loader: PartLoader, short: bool) -> tuple[list | None,
 
 
 def _pooled_parts(plan: Plan, loader: PartLoader, out: Path, cache: BuildCache, short: bool, width: int,
-                  why: str) -> tuple[list | None, list[tuple]]:
+                  why: str, beside: ExitStack | None = None) -> Callable[[], tuple[list | None, list[tuple]]]:
     """Every part's calls recorded (``_recorded``), then its (part, format) jobs in a pool ``width`` wide
-    (``package_pool.package_jobs``); the results in part order, each as ``_package_piece`` returns it."""
+    (``package_pool.package_jobs``), in the background with ``beside`` (which stops it if the build fails first);
+    a function that gives the results in part order (waiting for the pool), each as ``_package_piece`` returns it."""
     pieces, calls = _recorded(plan, loader, short)
-    done = package_jobs(plan, loader.result, loader.scales, out, cache, calls, width, why, fresh_each=short)
-    results = []
-    for i, part in enumerate(plan.parts):
-        jobs = [done[i, name] for name in plan.recipe.backends]
-        results.append(_part_results(plan, part, [d.packaged for d in jobs], jobs[0].functions, out))
-    return pieces, results
+    jobs = functools.partial(package_jobs, plan, loader.result, loader.scales, out, cache, calls, width, why,
+                             fresh_each=short)
+    if beside is None:
+        done = _made(jobs())
+    else:
+        running = InBackground(jobs)
+        beside.callback(running.stop)
+        done = running.result
+
+    def results() -> tuple[list | None, list[tuple]]:
+        found = done()
+        return pieces, [_part_results(plan, part, [found[i, name].packaged for name in plan.recipe.backends],
+                                      found[i, plan.recipe.backends[0]].functions, out)
+                        for i, part in enumerate(plan.parts)]
+
+    return results
 
 
 def _fresh_parts(plan: Plan, loader: PartLoader, out: Path, cache: BuildCache) -> list[tuple]:

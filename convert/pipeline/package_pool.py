@@ -15,6 +15,7 @@ and format, before anything is published.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,19 +57,22 @@ def job_bytes(plan, index: int) -> int:
     return BASE_BYTES + packaging_bytes(plan.parts[index], plan.sizes)
 
 
-def pool_width(plan, requested: int | None = None, cores: int | None = None) -> tuple[int, str]:
+def pool_width(plan, requested: int | None = None, cores: int | None = None, beside: int = 0) -> tuple[int, str]:
     """How many jobs run at once, and why: ``requested`` (``build --jobs``; default the cores), no more than the jobs,
-    and no more than ``target.max_host_memory_gb`` holds beside the build process's base at the largest job's peak
-    (at least one)."""
+    and no more than ``target.max_host_memory_gb`` holds beside the build process's base (and ``beside`` bytes more
+    it holds while the pool runs: the drafter stage's, ``plan.drafter_stage_bytes``) at the largest job's peak (at
+    least one)."""
     jobs = len(plan.parts) * len(plan.recipe.backends)
     cores = cores or os.cpu_count() or 1
-    room = plan.recipe.target.max_host_memory_gb * GB - BASE_BYTES
+    room = plan.recipe.target.max_host_memory_gb * GB - BASE_BYTES - beside
     peak = max(job_bytes(plan, i) for i in range(len(plan.parts)))
     memory = max(1, int(room // peak))
     width = max(1, min(requested or cores, jobs, memory))
     asked = f"--jobs {requested}" if requested else f"{cores} cores"
+    held = f" and the drafter stage's {beside / GB:.1f} GB" if beside else ""
     return width, (f"{asked}; host memory: {memory} of the largest job's {peak / GB:.1f} GB within "
-                   f"target.max_host_memory_gb {plan.recipe.target.max_host_memory_gb:g} beside the build process")
+                   f"target.max_host_memory_gb {plan.recipe.target.max_host_memory_gb:g} beside the build process"
+                   f"{held}")
 
 
 def jobs_of(plan) -> list[Job]:
@@ -81,10 +85,12 @@ def jobs_of(plan) -> list[Job]:
 
 
 def package_jobs(plan, result: QuantizeResult | None, scales: rescale.Scales, out: Path, cache: BuildCache,
-                 calls: list[list], width: int, why: str, fresh_each: bool = True) -> dict[tuple[int, str], Done]:
+                 calls: list[list], width: int, why: str, fresh_each: bool = True,
+                 stop: threading.Event | None = None) -> dict[tuple[int, str], Done]:
     """Every job (``jobs_of``) in a pool ``width`` wide, each part's check replaying its ``calls``; by (part index,
     format). ``fresh_each``: a fresh process for every job (what one leaves in memory does not add to the next; a
-    large target's), else each pool process runs jobs one after the other (its imports once)."""
+    large target's), else each pool process runs jobs one after the other (its imports once). ``stop``: see
+    ``in_fresh_processes`` (the pool run beside the drafter stage, ``processes.InBackground``)."""
     jobs = jobs_of(plan)
     arguments = [(plan, result, scales, job, out, cache, calls[job.index], len(jobs)) for job in jobs]
     live, progress.live = progress.live, False  # several processes print: plain stage lines, no spinners
@@ -92,7 +98,8 @@ def package_jobs(plan, result: QuantizeResult | None, scales: rescale.Scales, ou
         with stage(f"package {len(jobs)} jobs ({len(plan.parts)} parts x {len(plan.recipe.backends)} formats), "
                    f"{width} at once ({why})"):
             done = in_fresh_processes(package_job, arguments, [job.name for job in jobs], width,
-                                      _ThreadsEach(max(1, (os.cpu_count() or 1) // width)), one_each=fresh_each)
+                                      _ThreadsEach(max(1, (os.cpu_count() or 1) // width)), one_each=fresh_each,
+                                      stop=stop)
     finally:
         progress.live = live
     return {(job.index, job.format): d for job, d in zip(jobs, done, strict=True)}

@@ -296,7 +296,8 @@ def time_lines(plan: Plan) -> list[str]:
     if plan.recipe.drafter is not None:
         packages = _hours(drafter_packaging_seconds(plan))
         lines.append("    drafter stages (calibration, quantize, acceptance A/B): not measured at this size; its "
-                     f"packages (the check's calls, {len(plan.recipe.backends)} formats): {packages} | not measured")
+                     f"packages (the check's calls, {len(plan.recipe.backends)} formats): {packages} | not measured "
+                     "(its torch phases beside the target's packaging pool)")
     return lines
 
 

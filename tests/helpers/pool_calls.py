@@ -18,3 +18,13 @@ def refuse_or_mark(name: str, marker: str) -> None:
     if name == "head":
         raise InputError(f"{name}: refused")
     Path(marker, name).write_text(name)
+
+
+def held(seconds: float, folder: str, name: str) -> None:
+    """Sleeps holding ``folder/name`` (a temporary of its own, removed as a ``with`` block would on the way out)."""
+    temporary = Path(folder, name)
+    temporary.mkdir()
+    try:
+        time.sleep(seconds)
+    finally:
+        temporary.rmdir()
