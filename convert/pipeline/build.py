@@ -66,7 +66,7 @@ class BuiltTarget:
     first call waits for it), and (when a drafter needs them) the whole modules as shipped, with, for a parted
     target, a loader of their decoder layers again (None: the modules' own)."""
 
-    files: list
+    source_files: list
     finished: Callable[[], Manifest]
     modules: TargetModules | None
     reload_layers: Callable[[], nn.ModuleList] | None = None
@@ -177,7 +177,7 @@ def build(plan: Plan, cache: BuildCache | None = None, strict: bool = False) -> 
         manifests = []
         if plan.drafter:
             progress.phase("drafter")
-            drafter_manifest = build_drafter(plan, built.modules, built.files, built.finished, target_dir,
+            drafter_manifest = build_drafter(plan, built.modules, built.source_files, built.finished, target_dir,
                                              tmp / "drafter", cache, built.reload_layers)
             manifests.append(drafter_manifest)
         manifest = built.finished()
