@@ -156,6 +156,7 @@ def test_every_recipe_dry_runs_without_downloading_a_weight(hub, tmp_path):
         assert "build the target alone" in summary
         assert "quantize (lut4-gptq): 92.5 h | 17 min" in summary  # COST_MODEL's rates at 27B
         assert "gate (16 x 256 tokens): 3.1 h | the reference under a minute, the candidate 6 min (one H100" in summary
+        assert "; its device pass (1 window in the device's arithmetic): not measured at this size" in summary
         assert "packaging (14 parts x 2 formats): 3.6 h | 30 min (the parts' check calls on the GPU, then 8" in summary
         assert "range (1 x 256 tokens): not measured | 2 min (one H100; on its 16 CPU cores: 7 min)" in summary
     assert "not measured at this size; its packages (the check's calls, 2 formats): 60 min | not measured" in \

@@ -286,9 +286,12 @@ def time_lines(plan: Plan) -> list[str]:
                      f"{_hours(range_seconds(plan, RANGE_SECONDS_GPU))} (one H100; on its 16 CPU cores: "
                      f"{_hours(range_seconds(plan, RANGE_SECONDS_16_CORES))})")
     gate, packaging = cpu["gate"], cpu["packaging"]
+    windows = target.gate.device_samples
     lines.append(f"    gate ({data.samples} x {data.length} tokens): {_hours(gate)} | the reference "
                  f"{_hours(GATE_REFERENCE_GPU_SECONDS * gate_scale(plan))}, the candidate "
-                 f"{_hours(GATE_CANDIDATE_GPU_SECONDS * gate_scale(plan))} (one H100, --device cuda)")
+                 f"{_hours(GATE_CANDIDATE_GPU_SECONDS * gate_scale(plan))} (one H100, --device cuda); its device "
+                 f"pass ({windows} window{'s' if windows > 1 else ''} in the device's arithmetic): not measured at "
+                 "this size")
     lines.append(f"    packaging ({len(plan.parts)} part{'s' if len(plan.parts) > 1 else ''} x "
                  f"{len(plan.recipe.backends)} formats): {_hours(packaging)} | "
                  f"{_hours(gpu_packaging_seconds(plan))} (the parts' check calls on the GPU, then 8 jobs at once "
