@@ -457,8 +457,9 @@ def test_the_release_pairs_shape_builds_on_a_tiny_pack(written, tmp_path, monkey
 def test_the_target_pool_beside_the_drafter_stage_gives_the_sequential_bundle(written, tmp_path, monkeypatch):
     """The release pair's shape in parts, its target's packaging pool (``--jobs 2``) run in the background while the
     drafter stage computes (``build._overlaps``: by default where that stage runs on an accelerator; here on the CPU):
-    the drafter stage began before the pool was done and the target's manifest was made after it began; the bundle,
-    both manifests included, is the build one part after the other's, byte for byte but the run-to-run files."""
+    the drafter stage began before the pool was done, its packages were made one format after the other in the build
+    process (no fork beside the pool's thread), and the target's manifest was made after both; the bundle, both
+    manifests included, is the build one part after the other's, byte for byte but the run-to-run files."""
     import time
 
     from convert.pipeline import build, drafter_build
@@ -473,6 +474,13 @@ def test_the_target_pool_beside_the_drafter_stage_gives_the_sequential_bundle(wr
     monkeypatch.setattr(build, "_check_part_size", lambda entry, max_part_mb: None)
     times: dict[str, list[float]] = {"drafter stage": [], "pool done": [], "target manifest": []}
     jobs, stage_copy, finish_target = build.package_jobs, drafter_build.stage_copy, build._finish_target
+    formats, side_by_side = drafter_build.package_formats, []
+
+    def spy_formats(*args, **kwargs):
+        side_by_side.append(kwargs.get("side_by_side"))
+        return formats(*args, **kwargs)
+
+    monkeypatch.setattr(drafter_build, "package_formats", spy_formats)
 
     def timed(name, function):
         def call(*args, **kwargs):
@@ -489,12 +497,14 @@ def test_the_target_pool_beside_the_drafter_stage_gives_the_sequential_bundle(wr
     assert beside.exit_code == 0, beside.output
     assert len(times["pool done"]) == 1 and len(times["target manifest"]) == 1
     assert times["drafter stage"][0] < times["pool done"][0] < times["target manifest"][0]
+    assert side_by_side == [False]
     monkeypatch.setattr(build, "_overlaps", lambda plan: False)
     for found in times.values():
         found.clear()
     sequential = CliRunner().invoke(main, ["build", str(recipe), "-o", str(tmp_path / "sequential"), "--jobs", "1"])
     assert sequential.exit_code == 0, sequential.output
     assert times["pool done"] == [] and times["target manifest"][0] < times["drafter stage"][0]
+    assert side_by_side == [False, True]
     assert files(tmp_path / "beside") == files(tmp_path / "sequential")
     assert sum(v != "varies" for v in files(tmp_path / "beside").values()) > 20
     for half in ("target", "drafter"):

@@ -70,6 +70,7 @@ class BuiltTarget:
     finished: Callable[[], Manifest]
     modules: TargetModules | None
     reload_layers: Callable[[], nn.ModuleList] | None = None
+    pool_beside: bool = False  # the target's packaging pool still runs (in a thread) until ``finished`` is called
 
 
 def _made(value):
@@ -178,7 +179,8 @@ def build(plan: Plan, cache: BuildCache | None = None, strict: bool = False) -> 
         if plan.drafter:
             progress.phase("drafter")
             drafter_manifest = build_drafter(plan, built.modules, built.source_files, built.finished, target_dir,
-                                             tmp / "drafter", cache, built.reload_layers)
+                                             tmp / "drafter", cache, built.reload_layers,
+                                             side_by_side=not built.pool_beside)
             manifests.append(drafter_manifest)
         manifest = built.finished()
         manifests.insert(0, manifest)
@@ -331,7 +333,8 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, 
     report = gate(plan, cache, source_files, gated, failed_report)
     progress.phase("packages")
     loader = PartLoader(plan, result, scales)
-    packaged = _package_parts(plan, loader, out, cache, report, failed_report, stack if _overlaps(plan) else None)
+    packaged, pool_beside = _package_parts(plan, loader, out, cache, report, failed_report,
+                                           stack if _overlaps(plan) else None)
 
     def finish() -> Manifest:
         packages, parts = packaged()
@@ -345,7 +348,7 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, 
         return _finish_target(plan, out, source_files, tables, packages, parts, quantization, report)
 
     finished = functools.cache(finish)  # made once: the drafter stage's call and the build's
-    if not _overlaps(plan):
+    if not pool_beside:
         finished()  # before the drafter stage loads the target: the tables are let go first
     if not plan.drafter:
         return BuiltTarget(source_files, finished, None)
@@ -355,7 +358,7 @@ def _build_parts(plan: Plan, out: Path, failed_report: Path, cache: BuildCache, 
 
     with stage("load the whole target for the drafter stage, its quantized weights as packed codes"):
         whole = lean_whole()
-    return BuiltTarget(source_files, finished, whole, lambda: lean_whole().core.layers)
+    return BuiltTarget(source_files, finished, whole, lambda: lean_whole().core.layers, pool_beside)
 
 
 def _overlaps(plan: Plan) -> bool:
@@ -408,7 +411,7 @@ def tables_part(args) -> Part:
 
 
 def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache, report: GateReport, failed_report: Path,
-                   beside: ExitStack | None = None) -> Callable[[], tuple[list[dict], list[dict]]]:
+                   beside: ExitStack | None = None) -> tuple[Callable[[], tuple[list[dict], list[dict]]], bool]:
     """Package, check and compile each part (``convert/pipeline/partition.py``), no package over
     ``target.max_part_mb``, each part's check replaying the calls it made in the chained torch parts. The Core AI
     checks are the artifact gate: the parts chained on the runtime in lockstep with the torch parts, or, above
@@ -419,7 +422,7 @@ def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache, report: Gat
     ``CHAINED_RUN_PARAMETERS`` each part loaded, recorded and packaged alone in a fresh process (``_package_part``).
     ``beside``: the pool runs in the background (``processes.InBackground``, stopped by this stack when the build
     fails first), at a width that leaves room for the drafter stage. Returns a function that gives the package
-    entries and the manifest's parts (waiting for the pool)."""
+    entries and the manifest's parts (waiting for the pool), and whether the pool runs in the background."""
     target, parts = plan.recipe.target, plan.parts
     short = plan.parameter_count > CHAINED_RUN_PARAMETERS
     # by default a pool only above CHAINED_RUN_PARAMETERS: below, a part packages in seconds, about what a pool
@@ -445,7 +448,7 @@ def _package_parts(plan: Plan, loader, out: Path, cache: BuildCache, report: Gat
             report.artifact = _held_to_reference(plan, result, loader.outline, report, failed_report)
         return packages, [record for _, record, _ in results]
 
-    return packaged
+    return packaged, width > 1 and beside is not None
 
 
 def _recorded(plan: Plan, loader: PartLoader, short: bool) -> tuple[list | None, list[list]]:

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from convert import cache as build_cache
-from convert import progress
 from convert.errors import GateError
 from convert.export.functions import compute_copy
 from convert.export.quantized import packaged_from_codes
@@ -276,13 +275,15 @@ def format_ab(ab: dict) -> str:
 
 
 def build_drafter(plan, target: TargetModules, target_files: list, target_manifest: Callable[[], Manifest],
-                  target_dir: Path, out: Path, cache=None, reload_layers: Callable[[], torch.nn.Module] | None = None):
+                  target_dir: Path, out: Path, cache=None, reload_layers: Callable[[], torch.nn.Module] | None = None,
+                  side_by_side: bool = True):
     """The drafter's bundle in ``out``: its modules quantized as the recipe says, acceptance measured, packages (from
     the build ``cache`` when given: their keys hold the calls their check replays) and manifest. ``target_files``: the
     target's source files (the drafter's cache keys hold them); ``target_manifest``: the target's manifest, asked for
-    once the drafter's torch phases are done and its check's calls recorded (where the target's packaging pool runs
-    beside this stage, ``build._overlaps``, it waits for the pool there: the drafter's packages start after the
-    target's). ``target`` is spent:
+    once the drafter's packages are made (where the target's packaging pool runs beside this stage,
+    ``build._overlaps``, it waits for the pool there: the drafter's packages are made while the pool still runs, one
+    format after the other in this process, ``side_by_side`` False, as no process forks beside the pool's thread).
+    ``target`` is spent:
     once the drafter's check calls are recorded, its decoder layers are dropped (at 27B, 7.5 GB of codes the
     packaging does not read; the tables the drafter borrows are its own layers by then). ``reload_layers``: see
     ``shipped_drafter``."""
@@ -310,14 +311,12 @@ def build_drafter(plan, target: TargetModules, target_files: list, target_manife
     calls = packaged_calls(plan, target, modules, held_out)
     del fp16_modules  # the A/B's reference (the drafter's fp16 weights) is not packaged
     target.core.layers = torch.nn.ModuleList()
-    made = target_manifest()
-    progress.phase("drafter")  # again, where the target's manifest was made after this stage began
     packages = []
     stem = package_stem(dplan)
-
-    for done in package_formats(plan.recipe.backends, modules, out, stem, calls, cache):
+    for done in package_formats(plan.recipe.backends, modules, out, stem, calls, cache, side_by_side=side_by_side):
         packages.append(package_entry(done.format, done.path, out, done.check, done.compiled))
     extra_files = _write_extras(dplan, modules, out)
+    made = target_manifest()  # where the target's pool runs beside this stage, it ends here
     manifest = _manifest(plan, source_files, modules, made, target_dir, packages, extra_files,
                          quantization, acceptance, ab)
     (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
