@@ -21,9 +21,10 @@ $(VENV)/.bench: pyproject.toml $(BIN)/spec-convert
 demo: install
 	$(BIN)/spec-convert demo
 
-# a worker per core (pytest-xdist), each module's tests on one worker so its fixtures are built once
+# a worker per core (pytest-xdist), each module's tests on one worker so its fixtures are built once, the longest
+# modules handed out first (tests/conftest.py LONGEST_FIRST)
 test: install
-	$(BIN)/python -m pytest -q -n auto --dist loadfile
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 test-heavy: install
 	$(BIN)/python -m pytest -q -m heavy
