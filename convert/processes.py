@@ -92,7 +92,7 @@ def _end(pool: ProcessPoolExecutor, running: set) -> None:
 class InBackground:
     """``function(*args, stop=event)`` (``in_fresh_processes`` underneath, which honours ``stop``) in a thread beside
     this one: ``result`` waits for it and returns its value or raises its error; ``stop`` sets its event and waits for
-    the thread to end (its pool's processes killed; no error of its own raised), a no-op once it has ended."""
+    the thread to end (its pool's running calls ended, ``_end``; no error of its own raised); a no-op once ended."""
 
     def __init__(self, function: Callable[..., T], *args):
         self._stop, self._value, self._error = threading.Event(), None, None
