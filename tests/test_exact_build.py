@@ -394,6 +394,17 @@ def pair_recipe(path: Path, pack: Path, drafter: Path, **target_fields) -> Path:
                         drafter=tiny_dflash2(drafter, mask_scale=0.7, quantization=calibrated))
 
 
+def tiny_pair(written: Path, tmp_path: Path, **target_fields) -> Path:
+    """``pair_recipe`` over the tiny pack at ``tmp_path / "pair.yaml"``, with its tiny DFlash2 drafter (tapping layers
+    0 and 1, a selector) written at ``tmp_path / "drafter"``."""
+    from tests.helpers.dflash2_checkpoints import tiny_config, write_drafter
+
+    draft = {"target_layer_ids": [0, 1], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
+             "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
+    write_drafter(tmp_path / "drafter", config=tiny_config(hidden_size=128, vocab_size=320, dflash_config=draft))
+    return pair_recipe(tmp_path / "pair.yaml", written / "pack", tmp_path / "drafter", **target_fields)
+
+
 @pytest.mark.heavy  # minutes on 2 cores: `make test-heavy` (the suite's 15-minute budget, docs/development.md)
 def test_the_release_pairs_shape_builds_on_a_tiny_pack(written, tmp_path, monkeypatch):
     """The Bonsai release recipe's shape at a tiny size: an exact pack's target in parts with a DFlash2 drafter
@@ -405,12 +416,8 @@ def test_the_release_pairs_shape_builds_on_a_tiny_pack(written, tmp_path, monkey
     from convert.pipeline import build, drafter_build
     from convert.pipeline.drafter_build import build_drafter, package_formats
     from manifests import identity
-    from tests.helpers.dflash2_checkpoints import tiny_config, write_drafter
 
-    draft = {"target_layer_ids": [0, 1], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
-             "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
-    write_drafter(tmp_path / "drafter", config=tiny_config(hidden_size=128, vocab_size=320, dflash_config=draft))
-    recipe = pair_recipe(tmp_path / "pair.yaml", written / "pack", tmp_path / "drafter", max_part_mb=0.06)
+    recipe = tiny_pair(written, tmp_path, max_part_mb=0.06)
     # a tiny pack's packages are mostly their fixed overhead (0.2 MB each), over any limit that parts its 118 KB of
     # weights: the size check is not what this test is about
     monkeypatch.setattr(build, "_check_part_size", lambda entry, max_part_mb: None)
@@ -464,13 +471,9 @@ def test_the_target_pool_beside_the_drafter_stage_gives_the_sequential_bundle(wr
 
     from convert.pipeline import build, drafter_build
     from tests.helpers.bundle_files import comparable_manifest, files
-    from tests.helpers.dflash2_checkpoints import tiny_config, write_drafter
 
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
-    draft = {"target_layer_ids": [0, 1], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
-             "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
-    write_drafter(tmp_path / "drafter", config=tiny_config(hidden_size=128, vocab_size=320, dflash_config=draft))
-    recipe = pair_recipe(tmp_path / "pair.yaml", written / "pack", tmp_path / "drafter", max_part_mb=0.06)
+    recipe = tiny_pair(written, tmp_path, max_part_mb=0.06)
     monkeypatch.setattr(build, "_check_part_size", lambda entry, max_part_mb: None)
     times: dict[str, list[float]] = {"drafter stage": [], "pool done": [], "target manifest": []}
     jobs, stage_copy, finish_target = build.package_jobs, drafter_build.stage_copy, build._finish_target
@@ -522,12 +525,8 @@ def test_a_drafter_stage_that_fails_beside_the_pool_stops_it_and_publishes_nothi
 
     from convert.errors import GateError
     from convert.pipeline import build, drafter_build
-    from tests.helpers.dflash2_checkpoints import tiny_config, write_drafter
 
-    draft = {"target_layer_ids": [0, 1], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
-             "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
-    write_drafter(tmp_path / "drafter", config=tiny_config(hidden_size=128, vocab_size=320, dflash_config=draft))
-    recipe = pair_recipe(tmp_path / "pair.yaml", written / "pack", tmp_path / "drafter", max_part_mb=0.06)
+    recipe = tiny_pair(written, tmp_path, max_part_mb=0.06)
     monkeypatch.setattr(build, "_check_part_size", lambda entry, max_part_mb: None)
     monkeypatch.setattr(build, "_overlaps", lambda plan: True)
 
@@ -559,12 +558,8 @@ def test_a_lean_target_gives_the_drafter_stage_the_dense_targets_results(written
     from convert.pipeline.build import exact_result, shipped_modules
     from convert.pipeline.plan import make_plan
     from convert.weights.shipped import PartLoader
-    from tests.helpers.dflash2_checkpoints import tiny_config, write_drafter
 
-    draft = {"target_layer_ids": [0, 1], "block_size": 8, "mask_token_id": 3, "conv_kernel_size": 2,
-             "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}
-    write_drafter(tmp_path / "drafter", config=tiny_config(hidden_size=128, vocab_size=320, dflash_config=draft))
-    pair_recipe(tmp_path / "pair.yaml", written / "pack", tmp_path / "drafter")
+    tiny_pair(written, tmp_path)
     plan = make_plan(tmp_path / "pair.yaml", cache_root=tmp_path / "cache")
     dense, _ = shipped_modules(plan)
     lean = PartLoader(plan, exact_result(plan)).load([Part.whole(plan.args)], lean=True)[0]

@@ -1,6 +1,6 @@
 """Stages in a fresh process (convert/processes.py): the result and the stage's own errors come back; a process that
 dies is named, not hung on; a pool of them returns its results in the order of its calls and names the call that
-failed; a pool driven from a thread (``InBackground``) returns or raises there and, stopped, kills its processes
+failed; a pool driven from a thread (``InBackground``) returns or raises there and, stopped, ends its running calls
 within seconds; and the parted build with every stage in a process of its own gives the bundle of the build in one
 process."""
 
@@ -101,7 +101,7 @@ def test_a_pool_stopped_ends_its_running_calls_and_starts_no_more(tmp_path):
     deadline = time.time() + 60
     while len(list(tmp_path.iterdir())) < 2 and time.time() < deadline:
         time.sleep(0.2)
-    children = multiprocessing_children()
+    children = _children()
     assert len(children) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["call-0", "call-1"]
     running.stop()
     assert time.time() - started < 30 + processes.STOP_POLL_SECONDS
@@ -114,7 +114,7 @@ def test_a_pool_stopped_ends_its_running_calls_and_starts_no_more(tmp_path):
         _pooled(60.0, 3, stop)
 
 
-def multiprocessing_children() -> list[int]:
+def _children() -> list[int]:
     """The pids of this process's spawned workers (not the resource tracker)."""
     import multiprocessing
 

@@ -175,16 +175,15 @@ def build(plan: Plan, cache: BuildCache | None = None, strict: bool = False) -> 
         target_dir = tmp / plan.target_dir.relative_to(plan.output)
         target_dir.mkdir(exist_ok=True)
         built = _build_target(plan, target_dir, failed_report, cache, stack)
-        manifests = []
         if plan.drafter:
             progress.phase("drafter")
             drafter_manifest = build_drafter(plan, built.modules, built.source_files, built.finished, target_dir,
                                              tmp / "drafter", cache, built.reload_layers,
                                              side_by_side=not built.pool_beside)
-            manifests.append(drafter_manifest)
-        manifest = built.finished()
-        manifests.insert(0, manifest)
+        manifest = built.finished()  # made by now wherever the drafter stage asked for it
+        manifests = [manifest]
         if plan.drafter:
+            manifests.append(drafter_manifest)
             progress.phase("pair check")
             with stage("check-pair: the drafter's binding against the target bundle"):
                 problems = identity.pair_mismatches(drafter_manifest, manifest, target_dir)
