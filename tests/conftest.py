@@ -18,7 +18,7 @@ def pytest_configure(config):
 # run with --durations, 2026-12-07). `make test` hands modules to its workers in collection order
 # (``--no-loadscope-reorder``; pytest-xdist's default orders them by their count of tests): started first, a long
 # module does not leave one worker running alone at the end.
-LONGEST_FIRST = ("test_build.py", "test_exact_build.py", "test_hybrid_build.py", "test_drafter_calibration.py",
+LONGEST_FIRST = ("test_build.py", "test_exact_build.py", "test_drafter_calibration.py",
                  "test_progress.py", "test_device_gate.py", "test_rescaled_pair.py", "test_fp16.py",
                  "test_verify_bundle.py", "test_ane_drafters.py")
 
