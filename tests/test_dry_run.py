@@ -159,8 +159,11 @@ def test_every_recipe_dry_runs_without_downloading_a_weight(hub, tmp_path):
         assert "; its device pass (1 window in the device's arithmetic): not measured at this size" in summary
         assert "packaging (14 parts x 2 formats): 3.6 h | 30 min (the parts' check calls on the GPU, then 8" in summary
         assert "range (1 x 256 tokens): not measured | 2 min (one H100; on its 16 CPU cores: 7 min)" in summary
-    assert "not measured at this size; its packages (the check's calls, 2 formats): 60 min | not measured" in \
+    assert "drafter packages (the check's calls, 2 formats): 60 min | not measured" in \
         outputs["dflash2_27b.yaml"]  # the 27B drafter's measured on 2 cores: 1,305.6 + 2,131.1 + 162.0 s
+    # its range over 64 tokens (156.5 s for 32), its calibration's 16 x (64 + 64) tokens (165.9 s for 2 x (64 + 32))
+    assert "not measured at this size | range 5 min, calibration 29 min (the seeded 27B DFlash2 pair on one H100), " \
+        "its GPTQ, acceptance and A/B not measured" in outputs["dflash2_27b.yaml"]
     summary = outputs["bonsai2_27b_dflash2.yaml"]
     assert "quantization exact" in summary and "would be refused" not in summary and "within budget" in summary
 

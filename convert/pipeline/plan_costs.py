@@ -121,6 +121,16 @@ DRAFTER_JOB_CPU_SECONDS = {"coreai": 2_131.1, "coreml": 162.0}
 DRAFTER_MEASURED_PARAMETERS = 1_924_404_480
 
 
+# The drafter stage's torch phases on one H100 at full size (bench/gpu_stages.py --stage drafter --drafter-prompts 2,
+# the seeded Bonsai 27B pair, docs/lab/2026-12-08-the-drafter-stage-on-an-h100.md): the range over speculative
+# decoding of 32 tokens in 156.5 s, the GPTQ calibration's speculative decoding of 2 prompts of 64 ids, 32 generated,
+# in 165.9 s; (seconds, tokens: generated for the range, prompt and generated for the calibration), scaled by the
+# target's parameters and the recipe's tokens. With the seeded drafter's acceptance, not a trained one's. Its GPTQ,
+# acceptance and A/B were not measured there.
+DRAFTER_RANGE_GPU = (156.5, 32)
+DRAFTER_CALIBRATION_GPU = (165.9, 2 * (64 + 32))
+
+
 CPU_MACHINE = "2 CPU cores"  # COST_MODEL's name of the CPU machine the rates were measured on
 
 
@@ -166,6 +176,22 @@ def drafter_packaging_seconds(plan) -> float:
     """The drafter's packages on the 2-core machine: its check's calls, then its (format) jobs, by its parameters."""
     return (DRAFTER_CALLS_CPU_SECONDS + sum(DRAFTER_JOB_CPU_SECONDS[name] for name in plan.recipe.backends)) * \
         plan.drafter.args.parameter_count / DRAFTER_MEASURED_PARAMETERS
+
+
+def drafter_gpu_seconds(plan) -> dict[str, float]:
+    """The drafter stage's torch phases measured on one H100 (``DRAFTER_RANGE_GPU``, ``DRAFTER_CALIBRATION_GPU``)
+    that this plan runs: its range where the target rescales, its GPTQ calibration for a ``-gptq`` method."""
+    config, scale = plan.drafter.config, plan.args.parameter_count / GATE_MEASURED_PARAMETERS
+    seconds = {}
+    if plan.recipe.target.rescale:
+        measured, tokens = DRAFTER_RANGE_GPU
+        seconds["range"] = measured * scale * config.accept.tokens / tokens
+    calibration = config.quantization.calibration
+    if config.quantization.method.endswith("-gptq"):
+        measured, tokens = DRAFTER_CALIBRATION_GPU
+        seconds["calibration"] = measured * scale * calibration.samples * (calibration.length + calibration.tokens) / \
+            tokens
+    return seconds
 
 
 def range_seconds(plan, measured: float) -> float:

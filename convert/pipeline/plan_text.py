@@ -44,6 +44,7 @@ from convert.pipeline.plan_costs import (
     RANGE_SECONDS_16_CORES,
     RANGE_SECONDS_GPU,
     cpu_seconds,
+    drafter_gpu_seconds,
     drafter_packaging_seconds,
     drafter_stage_parts,
     gate_scale,
@@ -298,9 +299,13 @@ def time_lines(plan: Plan) -> list[str]:
                  "on 16 cores; the converters run on the CPU)")
     if plan.recipe.drafter is not None:
         packages = _hours(drafter_packaging_seconds(plan))
-        lines.append("    drafter stages (calibration, quantize, acceptance A/B): not measured at this size; its "
-                     f"packages (the check's calls, {len(plan.recipe.backends)} formats): {packages} | not measured "
-                     "(its torch phases beside the target's packaging pool)")
+        measured = ", ".join(f"{name} {_hours(seconds)}" for name, seconds in drafter_gpu_seconds(plan).items())
+        if measured:
+            measured += " (the seeded 27B DFlash2 pair on one H100), "
+        lines.append("    drafter stages (calibration, quantize, acceptance A/B): not measured at this size | "
+                     f"{measured}its GPTQ, acceptance and A/B not measured")
+        lines.append(f"    drafter packages (the check's calls, {len(plan.recipe.backends)} formats): {packages} | not "
+                     "measured (after its torch phases, beside the target's packaging pool)")
     return lines
 
 
