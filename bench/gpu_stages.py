@@ -66,20 +66,67 @@ STAGES = ("gate", "calls", "package", "drafter", "drafter-package", "drafter-dev
 
 
 class Phases:
-    """Seconds and peaks of each named phase, printed as each ends."""
+    """Seconds and peaks of each named phase, printed as each ends; with the target's calls counted
+    (``TargetCalls``), the calls the phase made."""
 
-    def __init__(self, device: torch.device, no_range: bool = False):
-        self.device, self.rows, self.no_range = device, {}, no_range
+    def __init__(self, device: torch.device, no_range: bool = False, calls: TargetCalls | None = None):
+        self.device, self.rows, self.no_range, self.calls = device, {}, no_range, calls
 
     def run(self, name: str, compute):
         from convert.torch_device import synchronize
 
-        start = time.perf_counter()
+        start, made = time.perf_counter(), self.calls.made if self.calls else 0
         value = compute()
         synchronize(self.device)
         self.rows[name] = {"seconds": round(time.perf_counter() - start, 1), "gpu_peak_gib": _peak_gib(self.device),
                            "host_peak_gib": round(_status(os.getpid())["VmHWM"] / 2**30, 2)}
+        if self.calls:
+            self.rows[name]["target_calls"] = self.calls.made - made
         print(name, self.rows[name], flush=True)
+        return value
+
+
+class TargetCalls:
+    """Counts every target call (``TargetModules.call``, all functions) from its installation on, and profiles calls
+    ``skip + 1 .. skip + profiled`` (``torch.profiler``, the GPU's kernels too): each one's seconds and rows, then its
+    operators by their own time on the device (the CPU's without one), printed as it ends. ``rows`` keeps the
+    profiled calls' (function, rows, seconds, the operators' top rows)."""
+
+    def __init__(self, device: torch.device, profiled: int = 0, skip: int = 2, top: int = 15):
+        from convert.weights.target import TargetModules
+
+        self.device, self.profiled, self.skip, self.top = device, profiled, skip, top
+        self.made, self.rows = 0, []
+        original = TargetModules.call
+
+        def call(modules, name, *args, **kwargs):
+            self.made += 1
+            if not self.skip < self.made <= self.skip + self.profiled:
+                return original(modules, name, *args, **kwargs)
+            return self._profiled(functools.partial(original, modules, name, *args, **kwargs), name, args, kwargs)
+
+        TargetModules.call = call
+
+    def _profiled(self, compute, name: str, args, kwargs):
+        from torch.profiler import ProfilerActivity, profile
+
+        from convert.torch_device import synchronize
+
+        on_gpu = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
+        synchronize(self.device)
+        with profile(activities=activities) as profiler:
+            start = time.perf_counter()
+            value = compute()
+            synchronize(self.device)
+            seconds = time.perf_counter() - start
+        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("hidden_states"))
+        rows = None if ids is None else int(ids.shape[1])
+        key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+        table = profiler.key_averages().table(sort_by=key, row_limit=self.top)
+        print(f"target call {self.made} ({name}, {rows} rows): {seconds:.3f} s\n{table}", flush=True)
+        self.rows.append({"call": self.made, "function": name, "rows": rows, "seconds": round(seconds, 4),
+                          "operators": table.splitlines()[: self.top + 4]})
         return value
 
 
@@ -376,7 +423,9 @@ def main() -> None:
     parser.add_argument("--gate-pass", choices=GATE_PASSES, default="all",
                         help="one pass of the gate to time, the gate stopped after it (default: all, and the verdict)")
     parser.add_argument("--no-range", action="store_true",
-                        help="skip the range stage, its scales the identity (what it measures on the seeded pack)")
+                        help="skip the range stage, its scales the identity (what it measures on the seeded pack); in "
+                             "a drafter stage the drafter's range too (x 1/1 on the seeded pair, 156.5 s on an H100: "
+                             "docs/lab/2026-12-08-the-drafter-stage-on-an-h100.md)")
     parser.add_argument("--drafter-layers", type=int, default=None,
                         help="a drafter of N layers at the published width tapping the pack's first --layers (default: "
                              "the published 5 layers, which tap layer 61 and need all 64)")
@@ -386,6 +435,9 @@ def main() -> None:
     parser.add_argument("--check-bound", type=float, default=None,
                         help="the package checks' fp16 output bound for this run (default the build's, "
                              "checks.FP16_OUTPUT_BOUND): to time a whole check of a seeded checkpoint above it")
+    parser.add_argument("--profile-target-calls", type=int, default=0, metavar="N",
+                        help="a drafter stage's target calls 3 .. N + 2 profiled (torch.profiler: each call's seconds "
+                             "and its operators by their time on the device); every phase counts its target calls")
     options = parser.parse_args()
 
     from bench import release_rehearsal as seeded
@@ -406,7 +458,8 @@ def main() -> None:
     device = resolve(options.device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    phases = Phases(device, options.no_range)
+    calls = TargetCalls(device, options.profile_target_calls) if options.stage.startswith("drafter") else None
+    phases = Phases(device, options.no_range, calls)
     result: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
                     "device": describe(device), "stage": options.stage, "phases": phases.rows}
     if options.check_bound is not None:
@@ -436,6 +489,8 @@ def main() -> None:
         recipe.pop("drafter", None)  # the target's stages: the drafter's checkpoint is not written
     elif options.calibration_samples:
         recipe["drafter"]["quantization"]["calibration"] = {"samples": options.calibration_samples}
+    if with_drafter and options.no_range:
+        recipe["target"]["rescale"] = False  # the drafter stage ranges the drafter where the target rescales
     if with_drafter and options.drafter_prompts:
         cut = {"samples": options.drafter_prompts, "length": 64, "tokens": 32}
         recipe["drafter"]["quantization"]["calibration"] = {"corpus": "fixture:validation", **cut}
@@ -458,6 +513,8 @@ def main() -> None:
               "package": functools.partial(package_stage, work=work),
               "drafter": drafter_stage, "drafter-package": functools.partial(drafter_package_stage, work=work),
               "drafter-devices": drafter_devices_stage}
+    if calls:
+        result["profiled_target_calls"] = calls.rows
     result["verdict"] = stages[options.stage](plan, phases)
     result["disk"] = {"hf_cache": seeded.du(cache), "build_cache": seeded.du(work / "cache")}
     print(result["verdict"], result["disk"], flush=True)
