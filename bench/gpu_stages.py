@@ -18,6 +18,8 @@ functions for ``--stage``:
   the files it keeps in ``--workdir`` (run it from one commit's copy, as ``bench/release_rehearsal.py`` says).
 - ``drafter``: the drafter stage's torch phases (``drafter_stage``); ``drafter-package``: the drafter's (format)
   jobs on the host's cores (``drafter_package_stage``).
+- ``target-calls``: the drafter stage's target calls alone, from its codes and from dense weights
+  (``target_calls_stage``), each call counted (``--profile-target-calls N`` profiles some).
 - ``drafter-devices``: the drafter stage's torch phases on the CPU, then on ``--device``, from one target, compared
   (``drafter_devices_stage``: GPTQ codes apart, lut4 tables, acceptance fields, verdicts). With ``--layers 2
   --drafter-layers 1`` it is the pair at the 27B width over two layers: a drafter of ``--drafter-layers`` at the
@@ -62,7 +64,7 @@ from bench.common import arguments, write_json
 from bench.scale_build import _status
 from bench.torch_device import _peak_gib
 
-STAGES = ("gate", "calls", "package", "drafter", "drafter-package", "drafter-devices")
+STAGES = ("gate", "calls", "package", "drafter", "drafter-package", "drafter-devices", "target-calls")
 
 
 class Phases:
@@ -293,6 +295,40 @@ def drafter_stage(plan, phases: Phases) -> dict:
     return verdict
 
 
+TARGET_CALL_TOKENS = 8
+"""``target-calls``: ids of plain greedy decoding timed each way (a prefill of 64 ids, then decode calls)."""
+
+
+def target_calls_stage(plan, phases: Phases) -> dict:
+    """The drafter stage's target calls alone: the whole target held as its codes, its fp32 stage copy on the device
+    (``drafter_build.stage_copy``'s, at 128 rows of context), plain greedy decoding of 64 ids (a prefill, then
+    ``TARGET_CALL_TOKENS - 1`` decode calls) timed computing from the codes, each ``CodesLinear`` dequantizing its
+    weight on every call as in the drafter stage, then again from fp32 weights laid out once on the device
+    (``export.quantized.dense_products``, as the gate's candidate computes a piece). Returns each way's seconds a
+    call and whether their ids agree. The dense weights take 4 bytes a parameter on the device (about 108 GB at
+    27B): use ``--layers`` on a smaller GPU."""
+    from convert.export.functions import compute_copy
+    from convert.export.quantized import dense_products
+    from convert.runtime.host import module_driver
+    from convert.weights.shipped import at_context
+
+    result, scales = shipped(plan, phases)
+    target = phases.run("load the whole target as its codes", lambda: whole_target(plan, result, scales))
+    prompt = list(range(1_000, 1_064))
+    context = plan.recipe.target.model_copy(update={"context": 128, "ladder": []})  # as drafter.stage_target's
+    target32 = phases.run("stage copy", lambda: compute_copy(at_context(target, plan.args, context), torch.float32,
+                                                             share_weights=True, device=plan.torch_device))
+    ids, seconds = {}, {}
+    for way in ("codes", "dense"):
+        if way == "dense":
+            phases.run("lay the weights out dense in fp32", lambda: dense_products(target32.core))
+        name = f"greedy from the {way}"
+        ids[way] = phases.run(name, lambda: module_driver(target32).greedy(prompt, TARGET_CALL_TOKENS)[0])
+        row = phases.rows[name]
+        seconds[way] = round(row["seconds"] / max(1, row.get("target_calls", 0)), 3)
+    return {"seconds_a_call": seconds, "ids_agree": ids["codes"] == ids["dense"]}
+
+
 ACCEPTANCE_FIELDS = ("tokens_per_round", "acceptance_by_position", "lossless", "near_ties", "rounds", "economics",
                      "ngram")
 
@@ -436,8 +472,9 @@ def main() -> None:
                         help="the package checks' fp16 output bound for this run (default the build's, "
                              "checks.FP16_OUTPUT_BOUND): to time a whole check of a seeded checkpoint above it")
     parser.add_argument("--profile-target-calls", type=int, default=0, metavar="N",
-                        help="a drafter stage's target calls 3 .. N + 2 profiled (torch.profiler: each call's seconds "
-                             "and its operators by their time on the device); every phase counts its target calls")
+                        help="a drafter (or target-calls) stage's target calls 3 .. N + 2 profiled (torch.profiler: "
+                             "each call's seconds and its operators by their time on the device); every phase counts "
+                             "its target calls")
     options = parser.parse_args()
 
     from bench import release_rehearsal as seeded
@@ -458,7 +495,8 @@ def main() -> None:
     device = resolve(options.device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    calls = TargetCalls(device, options.profile_target_calls) if options.stage.startswith("drafter") else None
+    counted = options.stage.startswith("drafter") or options.stage == "target-calls"
+    calls = TargetCalls(device, options.profile_target_calls) if counted else None
     phases = Phases(device, options.no_range, calls)
     result: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
                     "device": describe(device), "stage": options.stage, "phases": phases.rows}
@@ -512,7 +550,7 @@ def main() -> None:
     stages = {"gate": functools.partial(gate_stage, only=options.gate_pass), "calls": calls_stage,
               "package": functools.partial(package_stage, work=work),
               "drafter": drafter_stage, "drafter-package": functools.partial(drafter_package_stage, work=work),
-              "drafter-devices": drafter_devices_stage}
+              "drafter-devices": drafter_devices_stage, "target-calls": target_calls_stage}
     if calls:
         result["profiled_target_calls"] = calls.rows
     result["verdict"] = stages[options.stage](plan, phases)
