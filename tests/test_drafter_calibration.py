@@ -344,3 +344,38 @@ def test_the_drafter_stages_prompts_run_on_states_of_the_positions_they_reach(tm
         entry, owned = dict(target.functions)["verify_256"][1], target.contract["buffers"]
         assert costs["staged"]["bytes_per_call"]["target.verify"]["states"] == sum(
             math.prod(t.shape) * 2 for t in entry.inputs if t.name in owned)
+
+
+@pytest.mark.parametrize("room, held", [(4 * 4 * 256 * 256, [torch.float32] * 4),  # every weight in fp32
+                                        (2 * 2 * 256 * 256 + 100, [torch.float16] * 2 + [None] * 2),  # two in fp16
+                                        (0, [None] * 4)])  # none: all from their codes
+def test_on_an_accelerator_the_stage_copys_weights_are_dense_as_far_as_its_free_memory_holds_them(monkeypatch,
+                                                                                                    room, held):
+    """``dense_on_device``: the stage copy's quantized linears hold their weights dequantized once within the device's
+    free memory less ``DEVICE_HEADROOM_BYTES`` and the drafter's fp32 copy: all in fp32 where they fit, else in fp16
+    as many as fit (the rest from their codes); each way the fp32 calls compute the codes' outputs bit for bit (an
+    fp16 weight cast exactly)."""
+    from types import SimpleNamespace
+
+    from quant.types import QuantizedWeight
+
+    generator = torch.Generator().manual_seed(0)
+
+    def linear(i: int) -> CodesLinear:
+        shape, groups = (256, 256), (256, 256 // 32)
+        return CodesLinear(f"l{i}", QuantizedWeight(
+            "affine4", torch.randint(0, 16, shape, dtype=torch.uint8, generator=generator), 32,
+            scale=(torch.rand(groups, generator=generator) * 0.02).half(),
+            zero_point=torch.randint(0, 16, groups, dtype=torch.uint8, generator=generator)))
+
+    core = torch.nn.Sequential(*[linear(i) for i in range(4)]).float()
+    x = torch.randn(9, 256, generator=generator)
+    want = [m(x) for m in core]
+    drafter_params = 1000
+    plan = SimpleNamespace(torch_device=torch.device("cpu"),
+                           drafter=SimpleNamespace(args=SimpleNamespace(parameter_count=drafter_params)))
+    monkeypatch.setattr(drafter_build, "free_bytes",
+                        lambda _: drafter_build.DEVICE_HEADROOM_BYTES + 4 * drafter_params + room)
+    drafter_build.dense_on_device(plan, SimpleNamespace(core=core))
+    assert [m.__dict__.get("dense", SimpleNamespace(dtype=None)).dtype for m in core] == held
+    assert all(torch.equal(m(x), w) for m, w in zip(core, want, strict=True))

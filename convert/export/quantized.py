@@ -270,8 +270,8 @@ class CodesLinear(_SharedTensors):
         if self.rotation is not None:
             x = self.rotation(x)
         dense = self.__dict__.get("dense")
-        if dense is not None and dense.dtype == x.dtype:
-            return F.linear(x, dense, self.bias)
+        if dense is not None:  # laid out once (``dense_products``); another dtype's values are its exactly
+            return F.linear(x, dense if dense.dtype == x.dtype else dense.to(x.dtype), self.bias)
         return blocked_linear(self, x, self.row_blocks(), functools.partial(self.dense_rows, dtype=x.dtype), self.bias)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -295,18 +295,27 @@ class CodesLinear(_SharedTensors):
             t.nbytes for t in [*tables, *rotation, *bias])
 
 
-def dense_products(core: nn.Module) -> None:
+def dense_products(core: nn.Module, dtype: torch.dtype | None = None, budget: int | None = None) -> int:
     """Each quantized linear of ``core`` held as codes (``CodesLinear``, not an embedding) computes from its whole
-    weight dequantized once, in the dtype the core computes in (``dense_rows`` a block at a time: the values each
-    block's call takes), for as long as the module lives: a copy computing many calls on an accelerator,
-    whose memory holds a piece's dense weights beside the target's codes (the gate's candidate there,
-    ``verify/gates.py``). The codes stay; packaging never sees such a copy."""
+    weight dequantized once, in ``dtype`` (default the dtype the core computes in; ``dense_rows`` a block at a time:
+    the values each block's call takes), for as long as the module lives: a copy computing many calls on an
+    accelerator, whose memory holds a piece's dense weights beside the target's codes (the gate's candidate there,
+    ``verify/gates.py``; the drafter stage's target, ``pipeline/drafter_build.py``). Weights held in fp16 for an fp32
+    core are cast on each call (exactly: the fp16 weight's values). With ``budget`` (bytes), the linears whose weights
+    still fit it, in ``core``'s order; the rest compute from their codes. The codes stay; packaging never sees such
+    a copy. Returns the bytes laid out."""
+    laid = 0
     for module in core.modules():
         if isinstance(module, CodesLinear) and not module.embedding:
-            dense = torch.empty(module.shape, dtype=module.compute_dtype, device=module.words.device)
+            held = module.compute_dtype if dtype is None else dtype
+            size = module.shape[0] * module.shape[1] * held.itemsize
+            if budget is not None and laid + size > budget:
+                continue
+            dense = torch.empty(module.shape, dtype=held, device=module.words.device)
             for lo, hi in module.row_blocks():
-                dense[lo:hi] = module.dense_rows(lo, hi, module.compute_dtype)
-            module.dense = dense
+                dense[lo:hi] = module.dense_rows(lo, hi, held)
+            module.dense, laid = dense, laid + size
+    return laid
 
 
 def pack_codes(codes: torch.Tensor, bits: int, name: str = "weight") -> torch.Tensor:

@@ -26,7 +26,8 @@ import torch
 from convert import cache as build_cache
 from convert.errors import GateError
 from convert.export.functions import compute_copy
-from convert.export.quantized import packaged_from_codes
+from convert.export.hadamard import as_products
+from convert.export.quantized import CodesLinear, dense_products, packaged_from_codes
 from convert.inputs.sources import file_records, license_files
 from convert.pipeline import drafter, drafter_accept, drafter_calibration, drafter_memory
 from convert.pipeline.bundle import MANIFEST
@@ -36,7 +37,7 @@ from convert.progress import console, stage
 from convert.runtime.economics import format_economics, ngram_speedup
 from convert.runtime.host import ModuleFunctions
 from convert.runtime.speculative import paired_ab
-from convert.torch_device import cache_key
+from convert.torch_device import cache_key, free_bytes
 from convert.verify import gates
 from convert.weights.quantize import calibration_text
 from convert.weights.shipped import at_context
@@ -104,9 +105,39 @@ def stage_copy(plan, target: TargetModules) -> TargetModules:
     """The fp32 compute copy of the shipped ``target`` that the drafter stage runs its prompts on, on the build's
     torch device (on the CPU its weights shared; a GPU's copy is its own), its states (the ane layout: the host's
     buffers, made when it is driven) at the rows the stage reaches (``drafter.stage_target``), so a session holds
-    those rows, not the package's whole context."""
-    return compute_copy(at_context(target, plan.args, drafter.stage_target(plan.recipe)), torch.float32,
+    those rows, not the package's whole context. On an accelerator its weights are laid out dense where its memory
+    holds them (``dense_on_device``)."""
+    copy = compute_copy(at_context(target, plan.args, drafter.stage_target(plan.recipe)), torch.float32,
                         share_weights=True, device=plan.torch_device)
+    if plan.torch_device.type != "cpu":
+        dense_on_device(plan, copy)
+    return copy
+
+
+DEVICE_HEADROOM_BYTES = 24 * 10**9
+"""What the drafter stage keeps free on an accelerator beside its target's dense weights (``dense_on_device``), the
+drafter's fp32 copy counted apart: GPTQ's Hessians, the calls' activations, the codes' workspaces. A choice, not
+measured at 27B (on an H100's 80 GB: the target's codes 7 GB, its fp16 weights 54 GB)."""
+
+
+def dense_on_device(plan, target32: TargetModules) -> None:
+    """The stage copy's quantized linears on an accelerator compute from weights dequantized once
+    (``export.quantized.dense_products``), not from their codes on every call, within its free memory less
+    ``DEVICE_HEADROOM_BYTES`` and the drafter's fp32 copy: in fp32 where all fit, else in fp16 (cast on each call)
+    as many as fit; each Walsh-Hadamard rotation one product (``export.hadamard.as_products``), as the gate's
+    candidate computes there. On the CPU, whose memory the recipe's budget counts, the codes are dequantized a
+    block at a time on every call."""
+    linears = [m for m in target32.core.modules() if isinstance(m, CodesLinear) and not m.embedding]
+    if not linears:
+        return
+    budget = free_bytes(plan.torch_device) - DEVICE_HEADROOM_BYTES - 4 * plan.drafter.args.parameter_count
+    weights = sum(m.shape[0] * m.shape[1] for m in linears)
+    dtype = torch.float32 if 4 * weights <= budget else torch.float16
+    laid = dense_products(target32.core, dtype, max(0, budget))
+    as_products(target32.core)
+    console.print(f"  the target's weights on {plan.torch_device}: {laid / 1e9:.1f} GB dense in "
+                  f"{str(dtype).removeprefix('torch.')} ({laid / (dtype.itemsize * weights):.0%} of them), the rest "
+                  "from their codes on each call")
 
 
 def shipped_drafter(plan, target: TargetModules, target32: TargetModules,
