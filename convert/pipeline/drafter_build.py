@@ -130,6 +130,8 @@ def dense_on_device(plan, target32: TargetModules) -> None:
     linears = [m for m in target32.core.modules() if isinstance(m, CodesLinear) and not m.embedding]
     if not linears:
         return
+    if plan.torch_device.type == "cuda":
+        torch.cuda.empty_cache()  # what torch's allocator keeps of the phases before counts as free
     budget = free_bytes(plan.torch_device) - DEVICE_HEADROOM_BYTES - 4 * plan.drafter.args.parameter_count
     weights = sum(m.shape[0] * m.shape[1] for m in linears)
     dtype = torch.float32 if 4 * weights <= budget else torch.float16
